@@ -1,0 +1,105 @@
+"""The agent's settings: one typed object, one section per subsystem.
+
+Each field says how an operator sets it: its config-file key is the camelCase of the field name (snake_case is
+accepted too), `flag` is the command-line flag and `env` the environment variable. Precedence, lowest first:
+defaults, config file, environment, flags. Loading and validation live in `agent.config.load`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+CONFIG_VERSION = 1
+DEFAULT_RESOURCE_PREFIX = "gpu-node-agent.io"
+
+
+def setting(default: Any = None, *, help: str, flag: str | None = None, env: str | None = None,  # noqa: A002
+            factory: Any = None, choices: tuple[str, ...] | None = None, repeat: bool = False) -> Any:
+    """A dataclass field carrying its help text, flag, environment variable and allowed values."""
+    meta = {"help": help, "flag": flag, "env": env, "choices": choices, "repeat": repeat}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class TopologyConfig:
+    """Where the node's hardware model comes from."""
+
+    sysfs_root: str = setting("/sys", flag="--sysfs-root", env="GPU_NODE_AGENT_SYSFS_ROOT",
+                              help="root of the sysfs tree to read (a simulated tree in tests)")
+    topology_file: str | None = setting(
+        None, flag="--topology-file", env="GPU_NODE_AGENT_TOPOLOGY_FILE",
+        help="NCCL topology XML that gives the true PCIe tree (cloud VMs); sysfs still names RDMA devices and VFs")
+    simulate: str | None = setting(
+        None, flag="--simulate", env="GPU_NODE_AGENT_SIMULATE",
+        help="run on a built-in simulated node profile instead of the host (e.g. dgx-h100)")
+    rescan_interval_seconds: float = setting(
+        300.0, flag="--rescan-interval", env="GPU_NODE_AGENT_RESCAN_INTERVAL",
+        help="seconds between hardware rescans (SIGHUP rescans at once)")
+
+
+@dataclass
+class SelectorConfig:
+    """SR-IOV device-plugin style selectors; empty lists match everything."""
+
+    vendors: list[str] = setting(factory=list, help="PCI vendor ids, e.g. 15b3")
+    devices: list[str] = setting(factory=list, help="PCI device ids, e.g. 101e")
+    drivers: list[str] = setting(factory=list, help="bound kernel drivers, e.g. mlx5_core")
+    pf_names: list[str] = setting(factory=list, help="netdev names of the physical function")
+    link_types: list[str] = setting(factory=list, help="link types: infiniband or ether")
+    is_rdma: bool | None = setting(None, help="only RDMA-capable functions (true) or only non-RDMA (false)")
+
+
+@dataclass
+class PoolConfig:
+    """One extended resource served by the agent."""
+
+    resource_name: str = setting("", help="resource name without prefix, e.g. sriov_rdma")
+    resource_prefix: str | None = setting(None, help="resource prefix; the device plugin's default when empty")
+    selectors: SelectorConfig = setting(factory=SelectorConfig, help="which devices join this pool")
+
+
+def _default_pools() -> list[PoolConfig]:
+    return [PoolConfig(resource_name="sriov_rdma", selectors=SelectorConfig(is_rdma=True))]
+
+
+@dataclass
+class DevicePluginConfig:
+    """Kubelet device-plugin servers."""
+
+    enabled: bool = setting(True, flag="--device-plugin", env="GPU_NODE_AGENT_DEVICE_PLUGIN",
+                            help="serve the kubelet device-plugin API")
+    device_plugin_dir: str = setting(
+        "/var/lib/kubelet/device-plugins", flag="--device-plugin-dir", env="GPU_NODE_AGENT_DEVICE_PLUGIN_DIR",
+        help="kubelet device-plugin directory (kubelet.sock and the plugin sockets)")
+    resource_prefix: str = setting(DEFAULT_RESOURCE_PREFIX, flag="--resource-prefix",
+                                   env="GPU_NODE_AGENT_RESOURCE_PREFIX",
+                                   help="domain prefix of the NIC resources (<prefix>/sriov_rdma)")
+    serve_gpus: bool = setting(False, flag="--serve-gpus", env="GPU_NODE_AGENT_SERVE_GPUS",
+                               help="also serve whole GPUs (replaces NVIDIA's device plugin on this node)")
+    gpu_resource_name: str = setting("nvidia.com/gpu", flag="--gpu-resource-name",
+                                     env="GPU_NODE_AGENT_GPU_RESOURCE_NAME",
+                                     help="full resource name of the GPU pool")
+    pools: list[PoolConfig] = setting(factory=_default_pools, help="NIC resource pools (first match wins)")
+    rdma_mad_devices: bool = setting(False, flag="--rdma-mad-devices", env="GPU_NODE_AGENT_RDMA_MAD_DEVICES",
+                                     help="also pass /dev/infiniband/umad* and issm* to containers")
+
+
+@dataclass
+class AgentConfig:
+    """All settings of one agent process."""
+
+    version: int = setting(CONFIG_VERSION, help="config schema version")
+    node_name: str = setting("", flag="--node-name", env="NODE_NAME",
+                             help="this node's Kubernetes name (downward API spec.nodeName)")
+    state_dir: str = setting("/var/lib/gpu-node-agent", flag="--state-dir", env="GPU_NODE_AGENT_STATE_DIR",
+                             help="directory for state that must survive restarts")
+    log_level: str = setting("info", flag="--log-level", env="GPU_NODE_AGENT_LOG_LEVEL",
+                             choices=("debug", "info", "warning", "error"), help="log level")
+    log_format: str = setting("auto", flag="--log-format", env="GPU_NODE_AGENT_LOG_FORMAT",
+                              choices=("auto", "json", "text"),
+                              help="json lines, plain text, or auto (text on a terminal, json otherwise)")
+    topology: TopologyConfig = setting(factory=TopologyConfig, help="hardware model sources")
+    device_plugin: DevicePluginConfig = setting(factory=DevicePluginConfig, help="kubelet device plugin")

@@ -1,0 +1,237 @@
+"""The node's hardware model: GPUs, RDMA NICs (physical functions with their VFs) and where they sit in PCIe.
+
+Every subsystem reads this one value. Sources (sysfs, NCCL topology XML, NVML) build it; nothing mutates it:
+a rescan publishes a new `Topology`. Bus ids are always the canonical lowercase sysfs form `dddd:bb:dd.f`.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+
+_BDF = re.compile(r"^([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
+
+
+class BusIdError(ValueError):
+    """A string that is not a PCI bus id in any form we know."""
+
+
+def normalize_bus_id(text: str) -> str:
+    """Canonical sysfs form of a PCI bus id: NVML's `00000000:3B:00.0` becomes `0000:3b:00.0`."""
+    match = _BDF.match(text.strip())
+    if match is None:
+        raise BusIdError(f"not a PCI bus id: {text!r}")
+    domain, bus, dev, fn = match.groups()
+    return f"{int(domain, 16):04x}:{bus.lower()}:{dev.lower()}.{fn}"
+
+
+def is_bus_id(text: str) -> bool:
+    """True when `text` parses as a PCI bus id."""
+    return _BDF.match(text.strip()) is not None
+
+
+class Level(enum.IntEnum):
+    """nvidia-smi / NCCL distance between two PCIe devices; a lower value means closer.
+
+    PIX: under the same nearest PCIe switch. PXB: through several switches, no host bridge.
+    PHB: through a PCIe host bridge (the CPU). NODE: between host bridges of one NUMA node.
+    SYS: across the SMP interconnect between NUMA nodes.
+    """
+
+    X = 0
+    PIX = 1
+    PXB = 2
+    PHB = 3
+    NODE = 4
+    SYS = 5
+
+    @classmethod
+    def parse(cls, text: str) -> Level:
+        """Level from its name (case-insensitive)."""
+        try:
+            return cls[text.strip().upper()]
+        except KeyError:
+            raise ValueError(f"unknown topology level {text!r}; expected one of {[m.name for m in cls]}") from None
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a device sits in the PCIe hierarchy, reduced to what distance needs.
+
+    `root` is the root complex (`pci0000:16` in sysfs, `cpu0` for an NCCL XML CPU element); `switches` is the
+    chain of PCIe switches from the root down to the device's nearest switch, each named by its upstream
+    port. This is NCCL's tree: it climbs two path elements at a time (device -> downstream port -> upstream
+    port), so root ports drop out and two devices under one switch share their last element.
+    """
+
+    root: str
+    switches: tuple[str, ...] = ()
+    numa: int | None = None
+
+    def level_to(self, other: Location) -> Level:
+        """Distance to another location, as nvidia-smi would print it."""
+        if self.root != other.root:
+            if self.numa is not None and other.numa is not None and self.numa != other.numa:
+                return Level.SYS
+            return Level.NODE
+        if self.switches and self.switches == other.switches:
+            return Level.PIX
+        if self.switches and other.switches and self.switches[0] == other.switches[0]:
+            return Level.PXB
+        return Level.PHB
+
+
+@dataclass(frozen=True)
+class PciInfo:
+    """Identity and link facts of one PCI function, as sysfs reports them."""
+
+    bus_id: str
+    vendor: str = ""  # "0x15b3"
+    device: str = ""  # "0x1021"
+    pci_class: str = ""  # "0x020700"
+    driver: str = ""
+    link_speed: str = ""  # max_link_speed, e.g. "32.0 GT/s PCIe"
+    link_width: str = ""  # max_link_width, e.g. "16"
+
+
+@dataclass(frozen=True)
+class RdmaCharDevices:
+    """The /dev/infiniband nodes that belong to one RDMA device (names only, e.g. `uverbs3`)."""
+
+    uverbs: str | None = None
+    umad: tuple[str, ...] = ()
+    issm: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RdmaPort:
+    """One port of an RDMA device (`infiniband/<dev>/ports/<n>`)."""
+
+    number: int
+    state: str = ""  # ACTIVE, DOWN, ...
+    link_layer: str = ""  # InfiniBand or Ethernet
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU. `index` is its position in bus-id order (what nvidia-smi shows without MIG)."""
+
+    index: int
+    pci: PciInfo
+    location: Location
+    uuid: str | None = None
+
+    @property
+    def bus_id(self) -> str:
+        """Canonical bus id."""
+        return self.pci.bus_id
+
+    @property
+    def numa(self) -> int | None:
+        """NUMA node, None when the platform reports none (-1)."""
+        return self.location.numa
+
+
+@dataclass(frozen=True)
+class Vf:
+    """An SR-IOV virtual function of a NIC. It takes its PF's position in the PCIe tree."""
+
+    pci: PciInfo
+    pf_bus_id: str
+    vf_index: int
+    rdma: str | None = None  # e.g. mlx5_12
+    netdevs: tuple[str, ...] = ()
+    chardevs: RdmaCharDevices = field(default_factory=RdmaCharDevices)
+    ports: tuple[RdmaPort, ...] = ()
+
+    @property
+    def bus_id(self) -> str:
+        """Canonical bus id."""
+        return self.pci.bus_id
+
+
+@dataclass(frozen=True)
+class Nic:
+    """A network physical function; `rdma` is set when it is an RDMA device (InfiniBand or RoCE)."""
+
+    pci: PciInfo
+    location: Location
+    rdma: str | None = None
+    netdevs: tuple[str, ...] = ()
+    link_type: str = ""  # "infiniband" or "ether", from the netdev's ARPHRD type
+    chardevs: RdmaCharDevices = field(default_factory=RdmaCharDevices)
+    ports: tuple[RdmaPort, ...] = ()
+    sriov_totalvfs: int = 0
+    vfs: tuple[Vf, ...] = ()
+
+    @property
+    def bus_id(self) -> str:
+        """Canonical bus id."""
+        return self.pci.bus_id
+
+    @property
+    def numa(self) -> int | None:
+        """NUMA node, None when unknown."""
+        return self.location.numa
+
+    @property
+    def is_rdma(self) -> bool:
+        """True for RDMA-capable functions."""
+        return self.rdma is not None
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The whole node: GPUs in index order, NICs (physical functions) in bus-id order."""
+
+    gpus: tuple[Gpu, ...] = ()
+    nics: tuple[Nic, ...] = ()
+    source: str = "sysfs"
+
+    @cached_property
+    def _locations(self) -> dict[str, Location]:
+        locations: dict[str, Location] = {}
+        for gpu in self.gpus:
+            locations[gpu.bus_id] = gpu.location
+        for nic in self.nics:
+            locations[nic.bus_id] = nic.location
+            for vf in nic.vfs:
+                locations[vf.bus_id] = nic.location
+        return locations
+
+    @cached_property
+    def _by_bus_id(self) -> dict[str, Gpu | Nic | Vf]:
+        found: dict[str, Gpu | Nic | Vf] = {gpu.bus_id: gpu for gpu in self.gpus}
+        for nic in self.nics:
+            found[nic.bus_id] = nic
+            found.update((vf.bus_id, vf) for vf in nic.vfs)
+        return found
+
+    @property
+    def rdma_nics(self) -> tuple[Nic, ...]:
+        """RDMA-capable physical functions."""
+        return tuple(nic for nic in self.nics if nic.is_rdma)
+
+    def find(self, bus_id: str) -> Gpu | Nic | Vf | None:
+        """The GPU, NIC or VF with this bus id (any accepted form), or None."""
+        try:
+            return self._by_bus_id.get(normalize_bus_id(bus_id))
+        except BusIdError:
+            return None
+
+    def gpu_by_uuid(self, uuid: str) -> Gpu | None:
+        """The GPU with this NVML UUID, or None."""
+        return next((gpu for gpu in self.gpus if gpu.uuid == uuid), None)
+
+    def location(self, bus_id: str) -> Location:
+        """Location of a GPU, NIC or VF; VFs answer with their PF's. KeyError for unknown devices."""
+        return self._locations[normalize_bus_id(bus_id)]
+
+    def level(self, a: str, b: str) -> Level:
+        """Distance between two devices given by bus id; X for the same function."""
+        a, b = normalize_bus_id(a), normalize_bus_id(b)
+        if a == b:
+            return Level.X
+        return self._locations[a].level_to(self._locations[b])

@@ -166,13 +166,14 @@ def _dest(path: tuple[str, ...]) -> str:
     return "cfg__" + "__".join(path)
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type = model.AgentConfig) -> None:
-    """Add one flag per flagged setting; values stay raw strings until `load` converts them."""
+def add_flags(parser: argparse.ArgumentParser, cls: type = model.AgentConfig,
+              sections: tuple[str, ...] | None = None) -> None:
+    """Add one flag per flagged setting (only under `sections` when given); values stay raw strings."""
     parser.add_argument("--config", metavar="FILE", default=None,
                         help="YAML or JSON config file (env GPU_NODE_AGENT_CONFIG)")
     for item in _flagged_fields(cls):
         flag = item.field.metadata.get("flag")
-        if not flag:
+        if not flag or (sections is not None and item.path[0] not in sections):
             continue
         env = item.field.metadata.get("env")
         default = item.field.default if item.field.default is not dataclasses.MISSING else None

@@ -14,7 +14,7 @@ CONFIG_VERSION = 1
 DEFAULT_RESOURCE_PREFIX = "gpu-node-agent.io"
 
 
-def setting(default: Any = None, *, help: str, flag: str | None = None, env: str | None = None,  # noqa: A002
+def setting(default: Any = None, *, help: str, flag: str | None = None, env: str | None = None,
             factory: Any = None, choices: tuple[str, ...] | None = None, repeat: bool = False) -> Any:
     """A dataclass field carrying its help text, flag, environment variable and allowed values."""
     meta = {"help": help, "flag": flag, "env": env, "choices": choices, "repeat": repeat}
@@ -47,9 +47,14 @@ class SelectorConfig:
     vendors: list[str] = setting(factory=list, help="PCI vendor ids, e.g. 15b3")
     devices: list[str] = setting(factory=list, help="PCI device ids, e.g. 101e")
     drivers: list[str] = setting(factory=list, help="bound kernel drivers, e.g. mlx5_core")
-    pf_names: list[str] = setting(factory=list, help="netdev names of the physical function")
+    pf_names: list[str] = setting(factory=list, help="netdev names of the physical function; 'ens1f0#0-3,6' "
+                                                     "limits it to those VF indexes")
     link_types: list[str] = setting(factory=list, help="link types: infiniband or ether")
     is_rdma: bool | None = setting(None, help="only RDMA-capable functions (true) or only non-RDMA (false)")
+    pci_addresses: list[str] = setting(factory=list,
+                                       help="bus ids of the functions themselves, e.g. 0000:1a:00.2")
+    root_devices: list[str] = setting(factory=list, help="bus ids of the physical function; like pfNames, "
+                                                          "'<bdf>#0-3,6' limits it to those VF indexes")
 
 
 @dataclass
@@ -59,6 +64,8 @@ class PoolConfig:
     resource_name: str = setting("", help="resource name without prefix, e.g. sriov_rdma")
     resource_prefix: str | None = setting(None, help="resource prefix; the device plugin's default when empty")
     selectors: SelectorConfig = setting(factory=SelectorConfig, help="which devices join this pool")
+    exclude_topology: bool = setting(False, help="do not report the devices' NUMA node to the kubelet "
+                                                 "(SR-IOV device plugin's excludeTopology)")
 
 
 def _default_pools() -> list[PoolConfig]:
@@ -85,6 +92,11 @@ class DevicePluginConfig:
     pools: list[PoolConfig] = setting(factory=_default_pools, help="NIC resource pools (first match wins)")
     rdma_mad_devices: bool = setting(False, flag="--rdma-mad-devices", env="GPU_NODE_AGENT_RDMA_MAD_DEVICES",
                                      help="also pass /dev/infiniband/umad* and issm* to containers")
+    gpu_cdi: bool = setting(False, flag="--gpu-cdi", env="GPU_NODE_AGENT_GPU_CDI",
+                            help="also name allocated GPUs as CDI devices (<gpuCdiKind>=<UUID>) in Allocate; "
+                                 "needs the DevicePluginCDIDevices feature and a CDI spec on the node")
+    gpu_cdi_kind: str = setting("nvidia.com/gpu", flag="--gpu-cdi-kind", env="GPU_NODE_AGENT_GPU_CDI_KIND",
+                                help="CDI vendor/class of GPU devices, used with --gpu-cdi")
 
 
 @dataclass

@@ -143,6 +143,7 @@ class Vf:
     vf_index: int
     rdma: str | None = None  # e.g. mlx5_12
     netdevs: tuple[str, ...] = ()
+    link_type: str = ""  # "infiniband" or "ether"
     chardevs: RdmaCharDevices = field(default_factory=RdmaCharDevices)
     ports: tuple[RdmaPort, ...] = ()
 

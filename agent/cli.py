@@ -1,0 +1,134 @@
+"""Command line: `gpu-node-agent run | topology | simulate-node | config`.
+
+Flags and environment are parsed here, once, into an `AgentConfig` that is passed down; nothing below reads
+`os.environ`. Bad configuration or input exits with code 2 and a message naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from agent import __version__, config
+from agent.logs import setup_logging
+
+log = logging.getLogger("agent")
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Invalid configuration or input; reported on stderr with exit code 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpu-node-agent",
+        description="GPU node agent: device plugin with PCIe-aware GPU+NIC allocation, health, remediation, "
+                    "network accounting.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run the agent (device plugin and the other enabled subsystems)",
+                         description="Run the agent. Every setting can also come from the config file "
+                                     "(--config) or the environment variable named in its help.")
+    config.add_flags(run)
+
+    topo = sub.add_parser("topology", help="print the GPU/NIC PCIe distance matrix (like nvidia-smi topo -m)")
+    config.add_flags(topo, sections=("topology",))
+    topo.add_argument("--json", action="store_true", help="print JSON instead of the matrix")
+
+    sim = sub.add_parser("simulate-node", help="write a built-in simulated node as a sysfs tree")
+    sim.add_argument("--profile", help="profile name (see --list)")
+    sim.add_argument("--out", type=Path, help="directory to write the sysfs tree into (it plays /sys)")
+    sim.add_argument("--list", action="store_true", help="list the built-in profiles")
+
+    dump = sub.add_parser("config", help="print the effective configuration as YAML")
+    config.add_flags(dump)
+    return parser
+
+
+def _load_config(args: argparse.Namespace) -> config.AgentConfig:
+    try:
+        cfg = config.load(args, os.environ)
+    except config.ConfigError as exc:
+        raise UsageError(f"invalid configuration: {exc}") from exc
+    return cfg
+
+
+def _cmd_topology(args: argparse.Namespace) -> int:
+    from agent.nvml import RealNvml
+    from agent.simulate.node import build_simulated_node
+    from agent.topology.load import load_topology
+    from agent.topology.render import to_json, to_matrix
+
+    cfg = _load_config(args).topology
+    if cfg.simulate:
+        with tempfile.TemporaryDirectory(prefix="gna-sysfs-") as tmp:
+            node = build_simulated_node(cfg.simulate, Path(tmp))
+            topology = load_topology(node.sysfs_root, node.nvml, cfg.topology_file or node.topology_file)
+    else:
+        topology = load_topology(cfg.sysfs_root, RealNvml(), cfg.topology_file)
+    print(json.dumps(to_json(topology), indent=2) if args.json else to_matrix(topology))
+    return 0
+
+
+def _cmd_simulate_node(args: argparse.Namespace) -> int:
+    from agent.simulate import profiles, sysfs_writer
+
+    if args.list:
+        for name in profiles.list_profiles():
+            print(f"{name}: {profiles.load_profile(name).description}")
+        return 0
+    if not args.profile or not args.out:
+        raise UsageError("simulate-node needs --profile NAME and --out DIR (or --list)")
+    profile = profiles.load_profile(args.profile)
+    args.out.mkdir(parents=True, exist_ok=True)
+    sysfs_writer.write_sysfs(profile, args.out)
+    print(f"wrote simulated node {profile.name!r} to {args.out}"
+          + (f"; its NCCL topology file is {profile.topology_xml}" if profile.topology_xml else ""))
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    print(yaml.safe_dump(config.to_mapping(_load_config(args)), sort_keys=False), end="")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from agent import app
+
+    cfg = _load_config(args)
+    setup_logging(cfg.log_level, cfg.log_format)
+    return app.main(cfg)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `gpu-node-agent` console script."""
+    from agent.simulate.profiles import UnknownProfileError
+    from agent.topology.nccl_xml import TopologyXmlError
+
+    args = _parser().parse_args(argv)
+    if args.command != "run":
+        setup_logging("warning", "text")
+    handlers = {"run": _cmd_run, "topology": _cmd_topology, "simulate-node": _cmd_simulate_node,
+                "config": _cmd_config}
+    try:
+        return handlers[args.command](args)
+    except (UsageError, UnknownProfileError, TopologyXmlError) as exc:
+        print(f"gpu-node-agent {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

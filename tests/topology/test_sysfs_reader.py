@@ -16,7 +16,6 @@ from agent.simulate.node import build_simulated_node
 from agent.simulate.sysfs_writer import profile_tree
 from agent.topology.load import load_topology
 from agent.topology.model import Level
-from agent.topology.render import to_json
 from agent.topology.sysfs import SysfsReader
 
 # Per profile: how many GPUs, RDMA PFs, VFs, non-RDMA NICs, and the levels each GPU sees to the RDMA NICs.

@@ -7,20 +7,15 @@ defaults, config file, environment, flags. Loading and validation live in `agent
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+
+from agent.config.fields import setting
+from agent.config.health import HealthConfig
+from agent.config.netacct import NetacctConfig
+from agent.config.remediation import RemediationConfig
 
 CONFIG_VERSION = 1
 DEFAULT_RESOURCE_PREFIX = "gpu-node-agent.io"
-
-
-def setting(default: Any = None, *, help: str, flag: str | None = None, env: str | None = None,
-            factory: Any = None, choices: tuple[str, ...] | None = None, repeat: bool = False) -> Any:
-    """A dataclass field carrying its help text, flag, environment variable and allowed values."""
-    meta = {"help": help, "flag": flag, "env": env, "choices": choices, "repeat": repeat}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -115,3 +110,6 @@ class AgentConfig:
                               help="json lines, plain text, or auto (text on a terminal, json otherwise)")
     topology: TopologyConfig = setting(factory=TopologyConfig, help="hardware model sources")
     device_plugin: DevicePluginConfig = setting(factory=DevicePluginConfig, help="kubelet device plugin")
+    health: HealthConfig = setting(factory=HealthConfig, help="GPU and NIC health checks")
+    remediation: RemediationConfig = setting(factory=RemediationConfig, help="actions on this node's API objects")
+    netacct: NetacctConfig = setting(factory=NetacctConfig, help="network traffic accounting")

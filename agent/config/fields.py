@@ -1,0 +1,15 @@
+"""`setting()`: a dataclass field that carries how an operator sets it (help, flag, env, choices)."""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+
+def setting(default: Any = None, *, help: str, flag: str | None = None, env: str | None = None,
+            factory: Any = None, choices: tuple[str, ...] | None = None, repeat: bool = False) -> Any:
+    """A dataclass field carrying its help text, flag, environment variable and allowed values."""
+    meta = {"help": help, "flag": flag, "env": env, "choices": choices, "repeat": repeat}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)

@@ -15,7 +15,8 @@ from agent.config.netacct import NetacctConfig
 from agent.config.remediation import RemediationConfig
 
 CONFIG_VERSION = 1
-DEFAULT_RESOURCE_PREFIX = "gpu-node-agent.io"
+# No dashes: SR-IOV DP-style env keys (PCIDEVICE_GPUNODEAGENT_IO_SRIOV_RDMA) must stay usable from a shell.
+DEFAULT_RESOURCE_PREFIX = "gpunodeagent.io"
 
 
 @dataclass
@@ -79,8 +80,10 @@ class DevicePluginConfig:
     resource_prefix: str = setting(DEFAULT_RESOURCE_PREFIX, flag="--resource-prefix",
                                    env="GPU_NODE_AGENT_RESOURCE_PREFIX",
                                    help="domain prefix of the NIC resources (<prefix>/sriov_rdma)")
-    serve_gpus: bool = setting(False, flag="--serve-gpus", env="GPU_NODE_AGENT_SERVE_GPUS",
-                               help="also serve whole GPUs (replaces NVIDIA's device plugin on this node)")
+    serve_gpus: bool | None = setting(
+        None, flag="--serve-gpus", env="GPU_NODE_AGENT_SERVE_GPUS",
+        help="also serve whole GPUs (replaces NVIDIA's device plugin on this node); unset means on only with "
+             "--simulate, where no other GPU plugin runs")
     gpu_resource_name: str = setting("nvidia.com/gpu", flag="--gpu-resource-name",
                                      env="GPU_NODE_AGENT_GPU_RESOURCE_NAME",
                                      help="full resource name of the GPU pool")
@@ -108,8 +111,17 @@ class AgentConfig:
     log_format: str = setting("auto", flag="--log-format", env="GPU_NODE_AGENT_LOG_FORMAT",
                               choices=("auto", "json", "text"),
                               help="json lines, plain text, or auto (text on a terminal, json otherwise)")
+    metrics_address: str = setting(":9400", flag="--metrics-address", env="GPU_NODE_AGENT_METRICS_ADDRESS",
+                                   help="host:port for /metrics, /healthz and /readyz (port 0 picks a free one)")
     topology: TopologyConfig = setting(factory=TopologyConfig, help="hardware model sources")
     device_plugin: DevicePluginConfig = setting(factory=DevicePluginConfig, help="kubelet device plugin")
     health: HealthConfig = setting(factory=HealthConfig, help="GPU and NIC health checks")
     remediation: RemediationConfig = setting(factory=RemediationConfig, help="actions on this node's API objects")
     netacct: NetacctConfig = setting(factory=NetacctConfig, help="network traffic accounting")
+
+
+    def check(self) -> None:
+        """Cross-field checks (the loader reports them as exit code 2)."""
+        from agent.http import parse_address
+
+        parse_address(self.metrics_address)

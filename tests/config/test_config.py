@@ -21,7 +21,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def test_defaults_give_one_rdma_pool_and_no_gpu_pool():
     cfg = config.load(_parse([]), {})
     assert cfg.topology.sysfs_root == "/sys"
-    assert cfg.device_plugin.serve_gpus is False
+    assert cfg.device_plugin.serve_gpus is None  # decided at start: on only in simulate mode
     assert [p.resource_name for p in cfg.device_plugin.pools] == ["sriov_rdma"]
     assert cfg.device_plugin.pools[0].selectors.is_rdma is True
 
@@ -118,3 +118,8 @@ def test_run_help_documents_every_flag(capsys):
     for item in _flagged_fields(config.AgentConfig):
         if item.field.metadata.get("env"):
             assert item.field.metadata["env"] in text
+
+
+def test_bad_metrics_address_exits_2(capsys):
+    assert cli.main(["config", "--metrics-address", "9400"]) == 2
+    assert "'9400'" in capsys.readouterr().err

@@ -1,0 +1,233 @@
+"""Turn the node's topology and the pool config into the resources the device plugin serves.
+
+This is the SR-IOV network device plugin's resource-pool model, so an operator can carry a resourceList over:
+each pool has a name, a prefix and selectors; a NIC function joins the first pool whose selectors all match.
+The candidates are the VFs of each physical function, plus a physical function that has no VFs. Whole GPUs
+form one more pool when `serve_gpus` is on. The result is plain data that the servers, Allocate and the
+preferred-allocation policy read; a rescan builds a new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from dataclasses import dataclass, field
+
+from agent.config.model import DevicePluginConfig, PoolConfig, SelectorConfig
+from agent.topology.model import BusIdError, Gpu, Nic, Topology, Vf, normalize_bus_id
+
+log = logging.getLogger(__name__)
+
+# Extended resource names: a DNS-subdomain prefix (not kubernetes.io) and a name as SR-IOV DP allows it.
+_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_NAME = re.compile(r"^[a-zA-Z0-9_-]+$")
+_SOCKET_NAME_MAX = 40
+
+
+class PoolConfigError(ValueError):
+    """The pool configuration cannot be served (bad or duplicate resource names)."""
+
+
+@dataclass(frozen=True)
+class PoolDevice:
+    """One device the kubelet can hand out: a VF, a VF-less PF, or a whole GPU.
+
+    `id` is what the kubelet sees: the function's bus id for NICs, the GPU UUID for GPUs.
+    """
+
+    id: str
+    bus_id: str
+    numa: int | None
+    function: Vf | Nic | None = None  # NIC pools
+    pf: Nic | None = None  # the physical function (itself for a VF-less PF)
+    gpu: Gpu | None = None  # GPU pool
+
+    @property
+    def rdma(self) -> str | None:
+        """RDMA device name (`mlx5_3`) of a NIC function, None for GPUs and non-RDMA functions."""
+        return self.function.rdma if self.function is not None else None
+
+
+@dataclass(frozen=True)
+class ResourcePool:
+    """One extended resource and its devices in a stable order (bus-id order for NICs, index for GPUs)."""
+
+    prefix: str
+    name: str
+    kind: str  # "nic" or "gpu"
+    devices: tuple[PoolDevice, ...] = ()
+    exclude_topology: bool = False
+    # the node the pool was built from, for policies that look beyond the pool (GPU <-> NIC distance)
+    topology: Topology | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def resource_name(self) -> str:
+        """Full name the kubelet registers, e.g. `gpunodeagent.io/sriov_rdma`."""
+        return f"{self.prefix}/{self.name}"
+
+    def device(self, device_id: str) -> PoolDevice | None:
+        """The device with this ID, or None."""
+        return next((d for d in self.devices if d.id == device_id), None)
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        """Device IDs in pool order."""
+        return tuple(d.id for d in self.devices)
+
+
+@dataclass(frozen=True)
+class PoolScan:
+    """The pools found in one topology, and devices left out with the reason (for one warning per change)."""
+
+    pools: tuple[ResourcePool, ...]
+    skipped: tuple[str, ...] = ()
+
+    def by_name(self) -> dict[str, ResourcePool]:
+        """Pools keyed by full resource name."""
+        return {pool.resource_name: pool for pool in self.pools}
+
+
+def socket_name(resource_name: str) -> str:
+    """Short, stable socket file name for a resource: `gna-<name>.sock`, hashed when the name is long.
+
+    The prefix is dropped to keep the path short; a hash of the full name keeps two prefixes apart.
+    """
+    name = resource_name.rsplit("/", 1)[-1]
+    digest = hashlib.sha256(resource_name.encode()).hexdigest()[:8]
+    if len(name) > _SOCKET_NAME_MAX - 18:
+        name = name[: _SOCKET_NAME_MAX - 18]
+    return f"gna-{name}-{digest}.sock"
+
+
+def check_resource_name(prefix: str, name: str) -> None:
+    """Raise PoolConfigError unless `prefix/name` is an extended resource name the kubelet accepts."""
+    if not _NAME.match(name):
+        raise PoolConfigError(f"resource name {name!r} must match {_NAME.pattern}")
+    if not _PREFIX.match(prefix) or len(prefix) > 253:
+        raise PoolConfigError(f"resource prefix {prefix!r} is not a DNS subdomain")
+    if prefix == "kubernetes.io" or prefix.endswith(".kubernetes.io"):
+        raise PoolConfigError(f"resource prefix {prefix!r}: kubernetes.io names are not extended resources")
+    if len(name) > 63:
+        raise PoolConfigError(f"resource name {name!r} is longer than 63 characters")
+
+
+def _pool_prefix(pool: PoolConfig, config: DevicePluginConfig) -> str:
+    return pool.resource_prefix or config.resource_prefix
+
+
+def check_config(config: DevicePluginConfig) -> None:
+    """Validate every pool name and that no two pools (GPU pool included) share a resource name."""
+    seen: set[str] = set()
+    names = []
+    for pool in config.pools:
+        prefix = _pool_prefix(pool, config)
+        check_resource_name(prefix, pool.resource_name)
+        names.append(f"{prefix}/{pool.resource_name}")
+    if config.serve_gpus:
+        prefix, _, name = config.gpu_resource_name.rpartition("/")
+        if not prefix:
+            raise PoolConfigError(f"GPU resource name {config.gpu_resource_name!r} needs a prefix, "
+                                  "e.g. nvidia.com/gpu")
+        check_resource_name(prefix, name)
+        names.append(config.gpu_resource_name)
+    for full in names:
+        if full in seen:
+            raise PoolConfigError(f"resource {full} is configured twice")
+        seen.add(full)
+
+
+def _hex(text: str) -> str:
+    text = text.strip().lower()
+    return text[2:] if text.startswith("0x") else text
+
+
+def _ranged(entries: list[str], key: str, vf_index: int | None, normalize: bool = False) -> bool:
+    """True when `key` is listed, honouring SR-IOV DP's `name#0,2-5` VF-index ranges (VFs only)."""
+    for entry in entries:
+        name, sep, ranges = entry.partition("#")
+        if normalize:
+            try:
+                name = normalize_bus_id(name)
+            except BusIdError:
+                continue
+        if name != key:
+            continue
+        if not sep:
+            return True
+        if vf_index is not None and _in_ranges(ranges, vf_index):
+            return True
+    return False
+
+
+def _in_ranges(ranges: str, index: int) -> bool:
+    for part in ranges.split(","):
+        low, _, high = part.strip().partition("-")
+        try:
+            if int(low) <= index <= int(high or low):
+                return True
+        except ValueError:
+            log.warning("ignoring bad VF range %r in a selector", part)
+    return False
+
+
+def _link_type(function: Vf | Nic, pf: Nic) -> str:
+    """The function's own link type when sysfs gave one, else its PF's."""
+    return (getattr(function, "link_type", "") or pf.link_type).lower()
+
+
+def matches(selector: SelectorConfig, function: Vf | Nic, pf: Nic) -> bool:
+    """True when every non-empty selector field matches this VF (or VF-less PF) of `pf`."""
+    pci = function.pci
+    vf_index = function.vf_index if isinstance(function, Vf) else None
+    checks = (
+        not selector.vendors or _hex(pci.vendor) in {_hex(v) for v in selector.vendors},
+        not selector.devices or _hex(pci.device) in {_hex(d) for d in selector.devices},
+        not selector.drivers or pci.driver in selector.drivers,
+        not selector.pf_names or any(_ranged(selector.pf_names, n, vf_index) for n in pf.netdevs),
+        not selector.root_devices or _ranged(selector.root_devices, pf.bus_id, vf_index, normalize=True),
+        not selector.pci_addresses or _ranged(selector.pci_addresses, function.bus_id, None, normalize=True),
+        not selector.link_types or _link_type(function, pf) in {t.strip().lower() for t in selector.link_types},
+        selector.is_rdma is None or (function.rdma is not None) == selector.is_rdma,
+    )
+    return all(checks)
+
+
+def _candidates(topology: Topology) -> list[tuple[Vf | Nic, Nic]]:
+    """NIC functions that can be devices: every VF, and each PF that has none."""
+    found: list[tuple[Vf | Nic, Nic]] = []
+    for nic in sorted(topology.nics, key=lambda n: n.bus_id):
+        if nic.vfs:
+            found.extend((vf, nic) for vf in sorted(nic.vfs, key=lambda v: v.bus_id))
+        else:
+            found.append((nic, nic))
+    return found
+
+
+def build_pools(topology: Topology, config: DevicePluginConfig) -> PoolScan:
+    """All pools for this topology. Every configured pool is present, even when it has no devices.
+
+    Raises PoolConfigError for names the kubelet would refuse (`check_config`).
+    """
+    check_config(config)
+    members: list[list[PoolDevice]] = [[] for _ in config.pools]
+    for function, pf in _candidates(topology):
+        for i, pool in enumerate(config.pools):
+            if matches(pool.selectors, function, pf):
+                members[i].append(PoolDevice(id=function.bus_id, bus_id=function.bus_id, numa=pf.numa,
+                                             function=function, pf=pf))
+                break
+    pools = [ResourcePool(prefix=_pool_prefix(pool, config), name=pool.resource_name, kind="nic",
+                          devices=tuple(devices), exclude_topology=pool.exclude_topology, topology=topology)
+             for pool, devices in zip(config.pools, members, strict=True)]
+    skipped: list[str] = []
+    if config.serve_gpus:
+        prefix, _, name = config.gpu_resource_name.rpartition("/")
+        gpus = []
+        for gpu in sorted(topology.gpus, key=lambda g: g.index):
+            if gpu.uuid:
+                gpus.append(PoolDevice(id=gpu.uuid, bus_id=gpu.bus_id, numa=gpu.numa, gpu=gpu))
+            else:
+                skipped.append(f"GPU {gpu.index} at {gpu.bus_id} has no UUID")
+        pools.append(ResourcePool(prefix=prefix, name=name, kind="gpu", devices=tuple(gpus), topology=topology))
+    return PoolScan(pools=tuple(pools), skipped=tuple(skipped))

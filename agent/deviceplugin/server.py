@@ -1,0 +1,217 @@
+"""The v1beta1 `DevicePlugin` servicer for one resource: what the kubelet talks to after Register.
+
+It holds the resource's current pool and device health. ListAndWatch streams the full device list at start and
+again after every change (health flip, rescan); any number of streams may be open. Allocate answers from the
+pool in memory. GetPreferredAllocation must never fail admission, so it answers bad input with no preference;
+its policy sits behind one small method that the PCIe-aware policy replaces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import grpc
+
+from agent.deviceplugin.allocate import AllocateOptions, Contributor, build_container_payload
+from agent.deviceplugin.pools import ResourcePool
+from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+
+# (pool, available, must_include, size) -> preferred device IDs; inputs are already validated.
+PreferencePolicy = Callable[[ResourcePool, Sequence[str], Sequence[str], int], list[str]]
+
+
+def simple_policy(pool: ResourcePool, available: Sequence[str], must_include: Sequence[str],
+                  size: int) -> list[str]:
+    """`must_include` first, then available devices in pool order (VFs of one PF together) up to `size`."""
+    chosen = list(dict.fromkeys(must_include))
+    offered = set(available)
+    for device_id in pool.ids:
+        if len(chosen) >= size:
+            break
+        if device_id in offered and device_id not in chosen:
+            chosen.append(device_id)
+    return chosen[:size]
+
+
+class PreferenceError(ValueError):
+    """A GetPreferredAllocation request that cannot be answered; the reason goes to the log."""
+
+
+def check_preference_request(pool: ResourcePool, available: Sequence[str], must_include: Sequence[str],
+                             size: int) -> None:
+    """Raise PreferenceError when the kubelet's request is inconsistent or names devices we do not serve."""
+    known = set(pool.ids)
+    if size <= 0:
+        raise PreferenceError(f"allocation_size {size} is not positive")
+    unknown = sorted((set(available) | set(must_include)) - known)
+    if unknown:
+        raise PreferenceError(f"unknown device IDs: {', '.join(unknown)}")
+    missing = sorted(set(must_include) - set(available))
+    if missing:
+        raise PreferenceError(f"must_include devices not in available: {', '.join(missing)}")
+    if len(set(must_include)) > size:
+        raise PreferenceError(f"{len(set(must_include))} must_include devices exceed allocation_size {size}")
+    if len(set(available)) < size:
+        raise PreferenceError(f"only {len(set(available))} devices available for allocation_size {size}")
+
+
+class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
+    """Servicer for one resource. Mutate it only from the event loop that serves it."""
+
+    def __init__(self, pool: ResourcePool, options: AllocateOptions | None = None,
+                 policy: PreferencePolicy | None = None,
+                 contributors: Sequence[Contributor] | None = None) -> None:
+        self._pool = pool
+        self._options = options or AllocateOptions()
+        self._policy = policy or simple_policy
+        self._contributors = contributors
+        self._unhealthy: dict[str, str] = {}  # device ID -> reason
+        self._changed = asyncio.Event()
+        self._epoch = 0  # bumped by end_streams(); streams of an older epoch return
+        self._accepting = True  # False between end_streams() and accept_streams()
+
+    @property
+    def pool(self) -> ResourcePool:
+        """The pool currently served."""
+        return self._pool
+
+    @property
+    def resource_name(self) -> str:
+        """Full resource name."""
+        return self._pool.resource_name
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def update_pool(self, pool: ResourcePool) -> bool:
+        """Serve a rescanned pool; streams get a new list when devices changed. Returns whether they did."""
+        changed = pool.devices != self._pool.devices or pool.exclude_topology != self._pool.exclude_topology
+        self._pool = pool
+        if changed:
+            self._notify()
+        return changed
+
+    def set_health(self, device_id: str, healthy: bool, reason: str = "") -> bool:
+        """Record a device's health; streams get a new list when it changed. Returns whether it did."""
+        if self._pool.device(device_id) is None:
+            if healthy:
+                self._unhealthy.pop(device_id, None)
+            else:
+                self._unhealthy[device_id] = reason  # applies if the device appears on a rescan
+            return False
+        was_healthy = device_id not in self._unhealthy
+        if healthy:
+            self._unhealthy.pop(device_id, None)
+        else:
+            self._unhealthy[device_id] = reason
+        if was_healthy != healthy:
+            log.info("%s: device %s is now %s%s", self.resource_name, device_id,
+                     HEALTHY if healthy else UNHEALTHY, f" ({reason})" if reason else "")
+            self._notify()
+            return True
+        return False
+
+    def health(self, device_id: str) -> str:
+        """`Healthy` or `Unhealthy`."""
+        return UNHEALTHY if device_id in self._unhealthy else HEALTHY
+
+    def device_list(self) -> list[api_pb2.Device]:
+        """The full list ListAndWatch sends: every device with its health and NUMA node when known."""
+        devices = []
+        for device in self._pool.devices:
+            message = api_pb2.Device(ID=device.id, health=self.health(device.id))
+            if device.numa is not None and not self._pool.exclude_topology:
+                message.topology.nodes.add(ID=device.numa)
+            devices.append(message)
+        return devices
+
+    def end_streams(self) -> None:
+        """Make every open ListAndWatch stream return, and new ones return at once, until accept_streams().
+
+        Called before the server stops, so that neither an open stream nor one that arrives during the stop
+        holds the stop up for its whole grace period.
+        """
+        self._accepting = False
+        self._epoch += 1
+        self._notify()
+
+    def accept_streams(self) -> None:
+        """Serve ListAndWatch streams again (the server was re-started)."""
+        self._accepting = True
+
+    async def GetDevicePluginOptions(self, request: api_pb2.Empty,
+                                     context: grpc.aio.ServicerContext) -> api_pb2.DevicePluginOptions:
+        """Preferred allocation is available; PreStartContainer is not needed."""
+        return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+    async def ListAndWatch(self, request: api_pb2.Empty,
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[api_pb2.ListAndWatchResponse]:
+        """Full list now, then again after each change, until the stream is ended or cancelled."""
+        epoch = self._epoch
+        log.debug("%s: ListAndWatch stream opened", self.resource_name)
+        try:
+            while self._accepting and epoch == self._epoch:
+                changed = self._changed  # taken before the snapshot, so no change is missed
+                yield api_pb2.ListAndWatchResponse(devices=self.device_list())
+                await changed.wait()
+        finally:
+            log.debug("%s: ListAndWatch stream closed", self.resource_name)
+
+    def _preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+        """The allocation policy call (swap the policy here)."""
+        return self._policy(self._pool, available, must_include, size)
+
+    async def GetPreferredAllocation(
+            self, request: api_pb2.PreferredAllocationRequest,
+            context: grpc.aio.ServicerContext) -> api_pb2.PreferredAllocationResponse:
+        """One preference per container; never an error, which would fail the pod's admission."""
+        response = api_pb2.PreferredAllocationResponse()
+        for container in request.container_requests:
+            available = list(container.available_deviceIDs)
+            must_include = list(container.must_include_deviceIDs)
+            size = container.allocation_size
+            try:
+                check_preference_request(self._pool, available, must_include, size)
+                preferred = self._preferred(available, must_include, size)
+            except PreferenceError as exc:
+                log.warning("%s: GetPreferredAllocation: no preference: %s", self.resource_name, exc)
+                return api_pb2.PreferredAllocationResponse()
+            except Exception:
+                log.exception("%s: GetPreferredAllocation policy failed; no preference", self.resource_name)
+                return api_pb2.PreferredAllocationResponse()
+            response.container_responses.add(deviceIDs=preferred)
+        return response
+
+    async def Allocate(self, request: api_pb2.AllocateRequest,
+                       context: grpc.aio.ServicerContext) -> api_pb2.AllocateResponse:
+        """Payload per container request; INVALID_ARGUMENT naming any device this resource does not have."""
+        response = api_pb2.AllocateResponse()
+        for container in request.container_requests:
+            ids = list(container.devices_ids)
+            devices = [self._pool.device(device_id) for device_id in ids]
+            unknown = [device_id for device_id, device in zip(ids, devices, strict=True) if device is None]
+            if unknown:
+                message = f"{self.resource_name}: unknown device IDs: {', '.join(unknown)}"
+                log.warning("Allocate refused: %s", message)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+            sick = [device_id for device_id in ids if device_id in self._unhealthy]
+            if sick:
+                log.warning("%s: allocating unhealthy devices %s", self.resource_name, ", ".join(sick))
+            found = [device for device in devices if device is not None]
+            payload = build_container_payload(self._pool, found, self._options, self._contributors)
+            response.container_responses.append(payload.to_proto())
+            log.info("%s: allocated %s", self.resource_name, ", ".join(ids))
+        return response
+
+    async def PreStartContainer(self, request: api_pb2.PreStartContainerRequest,
+                                context: grpc.aio.ServicerContext) -> api_pb2.PreStartContainerResponse:
+        """Not required (the options say so); answers empty."""
+        return api_pb2.PreStartContainerResponse()

@@ -1,0 +1,259 @@
+"""A stand-in kubelet for the device-plugin API: tests use it, and `run --simulate` can run against it.
+
+It does what the kubelet's device manager does, as far as a plugin can tell: it serves `v1beta1.Registration`
+on `<dir>/kubelet.sock`; on Register it dials the plugin back, reads its options and keeps a ListAndWatch
+stream open (the latest full list per resource; a stream that ends marks the devices Unhealthy); it admits
+containers with the kubelet's call sequence (GetPreferredAllocation, intersect with what is available, fill
+the rest, Allocate); and it restarts the way the kubelet does, deleting every unix socket in the directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import stat
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_VERSIONS = ("v1beta1",)
+
+
+class AdmissionError(RuntimeError):
+    """The stand-in kubelet refused a container, with the kubelet's reason."""
+
+
+@dataclass(frozen=True)
+class KubeletEvent:
+    """One thing the stand-in saw: register, devices, disconnected, rejected, allocate, restart."""
+
+    kind: str
+    resource: str = ""
+    devices: tuple[tuple[str, str], ...] = ()  # (ID, health) for "devices" and "allocate"
+    detail: str = ""
+    at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class PluginView:
+    """What the stand-in knows about one registered resource."""
+
+    resource_name: str
+    endpoint: str
+    options: api_pb2.DevicePluginOptions
+    channel: grpc.aio.Channel
+    stub: api_pb2_grpc.DevicePluginStub
+    devices: dict[str, api_pb2.Device] = field(default_factory=dict)
+    lists: int = 0  # ListAndWatch messages received
+    connected: bool = True
+    task: asyncio.Task[None] | None = None
+
+    def healthy(self) -> set[str]:
+        """IDs of the devices last reported Healthy on a live stream."""
+        return {i for i, d in self.devices.items() if d.health == "Healthy"} if self.connected else set()
+
+    def health(self) -> dict[str, str]:
+        """Device ID -> health as the kubelet sees it (all Unhealthy once the stream ended)."""
+        return {i: (d.health if self.connected else "Unhealthy") for i, d in self.devices.items()}
+
+
+class LocalKubelet(api_pb2_grpc.RegistrationServicer):
+    """Registration server plus device-manager behaviour in one directory (keep its path short)."""
+
+    def __init__(self, directory: str | os.PathLike[str], *, rng: random.Random | None = None,
+                 dial_timeout: float = 10.0) -> None:
+        self.directory = Path(directory)
+        self.socket_path = str(self.directory / "kubelet.sock")
+        self.rng = rng or random.Random()  # noqa: S311 - simulation, not security
+        self.dial_timeout = dial_timeout
+        self.plugins: dict[str, PluginView] = {}
+        self.registrations: list[api_pb2.RegisterRequest] = []
+        self.events: list[KubeletEvent] = []
+        self.allocated: dict[str, set[str]] = {}  # kept across restarts, like the checkpoint
+        self.responses: dict[str, api_pb2.ContainerAllocateResponse] = {}  # latest Allocate reply
+        self._server: grpc.aio.Server | None = None
+        self._changed = asyncio.Event()
+        self._admit_lock = asyncio.Lock()
+
+    def _record(self, event: KubeletEvent) -> None:
+        self.events.append(event)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+        """Wait until `predicate()` holds, re-checking after every event; TimeoutError after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"condition not met within {timeout} s; last events: {self.events[-5:]}")
+            changed = self._changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), min(remaining, 0.1))
+
+    async def start(self) -> None:
+        """Serve Registration on kubelet.sock."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        server = grpc.aio.server()
+        api_pb2_grpc.add_RegistrationServicer_to_server(self, server)
+        if server.add_insecure_port(f"unix://{self.socket_path}") == 0:
+            raise OSError(f"cannot bind {self.socket_path}")
+        await server.start()
+        self._server = server
+        log.info("stand-in kubelet serving %s", self.socket_path)
+
+    async def stop(self) -> None:
+        """Stop serving and drop every plugin connection."""
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(0)
+        for view in self.plugins.values():
+            await self._drop(view)
+
+    async def restart(self) -> None:
+        """Simulate a kubelet restart: stop, delete every unix socket in the directory, serve again."""
+        await self.stop()
+        self.plugins.clear()
+        for entry in os.scandir(self.directory):
+            if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+        self._record(KubeletEvent("restart"))
+        await self.start()
+
+    async def _drop(self, view: PluginView) -> None:
+        task, view.task = view.task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await view.channel.close()
+
+    async def Register(self, request: api_pb2.RegisterRequest,
+                       context: grpc.aio.ServicerContext) -> api_pb2.Empty:
+        """Check the request, dial the plugin back, read its options and start watching its devices."""
+        name = request.resource_name
+        prefix, _, short = name.rpartition("/")
+        problem = ""
+        if request.version not in SUPPORTED_VERSIONS:
+            problem = f"unsupported API version {request.version!r}"
+        elif not prefix or not short or prefix == "kubernetes.io" or prefix.endswith(".kubernetes.io"):
+            problem = f"invalid extended resource name {name!r}"
+        if problem:
+            self._record(KubeletEvent("rejected", name, detail=problem))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        channel = grpc.aio.insecure_channel(f"unix://{self.directory / request.endpoint}")
+        stub = api_pb2_grpc.DevicePluginStub(channel)
+        try:
+            options = await stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=self.dial_timeout,
+                                                        wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            await channel.close()
+            self._record(KubeletEvent("rejected", name, detail=f"dial-back failed: {exc.details()}"))
+            await context.abort(grpc.StatusCode.UNKNOWN,
+                                f"cannot reach plugin {request.endpoint}: {exc.details()}")
+        old = self.plugins.get(name)
+        if old is not None:
+            await self._drop(old)
+        view = PluginView(name, request.endpoint, options, channel, stub)
+        self.plugins[name] = view
+        self.registrations.append(request)
+        view.task = asyncio.create_task(self._watch(view), name=f"kubelet-watch-{name}")
+        self._record(KubeletEvent("register", name, detail=request.endpoint))
+        log.info("stand-in kubelet: %s registered at %s", name, request.endpoint)
+        return api_pb2.Empty()
+
+    async def _watch(self, view: PluginView) -> None:
+        detail = "stream ended"
+        try:
+            async for response in view.stub.ListAndWatch(api_pb2.Empty()):
+                view.devices = {device.ID: device for device in response.devices}
+                view.lists += 1
+                self._record(KubeletEvent("devices", view.resource_name,
+                                          tuple((d.ID, d.health) for d in response.devices)))
+        except grpc.aio.AioRpcError as exc:
+            detail = f"stream failed: {exc.code().name}"
+        view.connected = False  # the kubelet marks every device of the resource Unhealthy
+        self._record(KubeletEvent("disconnected", view.resource_name, detail=detail))
+        log.info("stand-in kubelet: %s disconnected (%s)", view.resource_name, detail)
+
+    def _order(self, requests: Mapping[str, int], order: list[str] | None) -> list[str]:
+        if order is None:
+            names = list(requests)
+            self.rng.shuffle(names)  # the kubelet walks a Go map
+            return names
+        if sorted(order) != sorted(requests):
+            raise ValueError(f"order {order} must name exactly the requested resources {sorted(requests)}")
+        return list(order)
+
+    async def admit(self, requests: dict[str, int], order: list[str] | None = None) -> dict[str, list[str]]:
+        """Allocate devices for one container, resource by resource; returns resource -> device IDs.
+
+        Raises AdmissionError (nothing stays allocated) when the kubelet would refuse the pod.
+        """
+        async with self._admit_lock:
+            done: dict[str, list[str]] = {}
+            try:
+                for name in self._order(requests, order):
+                    if requests[name] > 0:
+                        done[name] = await self._admit_one(name, requests[name])
+            except BaseException:
+                self.release(done)
+                raise
+            return done
+
+    async def _admit_one(self, name: str, required: int) -> list[str]:
+        view = self.plugins.get(name)
+        if view is None:
+            raise AdmissionError(f"{name}: no device plugin registered")
+        taken = self.allocated.setdefault(name, set())
+        available = view.healthy() - taken
+        if len(available) < required:
+            raise AdmissionError(f"requested number of devices unavailable for {name}. "
+                                 f"Requested: {required}, Available: {len(available)}")
+        chosen: list[str] = []  # no reusable (init-container) devices and no topology hint here
+
+        def fill(candidates: Iterable[str]) -> None:
+            pool = [c for c in candidates if c not in chosen]
+            self.rng.shuffle(pool)  # the kubelet iterates sets
+            chosen.extend(pool[: required - len(chosen)])
+
+        if view.options.get_preferred_allocation_available:
+            container = api_pb2.ContainerPreferredAllocationRequest(
+                available_deviceIDs=sorted(available | set(chosen)), must_include_deviceIDs=chosen,
+                allocation_size=required)
+            try:
+                reply = await view.stub.GetPreferredAllocation(
+                    api_pb2.PreferredAllocationRequest(container_requests=[container]))
+            except grpc.aio.AioRpcError as exc:
+                raise AdmissionError(
+                    f"device plugin GetPreferredAllocation rpc failed: {exc.details()}") from exc
+            preferred = set(reply.container_responses[0].deviceIDs) if reply.container_responses else set()
+            fill(preferred & available)
+        fill(available)
+        try:
+            reply = await view.stub.Allocate(api_pb2.AllocateRequest(
+                container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=chosen)]))
+        except grpc.aio.AioRpcError as exc:
+            raise AdmissionError(f"{name}: Allocate failed: {exc.code().name}: {exc.details()}") from exc
+        if not reply.container_responses:
+            raise AdmissionError(f"{name}: Allocate returned no container response")
+        taken.update(chosen)
+        self.responses[name] = reply.container_responses[0]
+        self._record(KubeletEvent("allocate", name, tuple((i, "Healthy") for i in chosen)))
+        return chosen
+
+    def release(self, allocation: Mapping[str, Iterable[str]]) -> None:
+        """Give devices back (the pod ended)."""
+        for name, ids in allocation.items():
+            self.allocated.get(name, set()).difference_update(ids)

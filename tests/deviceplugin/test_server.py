@@ -1,0 +1,196 @@
+"""The DevicePlugin servicer over real gRPC on a short unix socket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.config.model import DevicePluginConfig
+from agent.deviceplugin.allocate import AllocateOptions
+from agent.deviceplugin.kubelet import PluginServer, SocketPathError, check_socket_path
+from agent.deviceplugin.pools import build_pools
+from agent.deviceplugin.server import DevicePlugin, check_preference_request, simple_policy
+from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from tests.deviceplugin.conftest import GPU_UUIDS, first_list, small_topology
+
+RDMA = "gpunodeagent.io/sriov_rdma"
+VFS = ("0000:1a:00.2", "0000:1a:00.3", "0000:1a:00.4", "0000:9a:00.2", "0000:9a:00.3", "0000:9a:00.4")
+
+
+def _plugin(name: str = RDMA, **changes: object) -> DevicePlugin:
+    config = DevicePluginConfig(serve_gpus=True, **changes)  # type: ignore[arg-type]
+    pool = build_pools(small_topology(), config).by_name()[name]
+    return DevicePlugin(pool, AllocateOptions.from_config(config))
+
+
+@pytest.fixture
+async def served(sockdir: str) -> AsyncIterator[tuple[DevicePlugin, api_pb2_grpc.DevicePluginStub,
+                                                        grpc.aio.Channel]]:
+    plugin = _plugin()
+    server = PluginServer(plugin, sockdir, "t.sock")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"unix://{server.path}")
+    yield plugin, api_pb2_grpc.DevicePluginStub(channel), channel
+    await channel.close()
+    await server.stop()
+    assert not os.path.exists(server.path)  # stop removes the socket
+
+
+def _preference(available: list[str], must: list[str], size: int) -> api_pb2.PreferredAllocationRequest:
+    return api_pb2.PreferredAllocationRequest(container_requests=[api_pb2.ContainerPreferredAllocationRequest(
+        available_deviceIDs=available, must_include_deviceIDs=must, allocation_size=size)])
+
+
+async def test_options_advertise_preferred_allocation(served) -> None:
+    _, stub, _ = served
+    options = await stub.GetDevicePluginOptions(api_pb2.Empty())
+    assert options.get_preferred_allocation_available and not options.pre_start_required
+    assert await stub.PreStartContainer(api_pb2.PreStartContainerRequest(devices_ids=[VFS[0]])) == \
+        api_pb2.PreStartContainerResponse()
+
+
+async def test_list_and_watch_contents(served) -> None:
+    _, _, channel = served
+    call, devices = await first_list(channel)
+    assert [(d.ID, d.health, [n.ID for n in d.topology.nodes]) for d in devices] == [
+        (vf, "Healthy", [0 if vf.startswith("0000:1a") else 1]) for vf in VFS]
+    call.cancel()
+
+
+async def test_no_topology_info_when_numa_unknown_or_excluded(sockdir: str) -> None:
+    unknown = DevicePlugin(build_pools(small_topology(numa_unknown=True), DevicePluginConfig()).pools[0])
+    assert all(not d.HasField("topology") for d in unknown.device_list())
+    gpus = _plugin("nvidia.com/gpu")
+    assert [(d.ID, d.topology.nodes[0].ID) for d in gpus.device_list()] == [
+        (GPU_UUIDS[0], 0), (GPU_UUIDS[1], 0), (GPU_UUIDS[2], 1), (GPU_UUIDS[3], 1)]
+
+
+async def test_two_streams_and_health_flip_and_recovery(served) -> None:
+    plugin, _, channel = served
+    (call_a, first_a), (call_b, first_b) = await asyncio.gather(first_list(channel), first_list(channel))
+    assert len(first_a) == len(first_b) == 6
+    assert plugin.set_health(VFS[4], False, "link down")
+    for call in (call_a, call_b):
+        update = await asyncio.wait_for(call.read(), 5)
+        health = {d.ID: d.health for d in update.devices}
+        assert len(health) == 6  # always the full list
+        assert health[VFS[4]] == "Unhealthy" and list(health.values()).count("Healthy") == 5
+    assert not plugin.set_health(VFS[4], False, "still down")  # no change, no message
+    assert plugin.set_health(VFS[4], True)
+    for call in (call_a, call_b):
+        update = await asyncio.wait_for(call.read(), 5)
+        assert {d.health for d in update.devices} == {"Healthy"}
+    call_a.cancel()
+    # a closed stream does not disturb the other one
+    plugin.set_health(VFS[0], False, "xid")
+    update = await asyncio.wait_for(call_b.read(), 5)
+    assert {d.ID for d in update.devices if d.health == "Unhealthy"} == {VFS[0]}
+    plugin.end_streams()
+    assert await asyncio.wait_for(call_b.read(), 5) is grpc.aio.EOF
+
+
+async def test_allocate_rdma_vfs(served) -> None:
+    _, stub, _ = served
+    reply = await stub.Allocate(api_pb2.AllocateRequest(container_requests=[
+        api_pb2.ContainerAllocateRequest(devices_ids=[VFS[0], VFS[3]]),
+        api_pb2.ContainerAllocateRequest(devices_ids=[VFS[1]])]))
+    assert len(reply.container_responses) == 2
+    first, second = reply.container_responses
+    assert sorted(d.host_path for d in first.devices) == [
+        "/dev/infiniband/rdma_cm", "/dev/infiniband/uverbs1", "/dev/infiniband/uverbs11"]
+    assert all(d.permissions == "rw" and d.container_path == d.host_path for d in first.devices)
+    assert first.envs["PCIDEVICE_GPUNODEAGENT_IO_SRIOV_RDMA"] == f"{VFS[0]},{VFS[3]}"
+    assert first.envs["NCCL_IB_HCA"] == "=mlx5_1:1,mlx5_11:1"
+    info = json.loads(first.envs["PCIDEVICE_GPUNODEAGENT_IO_SRIOV_RDMA_INFO"])
+    assert info[VFS[3]]["rdma"]["rdma_dev"] == "mlx5_11"
+    assert second.envs["NCCL_IB_HCA"] == "=mlx5_2:1"
+
+
+async def test_allocate_unknown_ids_is_invalid_argument(served) -> None:
+    _, stub, _ = served
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Allocate(api_pb2.AllocateRequest(container_requests=[
+            api_pb2.ContainerAllocateRequest(devices_ids=[VFS[0], "0000:ff:00.1", "GPU-nope"])]))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "0000:ff:00.1" in caught.value.details() and "GPU-nope" in caught.value.details()
+    assert VFS[0] not in caught.value.details()
+
+
+async def test_preferred_allocation_honours_must_include_and_size(served) -> None:
+    _, stub, _ = served
+    reply = await stub.GetPreferredAllocation(_preference(list(VFS), [VFS[4]], 3))
+    chosen = list(reply.container_responses[0].deviceIDs)
+    assert len(chosen) == 3 and VFS[4] in chosen and set(chosen) <= set(VFS)
+    reply = await stub.GetPreferredAllocation(_preference([VFS[5], VFS[1]], [], 2))
+    assert sorted(reply.container_responses[0].deviceIDs) == [VFS[1], VFS[5]]
+
+
+@pytest.mark.parametrize(("available", "must", "size"), [
+    (list(VFS), [], 0),  # size not positive
+    (list(VFS), [], -2),
+    ([VFS[0], "0000:ee:00.2"], [], 1),  # unknown available ID
+    (list(VFS), ["0000:ee:00.2"], 1),  # unknown must_include ID
+    ([VFS[0], VFS[1]], [VFS[2]], 2),  # must_include not available
+    (list(VFS), [VFS[0], VFS[1], VFS[2]], 2),  # must_include larger than size
+    ([VFS[0]], [], 2),  # too few available
+])
+async def test_preferred_allocation_bad_input_is_empty_never_an_error(served, available, must, size) -> None:
+    _, stub, _ = served
+    reply = await stub.GetPreferredAllocation(_preference(available, must, size))
+    assert reply == api_pb2.PreferredAllocationResponse()
+
+
+async def test_preferred_allocation_policy_failure_is_empty(sockdir: str) -> None:
+    def broken(*_: object) -> list[str]:
+        raise RuntimeError("policy bug")
+
+    plugin = DevicePlugin(_plugin().pool, policy=broken)
+    server = PluginServer(plugin, sockdir, "p.sock")
+    await server.start()
+    async with grpc.aio.insecure_channel(f"unix://{server.path}") as channel:
+        stub = api_pb2_grpc.DevicePluginStub(channel)
+        reply = await stub.GetPreferredAllocation(_preference(list(VFS), [], 1))
+    await server.stop()
+    assert reply == api_pb2.PreferredAllocationResponse()
+
+
+async def test_allocate_gpus(sockdir: str) -> None:
+    plugin = _plugin("nvidia.com/gpu", gpu_cdi=True)
+    server = PluginServer(plugin, sockdir, "g.sock")
+    await server.start()
+    async with grpc.aio.insecure_channel(f"unix://{server.path}") as channel:
+        reply = await api_pb2_grpc.DevicePluginStub(channel).Allocate(api_pb2.AllocateRequest(
+            container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=[GPU_UUIDS[1], GPU_UUIDS[3]])]))
+    await server.stop()
+    response = reply.container_responses[0]
+    assert response.envs["NVIDIA_VISIBLE_DEVICES"] == f"{GPU_UUIDS[1]},{GPU_UUIDS[3]}"
+    assert [d.name for d in response.cdi_devices] == [f"nvidia.com/gpu={GPU_UUIDS[1]}",
+                                                      f"nvidia.com/gpu={GPU_UUIDS[3]}"]
+
+
+def test_socket_path_limit() -> None:
+    assert check_socket_path("/" + "d" * 106) == "/" + "d" * 106
+    with pytest.raises(SocketPathError, match="108 bytes; the limit is 107"):
+        check_socket_path("/" + "d" * 107)
+    with pytest.raises(SocketPathError):
+        PluginServer(_plugin(), "/tmp/" + "x" * 100, "gna-sriov_rdma.sock")
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_simple_policy_properties(data: st.DataObject) -> None:
+    pool = _plugin().pool
+    available = data.draw(st.lists(st.sampled_from(VFS), min_size=1, unique=True))
+    must = data.draw(st.lists(st.sampled_from(available), unique=True))
+    size = data.draw(st.integers(min_value=max(1, len(must)), max_value=len(available)))
+    check_preference_request(pool, available, must, size)  # valid input never raises
+    chosen = simple_policy(pool, available, must, size)
+    assert len(chosen) == size == len(set(chosen))
+    assert set(must) <= set(chosen) <= set(available)

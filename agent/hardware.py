@@ -1,0 +1,57 @@
+"""The node's hardware sources, real or simulated, behind one object that can rescan.
+
+`--simulate PROFILE` writes the profile as a sysfs tree into a scratch directory and pairs it with the
+simulated NVML; otherwise the host's sysfs and the real NVML are used. Either way the same readers build the
+`Topology`, so a simulated run exercises the code that runs on a node.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.config import TopologyConfig
+from agent.nvml import Nvml, RealNvml
+from agent.simulate.node import SimulatedNode, build_simulated_node
+from agent.topology.load import load_topology
+from agent.topology.model import Topology
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Hardware:
+    """Where the topology comes from, and the latest topology read from there."""
+
+    nvml: Nvml
+    sysfs_root: Path
+    topology_file: Path | None
+    topology: Topology
+    simulated: SimulatedNode | None = None
+
+    def rescan(self) -> Topology:
+        """Read the sources again (blocking: call from a thread); the new value replaces `topology`."""
+        self.topology = load_topology(self.sysfs_root, self.nvml, self.topology_file)
+        return self.topology
+
+    def describe(self) -> str:
+        """One line for logs: which sources are in use."""
+        where = f"simulated profile {self.simulated.profile.name}" if self.simulated else f"sysfs {self.sysfs_root}"
+        xml = f", NCCL topology {self.topology_file}" if self.topology_file else ""
+        return f"{where}{xml}, NVML {'available' if self.nvml.available else 'unavailable'}"
+
+
+def open_hardware(cfg: TopologyConfig, scratch: Path) -> Hardware:
+    """Open the configured sources and read the first topology. Raises for an unknown profile or bad XML."""
+    if cfg.simulate:
+        node = build_simulated_node(cfg.simulate, scratch)
+        xml = Path(cfg.topology_file) if cfg.topology_file else node.topology_file
+        hardware = Hardware(nvml=node.nvml, sysfs_root=node.sysfs_root, topology_file=xml,
+                            topology=Topology(), simulated=node)
+    else:
+        hardware = Hardware(nvml=RealNvml(), sysfs_root=Path(cfg.sysfs_root),
+                            topology_file=Path(cfg.topology_file) if cfg.topology_file else None,
+                            topology=Topology())
+    hardware.rescan()
+    return hardware

@@ -193,12 +193,14 @@ def matches(selector: SelectorConfig, function: Vf | Nic, pf: Nic) -> bool:
     return all(checks)
 
 
-def _candidates(topology: Topology) -> list[tuple[Vf | Nic, Nic]]:
-    """NIC functions that can be devices: every VF, and each PF that has none."""
+def _candidates(topology: Topology, skipped: list[str]) -> list[tuple[Vf | Nic, Nic]]:
+    """NIC functions that can be devices: every VF, and each PF that has none unless it is the node's uplink."""
     found: list[tuple[Vf | Nic, Nic]] = []
     for nic in sorted(topology.nics, key=lambda n: n.bus_id):
         if nic.vfs:
             found.extend((vf, nic) for vf in sorted(nic.vfs, key=lambda v: v.bus_id))
+        elif uplinks := sorted(set(nic.netdevs) & topology.default_route_netdevs):
+            skipped.append(f"NIC {nic.bus_id} carries the default route ({', '.join(uplinks)})")
         else:
             found.append((nic, nic))
     return found
@@ -210,8 +212,9 @@ def build_pools(topology: Topology, config: DevicePluginConfig) -> PoolScan:
     Raises PoolConfigError for names the kubelet would refuse (`check_config`).
     """
     check_config(config)
+    skipped: list[str] = []
     members: list[list[PoolDevice]] = [[] for _ in config.pools]
-    for function, pf in _candidates(topology):
+    for function, pf in _candidates(topology, skipped):
         for i, pool in enumerate(config.pools):
             if matches(pool.selectors, function, pf):
                 members[i].append(PoolDevice(id=function.bus_id, bus_id=function.bus_id, numa=pf.numa,
@@ -220,7 +223,6 @@ def build_pools(topology: Topology, config: DevicePluginConfig) -> PoolScan:
     pools = [ResourcePool(prefix=_pool_prefix(pool, config), name=pool.resource_name, kind="nic",
                           devices=tuple(devices), exclude_topology=pool.exclude_topology, topology=topology)
              for pool, devices in zip(config.pools, members, strict=True)]
-    skipped: list[str] = []
     if config.serve_gpus:
         prefix, _, name = config.gpu_resource_name.rpartition("/")
         gpus = []

@@ -190,6 +190,7 @@ class Topology:
     gpus: tuple[Gpu, ...] = ()
     nics: tuple[Nic, ...] = ()
     source: str = "sysfs"
+    default_route_netdevs: frozenset[str] = frozenset()  # the node's uplinks: never handed to a pod
 
     @cached_property
     def _locations(self) -> dict[str, Location]:

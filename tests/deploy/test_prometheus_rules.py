@@ -1,0 +1,189 @@
+"""The PrometheusRule's alerts: they parse (promtool check rules), use only the agent's metrics and `up`, and
+fire when they should (promtool test rules over synthetic series, including a counter's first sample)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.deploy.manifests import (
+    AGENT_METRICS,
+    PROMETHEUS_MISSING,
+    alert_rules,
+    binary,
+    metric_names,
+    rule_groups,
+)
+
+PROMTOOL = binary("promtool")
+needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason=PROMETHEUS_MISSING)
+
+REQUIRED_ALERTS = {"GpuXidNeedsAction", "GpuDeviceUnhealthy", "GpuNodeCordonedByAgent", "GpuNodeVerdictCordonOrDrain",
+                   "GpuNodeAgentDown", "GpuNodeAgentSubsystemDown", "GpuNodeAgentAccountingDown"}
+
+
+def _write_rules(path: Path, *, annotations: bool = True) -> Path:
+    groups = rule_groups()
+    if not annotations:  # promtool test rules compares annotations; the unit tests are about the expressions
+        groups = [{**g, "rules": [{k: v for k, v in r.items() if k != "annotations"} for r in g["rules"]]}
+                  for g in groups]
+    path.write_text(yaml.safe_dump({"groups": groups}, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    assert PROMTOOL is not None
+    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_required_alerts_exist():
+    assert {rule["alert"] for rule in alert_rules()} == REQUIRED_ALERTS
+
+
+@pytest.mark.parametrize("rule", alert_rules(), ids=lambda rule: rule["alert"])
+def test_alert_uses_only_agent_metrics_and_up(rule):
+    names = metric_names(rule["expr"])
+    assert names, f"no metric found in {rule['expr']!r}"
+    unknown = {n for n in names if n != "up" and not n.startswith("gpu_node_agent_")}
+    assert not unknown, f"{rule['alert']} uses metrics outside the agent: {unknown}"
+    undocumented = {n for n in names if n.startswith("gpu_node_agent_")} - set(AGENT_METRICS)
+    assert not undocumented, f"{rule['alert']} uses metrics the agent does not document: {undocumented}"
+
+
+def test_up_alert_selects_the_agent_job():
+    (rule,) = [r for r in alert_rules() if r["alert"] == "GpuNodeAgentDown"]
+    assert 'job="gpu-node-agent"' in rule["expr"]
+
+
+def test_xid_alert_covers_exactly_the_codes_the_agent_acts_on():
+    xid = pytest.importorskip("agent.health.xid", reason="the Xid catalog lives in the health subsystem")
+    findings = pytest.importorskip("agent.health.findings")
+    policy = xid.XidPolicy()
+    acted_on = {code for code in xid.CATALOG
+                if policy.action(code) in (findings.Severity.CORDON, findings.Severity.DRAIN)}
+    (rule,) = [r for r in alert_rules() if r["alert"] == "GpuXidNeedsAction"]
+    matchers = re.findall(r'xid=~"([^"]*)"', rule["expr"])
+    assert matchers, "the Xid alert must select codes"
+    for matcher in matchers:
+        assert {int(code) for code in matcher.split("|")} == acted_on
+
+
+@needs_promtool
+def test_rules_pass_promtool_check(tmp_path):
+    result = _promtool("check", "rules", str(_write_rules(tmp_path / "rules.yml")))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- promtool test rules: each alert over synthetic series (1 sample a minute) ----------------------------
+
+AGENT = {"job": "gpu-node-agent", "instance": "10.0.0.1:9400", "node": "n1"}
+
+
+def _series(name: str, values: str, **labels: str) -> dict[str, str]:
+    text = ",".join(f'{k}="{v}"' for k, v in {**AGENT, **labels}.items())
+    return {"series": f"{name}{{{text}}}", "values": values}
+
+
+def _alerts(alertname: str, *cases: tuple[str, list[dict[str, str]]]) -> list[dict[str, Any]]:
+    return [{"eval_time": at, "alertname": alertname, "exp_alerts": [{"exp_labels": labels} for labels in expected]}
+            for at, expected in cases]
+
+
+XID = "gpu_node_agent_xid_errors_total"
+GPU0 = {"gpu": "0", "uuid": "GPU-a", "pci_bus_id": "0000:18:00.0"}
+GPU2 = {"gpu": "2", "uuid": "GPU-c", "pci_bus_id": "0000:3a:00.0"}
+XID79 = {"node": "n1", **GPU0, "xid": "79", "severity": "critical"}
+XID48 = {"node": "n1", **GPU2, "xid": "48", "severity": "critical"}
+
+UNIT_TESTS: list[dict[str, Any]] = [
+    {   # Xid 79 appears at 5 min with value 1 (first sample); Xid 13 (application) keeps rising; Xid 48 rises at 20.
+        "input_series": [
+            _series(XID, "_x5 1x30", **GPU0, xid="79"),
+            _series(XID, "_x5 1+1x30", gpu="1", uuid="GPU-b", pci_bus_id="0000:2a:00.0", xid="13"),
+            _series(XID, "1x19 2x15", **GPU2, xid="48"),
+        ],
+        "alert_rule_test": _alerts(
+            "GpuXidNeedsAction",
+            ("4m", [XID48]),  # present since the first sample of the test: new within 10 minutes
+            ("6m", [XID79, XID48]),
+            ("14m", [XID79]),
+            ("16m", []),
+            ("21m", [XID48]),
+            ("29m", [XID48]),
+            ("31m", []),
+        ),
+    },
+    {
+        "input_series": [
+            _series("gpu_node_agent_device_healthy", "1x4 0x10 1x5", resource="nvidia.com/gpu", device="GPU-a"),
+            _series("gpu_node_agent_device_healthy", "1x20", resource="nvidia.com/gpu", device="GPU-b"),
+        ],
+        "alert_rule_test": _alerts(
+            "GpuDeviceUnhealthy",
+            ("9m", []),  # pending: unhealthy for 4 minutes
+            ("10m", [{**AGENT, "resource": "nvidia.com/gpu", "device": "GPU-a", "severity": "warning"}]),
+            ("17m", []),
+        ),
+    },
+    {
+        "input_series": [
+            _series("gpu_node_agent_remediation_actions_total", "_x5 1x40", action="cordon", result="ok"),
+            _series("gpu_node_agent_remediation_actions_total", "_x5 1+1x40", action="cordon", result="dry_run"),
+            _series("gpu_node_agent_node_verdict", "0x4 1x10 0x5", verdict="drain"),
+            _series("gpu_node_agent_node_verdict", "1x4 0x10 1x5", verdict="healthy"),
+        ],
+        "alert_rule_test": [
+            *_alerts("GpuNodeCordonedByAgent",
+                     ("4m", []), ("6m", [{"node": "n1", "severity": "warning"}]), ("25m", [])),
+            *_alerts("GpuNodeVerdictCordonOrDrain",
+                     ("6m", []), ("7m", [{"node": "n1", "verdict": "drain", "severity": "warning"}]), ("17m", [])),
+        ],
+    },
+    {
+        "input_series": [
+            _series("up", "1x4 0x10"),
+            {"series": 'up{job="other",instance="10.0.0.9:9100"}', "values": "0x14"},
+            _series("gpu_node_agent_subsystem_up", "0x14", subsystem="netacct"),
+            _series("gpu_node_agent_subsystem_up", "1x2 0x12", subsystem="device-plugin"),
+            _series("gpu_node_agent_subsystem_up", "1x14", subsystem="health"),
+            _series("gpu_node_agent_netacct_up", "1x2 0x12", node="n2"),  # running, but its reads fail
+        ],
+        "alert_rule_test": [
+            *_alerts("GpuNodeAgentDown", ("9m", []), ("10m", [{**AGENT, "severity": "warning"}])),
+            *_alerts("GpuNodeAgentAccountingDown",
+                     ("5m", [{**AGENT, "subsystem": "netacct", "severity": "warning"}]),
+                     ("8m", [{**AGENT, "subsystem": "netacct", "severity": "warning"},
+                             {**AGENT, "node": "n2", "severity": "warning"}])),
+            *_alerts("GpuNodeAgentSubsystemDown",
+                     ("5m", []), ("8m", [{**AGENT, "subsystem": "device-plugin", "severity": "warning"}])),
+        ],
+    },
+]
+
+
+@needs_promtool
+def test_alerts_fire_when_they_should(tmp_path):
+    _write_rules(tmp_path / "rules.yml", annotations=False)
+    tests = [{"interval": "1m", **case} for case in UNIT_TESTS]
+    spec = {"rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": tests}
+    path = tmp_path / "tests.yml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
+    result = _promtool("test", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("expr", "names"), [
+    ('up{job="x"} == 0', {"up"}),
+    ('sum by (node, xid) (increase(a_total{xid=~"1|2"}[10m])) > 0 or (b unless b offset 10m)', {"a_total", "b"}),
+    ('topk(5, rate(c_seconds_total{node=~"$node"}[$__rate_interval]))', {"c_seconds_total"}),
+    ("-sum without (pod) (d) * 3600 / count(e{a='b'}) + 1e3", {"d", "e"}),
+    ("label_values(f_info, node)", {"f_info"}),
+    ("max(g) by (h) and on (i) group_left (j) k", {"g", "k"}),
+])
+def test_metric_name_extraction(expr, names):
+    assert metric_names(expr) == names

@@ -1,12 +1,78 @@
-"""Settings of the health subsystem: GPU and NIC health checks (NVML, kernel log, link state)."""
+"""Settings of the health subsystem: GPU and NIC health checks (NVML, kernel log, link state).
+
+The state directory (kmsg cursor, outstanding GPU faults) is the top-level `AgentConfig.state_dir`; the
+caller passes it in. Xid action overrides are `CODE=ACTION` strings because the config loader speaks flags
+and env vars, where a list of strings is the natural shape; `xid_action_overrides()` gives the mapping.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent.config.fields import setting  # noqa: F401  (used as fields are added)
+from agent.config.fields import setting
+
+# Node verdicts, least to most severe. `none` in an Xid override means "count it, nothing else".
+VERDICTS = ("healthy", "degraded", "cordon", "drain")
+XID_ACTIONS = ("none", "degraded", "cordon", "drain")
+
+
+def parse_xid_override(text: str) -> tuple[int, str]:
+    """`"109=drain"` -> (109, "drain"); ValueError naming the problem otherwise."""
+    code_text, sep, action = text.partition("=")
+    action = action.strip().lower()
+    if not sep or not code_text.strip().isdigit():
+        raise ValueError(f"xid action override {text!r} must look like CODE=ACTION, e.g. 109=drain")
+    if action not in XID_ACTIONS:
+        raise ValueError(f"xid action override {text!r}: action must be one of {', '.join(XID_ACTIONS)}")
+    return int(code_text), action
 
 
 @dataclass
 class HealthConfig:
     """GPU and NIC health checks (NVML, kernel log, link state)."""
+
+    kmsg: str = setting("/dev/kmsg", flag="--kmsg", env="GPU_NODE_AGENT_KMSG",
+                        help="kernel log to read Xid lines from: /dev/kmsg, or a plain file in its record format "
+                             "that is appended to (simulation); empty turns the kernel-log check off")
+    nvml_poll_interval_seconds: float = setting(
+        30.0, flag="--nvml-poll-interval", env="GPU_NODE_AGENT_NVML_POLL_INTERVAL",
+        help="seconds between NVML polls of ECC counts, retired pages and remapped rows")
+    nvml_event_timeout_seconds: float = setting(
+        5.0, flag="--nvml-event-timeout", env="GPU_NODE_AGENT_NVML_EVENT_TIMEOUT",
+        help="longest single wait for NVML Xid/ECC events (bounds how long stopping takes)")
+    require_nvml: bool = setting(
+        False, flag="--require-nvml", env="GPU_NODE_AGENT_REQUIRE_NVML",
+        help="fail the health checks (agent exits non-zero) when NVML cannot start; otherwise the NVML checks "
+             "report 'unavailable' and the rest runs")
+    xid_actions: list[str] = setting(
+        factory=list, flag="--xid-action", env="GPU_NODE_AGENT_XID_ACTIONS", repeat=True,
+        help="override the action for an Xid code as CODE=ACTION (none, degraded, cordon, drain), "
+             "e.g. 109=none or 63=cordon")
+    xid_burst_window_seconds: float = setting(
+        180.0, flag="--xid-burst-window", env="GPU_NODE_AGENT_XID_BURST_WINDOW",
+        help="repeats of one Xid on one GPU closer than this are one burst: counted, logged and acted on once")
+    degraded_hold_seconds: float = setting(
+        600.0, flag="--degraded-hold", env="GPU_NODE_AGENT_DEGRADED_HOLD",
+        help="how long a 'degraded' finding (growing single-bit ECC, degraded-class Xid) stays after its last "
+             "occurrence")
+    link_check_interval_seconds: float = setting(
+        1.0, flag="--link-check-interval", env="GPU_NODE_AGENT_LINK_CHECK_INTERVAL",
+        help="seconds between NIC link checks (netdev carrier/operstate, InfiniBand port state); 0 turns it off")
+    link_down_action: str = setting(
+        "degraded", flag="--link-down-action", env="GPU_NODE_AGENT_LINK_DOWN_ACTION", choices=VERDICTS,
+        help="node verdict while an RDMA NIC link is down (its VFs are Unhealthy regardless)")
+
+    def check(self) -> None:
+        """Reject values that can never work (the loader reports them with the field name)."""
+        self.xid_action_overrides()
+        for name in ("nvml_poll_interval_seconds", "nvml_event_timeout_seconds", "xid_burst_window_seconds",
+                     "degraded_hold_seconds"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be greater than 0, got {getattr(self, name)}")
+        if self.link_check_interval_seconds < 0:
+            raise ValueError(f"link_check_interval_seconds must not be negative, got "
+                             f"{self.link_check_interval_seconds}")
+
+    def xid_action_overrides(self) -> dict[int, str]:
+        """Xid code -> action from `xid_actions`; ValueError on a malformed entry."""
+        return dict(parse_xid_override(item) for item in self.xid_actions)

@@ -1,12 +1,78 @@
-"""Settings of the netacct subsystem: Network accounting (iptables mangle rules and ipset counters)."""
+"""Settings of the netacct subsystem: network accounting with iptables mangle rules and ipset counters.
+
+The internal set decides what is "cluster" traffic; everything else is "internet". It lives in an ipset, not in
+rules, so changing it never rewrites a rule nor resets a counter. `check()` rejects malformed CIDRs here, at load
+time, so that a typo exits with code 2 naming the field instead of failing later inside `ipset restore`.
+"""
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
-from agent.config.fields import setting  # noqa: F401  (used as fields are added)
+from agent.config.fields import setting
+
+# RFC 1918, RFC 6598 (CGNAT), IPv4 link-local, IPv6 ULA and IPv6 link-local (reference netacct.md §6).
+DEFAULT_INTERNAL_CIDRS: tuple[str, ...] = (
+    "10.0.0.0/8",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "100.64.0.0/10",
+    "169.254.0.0/16",
+    "fc00::/7",
+    "fe80::/10",
+)
+BACKENDS = ("auto", "nft", "legacy")
+
+
+def _default_internal() -> list[str]:
+    return list(DEFAULT_INTERNAL_CIDRS)
 
 
 @dataclass
 class NetacctConfig:
     """Network accounting (iptables mangle rules and ipset counters)."""
+
+    enabled: bool = setting(False, flag="--netacct", env="GPU_NODE_AGENT_NETACCT",
+                            help="count node and pod traffic (internet vs cluster) with iptables mangle rules "
+                                 "and ipset counters; needs NET_ADMIN and the host network namespace")
+    internal_cidrs: list[str] = setting(
+        factory=_default_internal, flag="--internal-cidr", env="GPU_NODE_AGENT_INTERNAL_CIDRS", repeat=True,
+        help="address range counted as cluster traffic (pod, service and node subnets); giving any replaces the "
+             "default set: RFC 1918, 100.64.0.0/10, 169.254.0.0/16, fc00::/7, fe80::/10")
+    pods_file: str | None = setting(
+        None, flag="--pods-file", env="GPU_NODE_AGENT_PODS_FILE",
+        help='JSON file listing this node\'s pods, {"pods":[{"namespace":..,"name":..,"ips":[..]}]}, re-read on '
+             "change (standalone use instead of the Kubernetes pod watch)")
+    per_pod_metrics: bool = setting(True, flag="--netacct-per-pod", env="GPU_NODE_AGENT_NETACCT_PER_POD",
+                                    help="export per-pod byte counters (one series per pod, traffic class and "
+                                         "direction); turn off to save Prometheus cardinality")
+    backend: str = setting("auto", flag="--netacct-backend", env="GPU_NODE_AGENT_NETACCT_BACKEND",
+                           choices=BACKENDS,
+                           help="iptables backend: auto follows the kubelet's hint chain (default nft)")
+    ipv6: bool = setting(True, flag="--netacct-ipv6", env="GPU_NODE_AGENT_NETACCT_IPV6",
+                         help="also account IPv6 with ip6tables (turn off on nodes without IPv6)")
+    sync_interval_seconds: float = setting(
+        30.0, flag="--netacct-sync-interval", env="GPU_NODE_AGENT_NETACCT_SYNC_INTERVAL",
+        help="seconds between full re-checks of rules and sets (pod changes are applied at once)")
+    lock_wait_seconds: int = setting(5, flag="--netacct-lock-wait", env="GPU_NODE_AGENT_NETACCT_LOCK_WAIT",
+                                     help="seconds iptables-restore waits for the xtables lock (/run/xtables.lock)")
+
+    def check(self) -> None:
+        """Reject malformed CIDRs and non-positive intervals (the loader reports them with exit code 2)."""
+        for index, text in enumerate(self.internal_cidrs):
+            where = f"internalCidrs[{index}]"
+            try:
+                network = ipaddress.ip_network(text.strip(), strict=False)
+            except ValueError:
+                raise ValueError(f"{where}: {text!r} is not a CIDR such as 10.0.0.0/8 or fd00::/8") from None
+            if network.network_address != ipaddress.ip_address(text.strip().split("/")[0]):
+                raise ValueError(f"{where}: {text!r} has host bits set; did you mean {network}?")
+        if not self.sync_interval_seconds > 0:
+            raise ValueError(f"syncIntervalSeconds: must be positive, got {self.sync_interval_seconds!r}")
+        if self.lock_wait_seconds < 0:
+            raise ValueError(f"lockWaitSeconds: must be zero or positive, got {self.lock_wait_seconds!r}")
+
+    def internal_networks(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+        """The internal set as networks (call after `check()`)."""
+        return [ipaddress.ip_network(text.strip(), strict=False) for text in self.internal_cidrs]

@@ -1,12 +1,122 @@
-"""Settings of the remediation subsystem: Node remediation through the Kubernetes API."""
+"""Settings of the remediation subsystem: what the agent may do to its own Node through the Kubernetes API.
+
+Every knob that changes how hard the agent hits the API server or how far it goes (drain, uncordon) is here, so
+that an operator can roll out with `--dry-run`, a small slot count and drain off, then widen. `check()` rejects
+values that would make a 7,500-node fleet hammer the API server (a condition heartbeat under 5 minutes).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent.config.fields import setting  # noqa: F401  (used as fields are added)
+from agent.config.fields import setting
+
+CLOUDS = ("azure", "gcp", "aws")
+UNCORDON_POLICIES = ("never", "non-hardware", "always")
+MIN_HEARTBEAT_SECONDS = 300.0
 
 
 @dataclass
 class RemediationConfig:
-    """Node remediation through the Kubernetes API."""
+    """Node remediation through the Kubernetes API: cordon, taint, condition, events, drain, slots, preflight."""
+
+    enabled: bool = setting(False, flag="--remediation", env="GPU_NODE_AGENT_REMEDIATION",
+                            help="act on this node's API objects (cordon, condition, events, drain)")
+    kubeconfig: str | None = setting(None, flag="--kubeconfig", env="GPU_NODE_AGENT_KUBECONFIG",
+                                     help="kubeconfig file; the in-cluster service account when unset")
+    dry_run: bool = setting(False, flag="--dry-run", env="GPU_NODE_AGENT_DRY_RUN",
+                            help="decide, log and emit Events, but change nothing else on the cluster")
+    prefix: str = setting("gpu-node-agent.io", flag="--remediation-prefix", env="GPU_NODE_AGENT_REMEDIATION_PREFIX",
+                          help="domain prefix of the agent's taint, annotations and labels")
+    pod_name: str = setting("", flag="--pod-name", env="GPU_NODE_AGENT_POD_NAME",
+                            help="the agent's own pod name (downward API metadata.name); never evicted")
+    pod_namespace: str = setting("", flag="--pod-namespace", env="GPU_NODE_AGENT_POD_NAMESPACE",
+                                 help="the agent's own namespace (downward API metadata.namespace)")
+    slot_namespace: str = setting("", flag="--slot-namespace", env="GPU_NODE_AGENT_SLOT_NAMESPACE",
+                                  help="namespace of the remediation-slot Leases; the agent's namespace when empty")
+    slots: int = setting(3, flag="--remediation-slots", env="GPU_NODE_AGENT_REMEDIATION_SLOTS",
+                         help="how many nodes may be cordoned by agents at once (K slot Leases)")
+    slot_lease_seconds: float = setting(3600.0, flag="--slot-lease-seconds", env="GPU_NODE_AGENT_SLOT_LEASE_SECONDS",
+                                        help="slot Lease duration; renewed at a third of it while held")
+    slot_retry_seconds: float = setting(300.0, flag="--slot-retry-seconds", env="GPU_NODE_AGENT_SLOT_RETRY_SECONDS",
+                                        help="how long a deferred remediation waits before looking for a slot again")
+    healthy_window_seconds: float = setting(
+        1800.0, flag="--healthy-window", env="GPU_NODE_AGENT_HEALTHY_WINDOW",
+        help="seconds a node must stay healthy before the agent lifts its own cordon")
+    uncordon_policy: str = setting(
+        "non-hardware", flag="--uncordon-policy", env="GPU_NODE_AGENT_UNCORDON_POLICY", choices=UNCORDON_POLICIES,
+        help="which cordons the agent lifts by itself: never, only non-hardware faults, or always")
+    uncordon_allow_reasons: list[str] = setting(
+        factory=list, flag="--uncordon-allow-reason", env="GPU_NODE_AGENT_UNCORDON_ALLOW_REASONS", repeat=True,
+        help="reasons (e.g. GpuXid79) that may be uncordoned even though they are hardware faults")
+    uncordon_deny_reasons: list[str] = setting(
+        factory=list, flag="--uncordon-deny-reason", env="GPU_NODE_AGENT_UNCORDON_DENY_REASONS", repeat=True,
+        help="reasons that stay cordoned until a person uncordons, whatever the policy")
+    drain: bool = setting(True, flag="--drain", env="GPU_NODE_AGENT_DRAIN",
+                          help="evict pods on drain verdicts (off: drain verdicts only cordon)")
+    drain_deadline_seconds: float = setting(
+        3600.0, flag="--drain-deadline", env="GPU_NODE_AGENT_DRAIN_DEADLINE",
+        help="seconds after which an unfinished drain stops and is reported")
+    eviction_backoff_seconds: float = setting(
+        5.0, flag="--eviction-backoff", env="GPU_NODE_AGENT_EVICTION_BACKOFF",
+        help="first wait after a 429 (PodDisruptionBudget) eviction refusal; doubles up to the maximum")
+    eviction_backoff_max_seconds: float = setting(
+        120.0, flag="--eviction-backoff-max", env="GPU_NODE_AGENT_EVICTION_BACKOFF_MAX",
+        help="longest wait between eviction retries after 429")
+    eviction_blocked_retry_seconds: float = setting(
+        300.0, flag="--eviction-blocked-retry", env="GPU_NODE_AGENT_EVICTION_BLOCKED_RETRY",
+        help="wait after a 500 eviction refusal (e.g. several PDBs select the pod) before trying again")
+    preflight_taint: str = setting(
+        "gpu-node-agent.io/preflight", flag="--preflight-taint", env="GPU_NODE_AGENT_PREFLIGHT_TAINT",
+        help="taint key that marks a node not yet checked; removed when the checks pass (empty: off)")
+    preflight_gpu_count: int = setting(0, flag="--preflight-gpu-count", env="GPU_NODE_AGENT_PREFLIGHT_GPU_COUNT",
+                                       help="GPUs the node must show for preflight to pass (0: not checked)")
+    preflight_command: list[str] = setting(
+        factory=list, flag="--preflight-command-arg", env="GPU_NODE_AGENT_PREFLIGHT_COMMAND", repeat=True,
+        help="operator preflight command as argv (no shell); it passes when it exits 0")
+    preflight_command_timeout_seconds: float = setting(
+        300.0, flag="--preflight-command-timeout", env="GPU_NODE_AGENT_PREFLIGHT_COMMAND_TIMEOUT",
+        help="seconds before the operator preflight command is killed and counted as failed")
+    preflight_retry_seconds: float = setting(
+        600.0, flag="--preflight-retry", env="GPU_NODE_AGENT_PREFLIGHT_RETRY",
+        help="seconds between preflight attempts while it fails (0: try once)")
+    maintenance_clouds: list[str] = setting(
+        factory=list, flag="--maintenance-cloud", env="GPU_NODE_AGENT_MAINTENANCE_CLOUDS", repeat=True,
+        help="clouds whose scheduled maintenance events to poll: azure, gcp, aws (empty: off)")
+    maintenance_base_url: str = setting(
+        "http://169.254.169.254", flag="--maintenance-base-url", env="GPU_NODE_AGENT_MAINTENANCE_BASE_URL",
+        help="instance metadata endpoint (a local server in tests)")
+    maintenance_poll_seconds: float = setting(
+        10.0, flag="--maintenance-poll", env="GPU_NODE_AGENT_MAINTENANCE_POLL",
+        help="seconds between metadata polls (local only, no API server load)")
+    maintenance_drain_before_seconds: float = setting(
+        0.0, flag="--maintenance-drain-before", env="GPU_NODE_AGENT_MAINTENANCE_DRAIN_BEFORE",
+        help="start draining this many seconds before a maintenance event's NotBefore (0: only cordon)")
+    condition_type: str = setting("GpuUnhealthy", flag="--condition-type", env="GPU_NODE_AGENT_CONDITION_TYPE",
+                                  help="NodeCondition type the agent owns (True means a problem)")
+    condition_heartbeat_seconds: float = setting(
+        300.0, flag="--condition-heartbeat", env="GPU_NODE_AGENT_CONDITION_HEARTBEAT",
+        help="seconds between unchanged condition heartbeats (at least 300)")
+    api_timeout_seconds: float = setting(10.0, flag="--api-timeout", env="GPU_NODE_AGENT_API_TIMEOUT",
+                                         help="timeout of one API server request")
+
+    def check(self) -> None:
+        """Reject settings that are unsafe at fleet scale; the message names the setting and the fix."""
+        if self.slots < 1:
+            raise ValueError(f"slots: {self.slots} must be at least 1 (set dryRun to observe without acting)")
+        if self.condition_heartbeat_seconds < MIN_HEARTBEAT_SECONDS:
+            raise ValueError(f"conditionHeartbeatSeconds: {self.condition_heartbeat_seconds} is under "
+                             f"{MIN_HEARTBEAT_SECONDS:.0f}; at 7,500 nodes that floods the API server")
+        unknown = sorted(set(self.maintenance_clouds) - set(CLOUDS))
+        if unknown:
+            raise ValueError(f"maintenanceClouds: {', '.join(unknown)} not one of {', '.join(CLOUDS)}")
+        for name in ("slot_lease_seconds", "slot_retry_seconds", "maintenance_poll_seconds",
+                     "eviction_backoff_seconds", "api_timeout_seconds", "preflight_command_timeout_seconds"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.uncordon_policy not in UNCORDON_POLICIES:
+            raise ValueError(f"uncordonPolicy: {self.uncordon_policy!r} not one of {', '.join(UNCORDON_POLICIES)}")
+
+    def lease_namespace(self) -> str:
+        """Where slot Leases live: the configured namespace, else the agent's own, else `default`."""
+        return self.slot_namespace or self.pod_namespace or "default"

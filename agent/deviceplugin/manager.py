@@ -3,6 +3,10 @@
 The rest of the agent talks only to this: `start()`/`stop()`, `update_topology()` after a rescan (changed
 device sets reach the kubelet through ListAndWatch; new resources start serving, vanished ones stop), health
 events on an asyncio queue (a device can go Unhealthy and come back), and `registered` for readiness.
+
+All servers of one manager share one `preference.JointAllocator` (and so one admission context): serving GPUs
+and NICs from one process is what lets the NIC call of a container see the GPUs it just got, and the other
+way round. Its metrics go to the `registry` handed in (the agent's /metrics registry).
 """
 
 from __future__ import annotations
@@ -10,12 +14,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry
+
 from agent.config.model import DevicePluginConfig
+from agent.deviceplugin.admission import DEFAULT_TTL_S
 from agent.deviceplugin.allocate import AllocateOptions
 from agent.deviceplugin.kubelet import KubeletLink, check_socket_path
+from agent.deviceplugin.metrics import AllocationMetrics
 from agent.deviceplugin.pools import ResourcePool, build_pools, socket_name
+from agent.deviceplugin.preference import JointAllocator
 from agent.deviceplugin.server import DevicePlugin, PreferencePolicy
 from agent.topology.model import Topology
 
@@ -32,22 +43,31 @@ class DeviceHealthEvent:
 
 
 class DevicePluginManager:
-    """Owns the per-resource DevicePlugin servers and their kubelet registration."""
+    """Owns the per-resource DevicePlugin servers and their kubelet registration.
+
+    `policy`: None for the PCIe-aware joint policy (`self.allocator.prefer`); another policy replaces it,
+    while Allocates are still recorded and counted. `registry`: where the allocation metrics go (a private
+    registry when None). `admission_ttl_s` and `clock`: the admission context's time-out and time source.
+    """
 
     def __init__(self, config: DevicePluginConfig, topology: Topology, *,
                  health_events: asyncio.Queue[DeviceHealthEvent] | None = None,
                  poll_interval: float = 1.0, register_timeout: float = 10.0,
                  backoff_initial: float = 0.5, backoff_max: float = 30.0,
-                 policy: PreferencePolicy | None = None) -> None:
+                 policy: PreferencePolicy | None = None, registry: CollectorRegistry | None = None,
+                 admission_ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.health_events: asyncio.Queue[DeviceHealthEvent] = health_events or asyncio.Queue()
         self._options = AllocateOptions.from_config(config)
-        self._policy = policy
+        self._plugins: dict[str, DevicePlugin] = {}
+        self.metrics = AllocationMetrics(registry)
+        self.allocator = JointAllocator(self._plugins.values, metrics=self.metrics, ttl_s=admission_ttl_s,
+                                        clock=clock)
+        self._policy = policy or self.allocator.prefer
         self._topology = topology
         self._link = KubeletLink(config.device_plugin_dir, poll_interval=poll_interval,
                                  register_timeout=register_timeout, backoff_initial=backoff_initial,
                                  backoff_max=backoff_max)
-        self._plugins: dict[str, DevicePlugin] = {}
         self._unhealthy: dict[str, str] = {}  # device ID -> reason, across rescans and resources
         self._skipped: tuple[str, ...] = ()
         self._empty: tuple[str, ...] = ()
@@ -94,7 +114,9 @@ class DevicePluginManager:
         return {name: pool for name, pool in scan.by_name().items() if pool.devices}
 
     def _new_plugin(self, pool: ResourcePool) -> DevicePlugin:
-        plugin = DevicePlugin(pool, self._options, policy=self._policy)
+        plugin = DevicePlugin(pool, self._options, policy=self._policy, on_allocate=self.allocator.allocated,
+                              metrics=self.metrics)
+        self.metrics.add_resource(pool.resource_name)
         for device_id, reason in self._unhealthy.items():
             plugin.set_health(device_id, False, reason)
         return plugin

@@ -3,7 +3,9 @@
 It holds the resource's current pool and device health. ListAndWatch streams the full device list at start and
 again after every change (health flip, rescan); any number of streams may be open. Allocate answers from the
 pool in memory. GetPreferredAllocation must never fail admission, so it answers bad input with no preference;
-its policy sits behind one small method that the PCIe-aware policy replaces.
+it never prefers a device marked Unhealthy here (the kubelet's view may lag by one ListAndWatch message). The
+policy is pluggable: a standalone servicer uses `simple_policy`; the manager plugs in the PCIe-aware
+`preference.JointAllocator`, shared by all its resources, and its Allocate hook.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import grpc
 
 from agent.deviceplugin.allocate import AllocateOptions, Contributor, build_container_payload
+from agent.deviceplugin.metrics import AllocationMetrics
 from agent.deviceplugin.pools import ResourcePool
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
@@ -25,6 +28,8 @@ UNHEALTHY = "Unhealthy"
 
 # (pool, available, must_include, size) -> preferred device IDs; inputs are already validated.
 PreferencePolicy = Callable[[ResourcePool, Sequence[str], Sequence[str], int], list[str]]
+# (pool, device IDs) after each successful Allocate of one container request.
+AllocationHook = Callable[[ResourcePool, Sequence[str]], None]
 
 
 def simple_policy(pool: ResourcePool, available: Sequence[str], must_include: Sequence[str],
@@ -67,11 +72,15 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
 
     def __init__(self, pool: ResourcePool, options: AllocateOptions | None = None,
                  policy: PreferencePolicy | None = None,
-                 contributors: Sequence[Contributor] | None = None) -> None:
+                 contributors: Sequence[Contributor] | None = None, *,
+                 on_allocate: AllocationHook | None = None,
+                 metrics: AllocationMetrics | None = None) -> None:
         self._pool = pool
         self._options = options or AllocateOptions()
         self._policy = policy or simple_policy
         self._contributors = contributors
+        self._on_allocate = on_allocate
+        self._metrics = metrics
         self._unhealthy: dict[str, str] = {}  # device ID -> reason
         self._changed = asyncio.Event()
         self._epoch = 0  # bumped by end_streams(); streams of an older epoch return
@@ -123,6 +132,10 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
         """`Healthy` or `Unhealthy`."""
         return UNHEALTHY if device_id in self._unhealthy else HEALTHY
 
+    def healthy_ids(self) -> frozenset[str]:
+        """IDs of the pool's devices not marked Unhealthy."""
+        return frozenset(device_id for device_id in self._pool.ids if device_id not in self._unhealthy)
+
     def device_list(self) -> list[api_pb2.Device]:
         """The full list ListAndWatch sends: every device with its health and NUMA node when known."""
         devices = []
@@ -165,9 +178,28 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
         finally:
             log.debug("%s: ListAndWatch stream closed", self.resource_name)
 
+    def _failed(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.no_preference(self.resource_name, reason)
+
     def _preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
-        """The allocation policy call (swap the policy here)."""
-        return self._policy(self._pool, available, must_include, size)
+        """The allocation policy call (swap the policy here), over the offered devices healthy here.
+
+        When fewer healthy devices than `size` are offered, the answer is the best of those (a partial
+        preference: the kubelet fills the rest itself).
+        """
+        must = set(must_include)
+        healthy = [device_id for device_id in dict.fromkeys(available)
+                   if device_id not in self._unhealthy or device_id in must]
+        wanted = min(size, len(healthy))
+        if wanted < size:
+            log.warning("%s: only %d of the %d devices asked for are healthy; partial preference",
+                        self.resource_name, wanted, size)
+            self._failed("short")
+        preferred = self._policy(self._pool, healthy, must_include, wanted) if wanted else []
+        if not preferred and wanted == size:
+            self._failed("empty")
+        return preferred
 
     async def GetPreferredAllocation(
             self, request: api_pb2.PreferredAllocationRequest,
@@ -183,9 +215,11 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
                 preferred = self._preferred(available, must_include, size)
             except PreferenceError as exc:
                 log.warning("%s: GetPreferredAllocation: no preference: %s", self.resource_name, exc)
+                self._failed("invalid_request")
                 return api_pb2.PreferredAllocationResponse()
             except Exception:
                 log.exception("%s: GetPreferredAllocation policy failed; no preference", self.resource_name)
+                self._failed("policy_error")
                 return api_pb2.PreferredAllocationResponse()
             response.container_responses.add(deviceIDs=preferred)
         return response
@@ -209,6 +243,11 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
             payload = build_container_payload(self._pool, found, self._options, self._contributors)
             response.container_responses.append(payload.to_proto())
             log.info("%s: allocated %s", self.resource_name, ", ".join(ids))
+            if self._on_allocate is not None:
+                try:
+                    self._on_allocate(self._pool, ids)
+                except Exception:  # bookkeeping must never fail an Allocate
+                    log.exception("%s: allocation hook failed", self.resource_name)
         return response
 
     async def PreStartContainer(self, request: api_pb2.PreStartContainerRequest,

@@ -28,9 +28,9 @@ class RemediationConfig:
                             help="decide, log and emit Events, but change nothing else on the cluster")
     prefix: str = setting("gpu-node-agent.io", flag="--remediation-prefix", env="GPU_NODE_AGENT_REMEDIATION_PREFIX",
                           help="domain prefix of the agent's taint, annotations and labels")
-    pod_name: str = setting("", flag="--pod-name", env="GPU_NODE_AGENT_POD_NAME",
+    pod_name: str = setting("", flag="--pod-name", env="POD_NAME",
                             help="the agent's own pod name (downward API metadata.name); never evicted")
-    pod_namespace: str = setting("", flag="--pod-namespace", env="GPU_NODE_AGENT_POD_NAMESPACE",
+    pod_namespace: str = setting("", flag="--pod-namespace", env="POD_NAMESPACE",
                                  help="the agent's own namespace (downward API metadata.namespace)")
     slot_namespace: str = setting("", flag="--slot-namespace", env="GPU_NODE_AGENT_SLOT_NAMESPACE",
                                   help="namespace of the remediation-slot Leases; the agent's namespace when empty")

@@ -1,0 +1,261 @@
+"""The real cluster port on lightkube's async client; the only module of the agent that imports lightkube.
+
+Two boundary duties live here. Every HTTP exchange, watches and token-refresh retries included, passes through
+`CountingTransport`, which feeds `gpu_node_agent_apiserver_requests_total{verb,code}`: at 7,500 nodes the
+fleet's load is this counter times the node count. Every failure (lightkube `ApiError`, httpx status errors,
+timeouts, connection errors, undecodable bodies) leaves as a `model.Api*` exception with `raise ... from`.
+
+The node watch is one request per call, asking for bookmarks: lightkube's public `watch()` cannot request
+`allowWatchBookmarks` and reconnects on its own, which would hide requests from the caller's backoff. It uses
+lightkube's request builder (`_client.prepare_request`), hence the pinned lightkube minor version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx2
+import msgspec
+from lightkube import AsyncClient, KubeConfig
+from lightkube.config.client_adapter import verify_cluster
+from lightkube.core.exceptions import ApiError as LightkubeApiError
+from lightkube.core.exceptions import ConfigError as LightkubeConfigError
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.coordination_v1 import Lease
+from lightkube.resources.core_v1 import Event, Node, Pod
+from lightkube.types import PatchType
+
+from agent.remediation import model
+from agent.remediation.metrics import ApiRequestCounter
+from agent.remediation.model import Condition, EventRecord, LeaseView, NodeView, PodView, WatchEvent
+
+log = logging.getLogger(__name__)
+
+FIELD_MANAGER = "gpu-node-agent"
+COMPONENT = "gpu-node-agent"
+
+
+class ClusterConfigError(Exception):
+    """No usable kubeconfig or in-cluster service account; the message names the fix."""
+
+
+def request_verb(method: str, path: str, query: str) -> str:
+    """Kubernetes verb of an HTTP request: get/list/watch/create/patch/update/delete."""
+    if method == "GET":
+        if "watch=true" in query or "watch=1" in query:
+            return "watch"
+        parts = [p for p in path.split("/") if p]
+        parts = parts[2:] if parts[:1] == ["api"] else parts[3:]  # drop api/v1 or apis/<group>/<version>
+        if parts[:1] == ["namespaces"] and len(parts) > 2:
+            parts = parts[2:]
+        return "list" if len(parts) <= 1 else "get"
+    return {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}.get(method, method.lower())
+
+
+class CountingTransport(httpx2.AsyncBaseTransport):
+    """Wraps the real transport and counts every request by verb and status (or `timeout` / `error`)."""
+
+    def __init__(self, inner: httpx2.AsyncBaseTransport, counter: ApiRequestCounter) -> None:
+        self._inner = inner
+        self._counter = counter
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        """Send and count."""
+        verb = request_verb(request.method, request.url.path, request.url.query.decode())
+        try:
+            response = await self._inner.handle_async_request(request)
+        except httpx2.TimeoutException:
+            self._counter.count(verb, "timeout")
+            raise
+        except httpx2.HTTPError:
+            self._counter.count(verb, "error")
+            raise
+        self._counter.count(verb, response.status_code)
+        return response
+
+    async def aclose(self) -> None:
+        """Close the wrapped transport."""
+        await self._inner.aclose()
+
+
+def _retry_after(response: httpx2.Response | None) -> float | None:
+    if response is None:
+        return None
+    try:
+        return float(response.headers.get("Retry-After", ""))
+    except ValueError:
+        return None
+
+
+def translate(exc: BaseException) -> model.ApiError:
+    """Our exception for any client-side failure."""
+    if isinstance(exc, LightkubeApiError):
+        response = exc.response if isinstance(getattr(exc, "response", None), httpx2.Response) else None
+        code = response.status_code if response is not None else int(exc.status.code or 500)
+        return model.error_for_status(code, exc.status.message or "", _retry_after(response))
+    if isinstance(exc, httpx2.HTTPStatusError):
+        return model.error_for_status(exc.response.status_code, exc.response.reason_phrase,
+                                      _retry_after(exc.response))
+    if isinstance(exc, httpx2.TimeoutException):
+        return model.ApiTimeout(f"timed out: {type(exc).__name__}")
+    if isinstance(exc, httpx2.HTTPError):
+        return model.ApiUnavailable(f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, LightkubeConfigError):  # e.g. the projected token file is briefly missing
+        return model.ApiUnavailable(f"credentials: {exc}")
+    if isinstance(exc, (msgspec.DecodeError, json.JSONDecodeError)):
+        return model.ApiServerError(502, f"undecodable response: {exc}")
+    raise TypeError(f"not an API failure: {exc!r}")  # a bug here, not an API error
+
+
+_FAILURES = (httpx2.HTTPError, msgspec.DecodeError, json.JSONDecodeError, LightkubeConfigError)
+
+
+class LightkubeCluster:
+    """`port.Cluster` on a lightkube `AsyncClient` whose transport counts requests."""
+
+    def __init__(self, client: AsyncClient, node_name: str, event_namespace: str = "default",
+                 timeout: float = 10.0) -> None:
+        self._client = client
+        self._timeout = timeout
+        self.node_name = node_name
+        self._event_namespace = event_namespace
+
+    async def _do(self, call: Callable[[], Any]) -> Any:
+        try:
+            return await call()
+        except _FAILURES as exc:
+            raise translate(exc) from exc
+
+    async def get_node(self) -> NodeView:
+        """GET the node."""
+        node = await self._do(lambda: self._client.get(Node, self.node_name))
+        return NodeView.from_dict(node.to_dict())
+
+    async def patch_node(self, patch: dict[str, Any], resource_version: str | None = None) -> NodeView:
+        """Merge patch, optionally guarded by resourceVersion (409 ApiConflict when stale)."""
+        body = dict(patch)
+        if resource_version:
+            body["metadata"] = {**(body.get("metadata") or {}), "resourceVersion": resource_version}
+        node = await self._do(lambda: self._client.patch(Node, self.node_name, body, patch_type=PatchType.MERGE))
+        return NodeView.from_dict(node.to_dict())
+
+    async def patch_node_condition(self, condition: Condition) -> NodeView:
+        """Strategic merge on nodes/status: conditions merge by type."""
+        body = {"status": {"conditions": [condition.to_dict()]}}
+        node = await self._do(lambda: self._client.patch(Node.Status, self.node_name, body,
+                                                         patch_type=PatchType.STRATEGIC))
+        return NodeView.from_dict(node.to_dict())
+
+    async def watch_node(self, resource_version: str, timeout_seconds: int) -> AsyncIterator[WatchEvent]:
+        """One watch request by name with bookmarks; ERROR lines become exceptions (410: ApiGone)."""
+        generic = self._client._client
+        br = generic.prepare_request("list", res=Node, watch=True, params={
+            "fieldSelector": f"metadata.name={self.node_name}", "resourceVersion": resource_version or None,
+            "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_seconds)})
+        br.timeout = httpx2.Timeout(self._timeout, read=timeout_seconds + 30.0)
+        try:
+            response = await generic.send(generic.build_adapter_request(br), stream=True)
+        except _FAILURES as exc:
+            raise translate(exc) from exc
+        try:
+            if response.status_code >= 400:
+                await response.aread()
+                raise model.error_for_status(response.status_code, response.text[:200], _retry_after(response))
+            async for line in response.aiter_lines():
+                if line.strip():
+                    yield _watch_event(line)
+        except _FAILURES as exc:
+            raise translate(exc) from exc
+        finally:
+            await response.aclose()
+
+    async def list_pods(self) -> list[PodView]:
+        """Pods on this node only (fieldSelector spec.nodeName), all namespaces."""
+        async def call() -> list[PodView]:
+            return [PodView.from_dict(p.to_dict()) async for p in
+                    self._client.list(Pod, namespace="*", fields={"spec.nodeName": self.node_name})]
+        return await self._do(call)
+
+    async def evict_pod(self, namespace: str, name: str) -> None:
+        """policy/v1 Eviction (lightkube fills apiVersion and kind)."""
+        eviction = Pod.Eviction(metadata=ObjectMeta(name=name, namespace=namespace))
+        await self._do(lambda: self._client.create(eviction, name=name, namespace=namespace))
+
+    async def write_event(self, event: EventRecord) -> EventRecord:
+        """Create a core/v1 Event on the Node, or fold a repeat into it (count, lastTimestamp)."""
+        last = model.format_time(event.last_time)
+        if event.name:
+            body = {"count": event.count, "lastTimestamp": last, "message": event.message}
+            await self._do(lambda: self._client.patch(Event, event.name, body, namespace=self._event_namespace,
+                                                      patch_type=PatchType.MERGE))
+            return event
+        created = await self._do(lambda: self._client.create(
+            Event.from_dict(self._event_body(event)), namespace=self._event_namespace))
+        return EventRecord(event.reason, event.message, event.type, created.metadata.name, event.count,
+                           event.first_time, event.last_time)
+
+    def _event_body(self, event: EventRecord) -> dict[str, Any]:
+        return {
+            "metadata": {"generateName": f"{self.node_name}.", "namespace": self._event_namespace},
+            # kubelet names the Node's uid after the node, so `kubectl describe node` lists these Events
+            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": self.node_name},
+            "reason": event.reason, "message": event.message, "type": event.type, "count": event.count,
+            "firstTimestamp": model.format_time(event.first_time), "lastTimestamp": model.format_time(event.last_time),
+            "source": {"component": COMPONENT, "host": self.node_name},
+            "reportingComponent": COMPONENT, "reportingInstance": self.node_name,
+        }
+
+    async def list_leases(self, namespace: str, labels: dict[str, str]) -> list[LeaseView]:
+        """Leases in one namespace with these labels."""
+        async def call() -> list[LeaseView]:
+            return [LeaseView.from_dict(item.to_dict())
+                    async for item in self._client.list(Lease, namespace=namespace, labels=labels)]
+        return await self._do(call)
+
+    async def write_lease(self, namespace: str, lease: LeaseView) -> LeaseView:
+        """Create, or replace guarded by resourceVersion."""
+        obj = Lease.from_dict(lease.to_dict(namespace))
+        if lease.resource_version:
+            written = await self._do(lambda: self._client.replace(obj, namespace=namespace))
+        else:
+            written = await self._do(lambda: self._client.create(obj, namespace=namespace))
+        return LeaseView.from_dict(written.to_dict())
+
+    async def aclose(self) -> None:
+        """Close the HTTP client."""
+        await self._client.close()
+
+
+def _watch_event(line: str) -> WatchEvent:
+    try:
+        event = json.loads(line)
+        kind, obj = event["type"], event.get("object") or {}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise model.ApiServerError(502, f"undecodable watch line: {line[:120]!r}") from exc
+    if kind == "ERROR":
+        raise model.error_for_status(int(obj.get("code") or 500), obj.get("message") or "")
+    version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+    if kind == "BOOKMARK":
+        return WatchEvent("BOOKMARK", version)
+    return WatchEvent(kind, version, NodeView.from_dict(obj))
+
+
+def connect(node_name: str, counter: ApiRequestCounter, kubeconfig: str | None = None, timeout: float = 10.0,
+            event_namespace: str = "default") -> LightkubeCluster:
+    """A `LightkubeCluster` from a kubeconfig file, or the in-cluster service account when none is given."""
+    try:
+        config = KubeConfig.from_file(kubeconfig) if kubeconfig else KubeConfig.from_service_account()
+        single = config.get()
+    except (LightkubeConfigError, KeyError, OSError) as exc:
+        where = f"kubeconfig {kubeconfig}" if kubeconfig else "the in-cluster service account"
+        raise ClusterConfigError(f"cannot use {where} ({exc}); set --kubeconfig or run in a pod with a "
+                                 f"service account") from exc
+    if single is None or single.user is None:
+        raise ClusterConfigError(f"kubeconfig {kubeconfig} has no current context with a user")
+    verify = verify_cluster(single.cluster, single.user, single.abs_file)
+    transport = CountingTransport(httpx2.AsyncHTTPTransport(verify=verify), counter)
+    client = AsyncClient(single, timeout=httpx2.Timeout(timeout), field_manager=FIELD_MANAGER, transport=transport)
+    return LightkubeCluster(client, node_name, event_namespace, timeout)

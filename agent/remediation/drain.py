@@ -1,0 +1,135 @@
+"""Drain: evict this node's pods through the policy/v1 Eviction API, so PodDisruptionBudgets are honoured.
+
+Like `kubectl drain --ignore-daemonsets`, it skips DaemonSet pods (they tolerate the cordon and would come
+back), mirror (static) pods, finished pods and the agent's own pod. Before every eviction it asks `wanted()`
+whether the fault still calls for a drain (draino#50, #116 drained after the condition cleared). Answers:
+200/201 evicted; 404 already gone; 429 a PDB (or API throttling) says not now: back off exponentially, honour
+Retry-After; 500 misconfiguration such as several PDBs on one pod: report (Warning Event) and keep trying at a
+slow pace, since a person may fix the PDBs. At the deadline it stops and reports what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from agent.remediation.clock import Clock
+from agent.remediation.events import WARNING, EventRecorder
+from agent.remediation.metrics import ActionCounter
+from agent.remediation.model import ApiError, ApiNotFound, ApiServerError, ApiTooManyRequests, PodView
+from agent.remediation.port import PodApi
+
+log = logging.getLogger(__name__)
+
+#: How often pods are re-listed while evicted pods terminate (only during a drain, never in steady state).
+POLL_SECONDS = 10.0
+_DONE_PHASES = ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class DrainResult:
+    """How a drain ended: complete, deadline, or stopped (fault cleared or agent stopping)."""
+
+    outcome: str
+    remaining: tuple[str, ...] = ()
+
+
+def evictable(pods: list[PodView], own_pod: tuple[str, str]) -> list[PodView]:
+    """The pods a drain must remove."""
+    return [p for p in pods
+            if "DaemonSet" not in p.owner_kinds and not p.mirror and p.phase not in _DONE_PHASES
+            and (p.namespace, p.name) != own_pod]
+
+
+class Drainer:
+    """One drain at a time; `run` returns when done, at the deadline, or when stopped."""
+
+    def __init__(self, api: PodApi, clock: Clock, events: EventRecorder, actions: ActionCounter, *,
+                 own_pod: tuple[str, str], backoff_seconds: float = 5.0, backoff_max_seconds: float = 120.0,
+                 blocked_retry_seconds: float = 300.0, dry_run: bool = False) -> None:
+        self._api = api
+        self._clock = clock
+        self._events = events
+        self._actions = actions
+        self._own_pod = own_pod
+        self._backoff_initial = backoff_seconds
+        self._backoff_max = backoff_max_seconds
+        self._blocked_retry = blocked_retry_seconds
+        self._dry_run = dry_run
+
+    async def run(self, stop: asyncio.Event, deadline: float, wanted: Callable[[], bool]) -> DrainResult:
+        """Evict until no evictable pod is left."""
+        backoff = self._backoff_initial
+        remaining: tuple[str, ...] = ()
+        announced = False
+        while not stop.is_set():
+            if not wanted():
+                return DrainResult("stopped", remaining)
+            now = self._clock.now()
+            if now >= deadline:
+                await self._events.emit("DrainDeadlineExceeded", f"drain stopped at its deadline with "
+                                        f"{len(remaining)} pods left: {_names(remaining)}", WARNING)
+                self._actions.count("drain", "deadline")
+                return DrainResult("deadline", remaining)
+            try:
+                todo = evictable(await self._api.list_pods(), self._own_pod)
+            except ApiError as exc:
+                log.warning("drain: cannot list pods: %s; retrying in %.0fs", exc, backoff)
+                await self._clock.wait(stop, min(backoff, deadline - now))
+                backoff = min(backoff * 2, self._backoff_max)
+                continue
+            remaining = tuple(f"{p.namespace}/{p.name}" for p in todo)
+            if not todo:
+                await self._events.emit("DrainComplete", "all evictable pods are gone")
+                self._actions.count("drain", "complete")
+                return DrainResult("complete")
+            if not announced:
+                announced = True
+                await self._events.emit("Draining", f"evicting {len(todo)} pods: {_names(remaining)}")
+            if self._dry_run:
+                self._actions.count("drain", "dry_run")
+                return DrainResult("complete", remaining)
+            wait = POLL_SECONDS
+            for pod in (p for p in todo if not p.terminating):
+                if stop.is_set() or not wanted() or self._clock.now() >= deadline:
+                    break
+                outcome, pause = await self._evict(pod, backoff)
+                if outcome == "ok":
+                    backoff = self._backoff_initial
+                elif outcome == "throttled":
+                    backoff = min(backoff * 2, self._backoff_max)
+                wait = max(wait, pause)
+            await self._clock.wait(stop, max(0.0, min(wait, deadline - self._clock.now())))
+        return DrainResult("stopped", remaining)
+
+    async def _evict(self, pod: PodView, backoff: float) -> tuple[str, float]:
+        """Evict one pod: (outcome, seconds to wait before the next round)."""
+        name = f"{pod.namespace}/{pod.name}"
+        try:
+            await self._api.evict_pod(pod.namespace, pod.name)
+        except ApiNotFound:
+            self._actions.count("evict", "gone")
+            return "ok", 0.0
+        except ApiTooManyRequests as exc:
+            self._actions.count("evict", "throttled")
+            log.info("drain: eviction of %s refused (429, PodDisruptionBudget or throttling); backing off", name)
+            return "throttled", max(backoff, exc.retry_after or 0.0)
+        except ApiServerError as exc:
+            self._actions.count("evict", "blocked")
+            await self._events.emit("EvictionBlocked", f"eviction of {name} failed ({exc.code}): {exc.message}; "
+                                    f"several PodDisruptionBudgets may select it. Retrying slowly.", WARNING)
+            return "blocked", self._blocked_retry
+        except ApiError as exc:
+            self._actions.count("evict", "failed")
+            log.warning("drain: eviction of %s failed: %s", name, exc)
+            return "failed", backoff
+        self._actions.count("evict", "ok")
+        log.info("drain: evicted %s", name)
+        return "ok", 0.0
+
+
+def _names(names: tuple[str, ...], limit: int = 10) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

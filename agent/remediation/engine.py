@@ -1,0 +1,271 @@
+"""The remediation decisions: from the latest verdicts and the node as recorded, what to change, once.
+
+`reconcile()` is level-triggered: it reads the ownership annotations (`state.Recorded`), compares them with
+the most severe of the health and maintenance verdicts, and makes only the missing changes, so running it
+again, or in a restarted agent, repeats nothing. The rules, from the failures of earlier tools:
+
+- cordon only while holding a slot (no slot: condition + `RemediationDeferred` Event, retry later);
+- an admin uncordon of our cordon is final for that fault: the agent drops its taint and ownership and does
+  not cordon again until a different fault, or the same one after a healthy window (draino#17);
+- uncordon only our own cordon, after `healthy_window_seconds` of health, when the policy allows the reason
+  (hardware faults stay by default); never touch an admin's `spec.unschedulable` (drainsafe#1);
+- a drain stops as soon as the verdict no longer asks for it (draino#50).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from agent.config.remediation import RemediationConfig
+from agent.remediation import state
+from agent.remediation.actions import NodeActions
+from agent.remediation.clock import Clock
+from agent.remediation.drain import Drainer, DrainResult
+from agent.remediation.events import WARNING, EventRecorder
+from agent.remediation.metrics import ActionCounter
+from agent.remediation.model import format_time
+from agent.remediation.preflight import PreflightState
+from agent.remediation.slots import Slots
+from agent.remediation.state import Keys, Recorded
+from agent.remediation.verdicts import NodeVerdict, worst
+
+log = logging.getLogger(__name__)
+
+
+def may_uncordon(config: RemediationConfig, reason: str, hardware: bool) -> tuple[bool, str]:
+    """Whether policy lets the agent lift its own cordon for this reason, and why."""
+    if reason in config.uncordon_deny_reasons:
+        return False, f"{reason} is listed in uncordonDenyReasons"
+    if reason in config.uncordon_allow_reasons:
+        return True, f"{reason} is listed in uncordonAllowReasons"
+    if config.uncordon_policy == "never":
+        return False, "uncordonPolicy is never"
+    if config.uncordon_policy == "non-hardware" and hardware:
+        return False, f"{reason} is a hardware fault (uncordonPolicy non-hardware)"
+    return True, f"uncordonPolicy {config.uncordon_policy}"
+
+
+@dataclass
+class Inputs:
+    """What the engine decides from, fed by the service's loops."""
+
+    health: NodeVerdict | None = None
+    maintenance: NodeVerdict | None = None
+    preflight: PreflightState = field(default_factory=PreflightState)
+
+    def effective(self) -> NodeVerdict | None:
+        """The most severe verdict (health wins a tie)."""
+        return worst(self.health, self.maintenance)
+
+
+class Engine:
+    """Decides and acts; the service calls `reconcile()` on every change and when `next_due()` passes."""
+
+    def __init__(self, config: RemediationConfig, *, actions: NodeActions, slots: Slots, events: EventRecorder,
+                 drainer: Drainer, clock: Clock, counter: ActionCounter, inputs: Inputs, wake: Callable[[], None],
+                 jitter: Callable[[], float] = lambda: 1.0) -> None:
+        self.config = config
+        self.keys = Keys.for_prefix(config.prefix)
+        self.actions = actions
+        self.slots = slots
+        self.events = events
+        self.drainer = drainer
+        self.clock = clock
+        self.counter = counter
+        self.inputs = inputs
+        self._wake = wake
+        self._jitter = jitter
+        self.deferred_until: float | None = None
+        self._drain_task: asyncio.Task[DrainResult] | None = None
+        self._drain_stop = asyncio.Event()
+        self._said: set[tuple[str, str]] = set()  # (what, reason) already announced, to avoid repeating Events
+
+    def recorded(self) -> Recorded:
+        """The decisions recorded on the node."""
+        return Recorded.from_node(self.actions.node, self.keys)
+
+    async def reconcile(self) -> None:
+        """Make the node match the decisions; raises ApiError (the caller backs off and calls again)."""
+        await self._collect_drain()
+        rec = self.recorded()
+        node = self.actions.node
+        if rec.cordoned and (not node.unschedulable or node.taint(self.keys.taint) is None):
+            await self._admin_uncordoned(rec)
+        await self._preflight()
+        verdict = self.inputs.effective()
+        if verdict is not None and verdict.severity >= 2:
+            await self._fault(verdict)
+        elif verdict is not None:
+            await self._not_faulty(verdict)
+        await self._condition(verdict)
+        if self.recorded().cordoned:
+            await self.slots.renew()
+        elif self.slots.held is not None and self.deferred_until is None:
+            await self.slots.release()
+
+    def next_due(self) -> float | None:
+        """The next time `reconcile` has timed work (heartbeat, healthy window, slot retry or renewal)."""
+        times = [self.slots.renew_due_at(), self.deferred_until]
+        if self.inputs.effective() is not None or self.inputs.preflight.failure:
+            times.append(self.actions.heartbeat_due_at())
+        rec = self.recorded()
+        if rec.healthy_since is not None:
+            times.append(rec.healthy_since + self.config.healthy_window_seconds)
+        now = self.clock.now()
+        return min((t for t in times if t is not None and t > now), default=None)
+
+    async def _say(self, what: str, reason: str, message: str, kind: str = "Normal") -> None:
+        if (what, reason) not in self._said:
+            self._said.add((what, reason))
+            await self.events.emit(what, message, kind)
+
+    async def _admin_uncordoned(self, rec: Recorded) -> None:
+        await self.actions.apply("admin_uncordon", lambda n: state.admin_override_patch(n, self.keys, rec.reason))
+        self._stop_drain()
+        await self.events.emit("AdminUncordonRespected", f"the node was uncordoned by someone else while {rec.reason} "
+                               f"was recorded; the agent will not cordon it again for this fault")
+        await self.slots.release()
+
+    async def _preflight(self) -> None:
+        pre = self.inputs.preflight
+        key = self.config.preflight_taint
+        if not pre.active:
+            return
+        if pre.failure:
+            await self._say("PreflightFailed", pre.failure, f"preflight checks failed, keeping taint {key}: "
+                            f"{pre.failure}", WARNING)
+        elif pre.passed:
+            if await self.actions.apply("preflight", lambda n: state.remove_taint_patch(n, key)):
+                await self.events.emit("PreflightPassed", f"preflight checks passed; removed taint {key}")
+            pre.active = False
+
+    async def _fault(self, verdict: NodeVerdict) -> None:
+        rec = self.recorded()
+        now = self.clock.now()
+        if rec.override_reason == verdict.reason:
+            if ("override", verdict.reason) not in self._said:
+                self._said.add(("override", verdict.reason))
+                log.info("not cordoning for %s: an admin uncordoned this node for that fault", verdict.reason)
+            return
+        if not rec.cordoned:
+            if self.deferred_until is not None and now < self.deferred_until:
+                return
+            slot = await self.slots.acquire()
+            if slot is None:
+                self.deferred_until = now + self.config.slot_retry_seconds * self._jitter()
+                self.counter.count("cordon", "deferred")
+                await self.events.emit("RemediationDeferred", f"{verdict.reason}: all {self.config.slots} "
+                                       f"remediation slots are held by other nodes; will retry", WARNING)
+                return
+            self.deferred_until = None
+            if await self.actions.apply("cordon", lambda n: state.cordon_patch(n, self.keys, verdict.reason,
+                                                                                verdict.hardware, now)):
+                await self.events.emit("Cordoned", f"{verdict.reason}: {verdict.describe()} (slot {slot})", WARNING)
+        elif rec.reason != verdict.reason and await self.actions.apply(
+                "cordon", lambda n: state.reason_patch(n, self.keys, verdict.reason, verdict.hardware)):
+            await self.events.emit("CordonReasonChanged", f"{rec.reason} -> {verdict.reason}: "
+                                   f"{verdict.describe()}", WARNING)
+        if self.recorded().healthy_since is not None:
+            await self.actions.apply("annotate", lambda n: state.annotate({self.keys.healthy_since: None}))
+        if verdict.verdict == "drain":
+            await self._drain()
+
+    async def _not_faulty(self, verdict: NodeVerdict) -> None:
+        self.deferred_until = None
+        rec = self.recorded()
+        now = self.clock.now()
+        if verdict.verdict == "degraded" or not (rec.cordoned or rec.override_reason):
+            if rec.healthy_since is not None:
+                await self.actions.apply("annotate", lambda n: state.annotate({self.keys.healthy_since: None}))
+            return
+        if rec.healthy_since is None:
+            stamp = format_time(now)
+            await self.actions.apply("annotate", lambda n: state.annotate({self.keys.healthy_since: stamp}))
+            return
+        if now < rec.healthy_since + self.config.healthy_window_seconds:
+            return
+        if not rec.cordoned:  # an admin's uncordon is forgotten once the fault has cleared for the window
+            await self.actions.apply("annotate", lambda n: state.annotate(
+                {self.keys.override: None, self.keys.healthy_since: None}))
+            self._said.discard(("override", rec.override_reason))
+            return
+        allowed, why = may_uncordon(self.config, rec.reason, rec.hardware)
+        if not allowed:
+            if ("UncordonHeld", rec.reason) not in self._said:
+                self.counter.count("uncordon", "held")
+            await self._say("UncordonHeld", rec.reason, f"healthy again, but the cordon for {rec.reason} stays: "
+                            f"{why}; uncordon by hand when repaired")
+            return
+        if await self.actions.apply("uncordon", lambda n: state.uncordon_patch(n, self.keys)):
+            await self.events.emit("Uncordoned", f"healthy for {self.config.healthy_window_seconds:.0f}s after "
+                                   f"{rec.reason}; lifted the agent's cordon ({why})")
+            self._said = {s for s in self._said if s[1] != rec.reason}
+        await self.slots.release()
+
+    async def _condition(self, verdict: NodeVerdict | None) -> None:
+        pre = self.inputs.preflight
+        before = self.actions.condition()
+        was_problem = before is not None and before.status == "True"
+        if pre.active and pre.failure:
+            await self.actions.ensure_condition(True, "PreflightFailed", pre.failure)
+        elif verdict is None:
+            current = self.actions.condition()
+            if pre.passed and current is not None and current.reason == "PreflightFailed":
+                await self.actions.ensure_condition(False, "PreflightPassed", "preflight checks passed")
+        elif verdict.severity >= 1:
+            deferred = "RemediationDeferred (no free slot): " if self.deferred_until is not None else ""
+            await self.actions.ensure_condition(True, verdict.reason, deferred + verdict.describe())
+            if verdict.severity == 1 and not (was_problem and before is not None and before.reason == verdict.reason):
+                await self.events.emit("Degraded", f"{verdict.reason}: {verdict.describe()}", WARNING)
+        else:
+            await self.actions.ensure_condition(False, verdict.reason, verdict.describe())
+            if was_problem:  # the condition on the node, so a restarted agent does not say it twice
+                await self.events.emit("Recovered", f"{verdict.reason}: {verdict.describe()}")
+
+    # --- drain ------------------------------------------------------------------------------------------------
+
+    def _drain_wanted(self) -> bool:
+        verdict = self.inputs.effective()
+        return verdict is not None and verdict.verdict == "drain" and self.recorded().cordoned
+
+    async def _drain(self) -> None:
+        if not self.config.drain:
+            if ("nodrain", "") not in self._said:
+                self._said.add(("nodrain", ""))
+                log.info("drain verdict, but drain is off: cordon only")
+            return
+        rec = self.recorded()
+        if rec.drain in ("complete", "deadline") or self._drain_task is not None:
+            return
+        started = rec.drain_started or self.clock.now()
+        if rec.drain_started is None:
+            await self.actions.apply("annotate", lambda n: state.annotate(
+                {self.keys.drain: "running", self.keys.drain_started: format_time(started)}))
+        self._drain_stop = asyncio.Event()
+        deadline = started + self.config.drain_deadline_seconds
+        self._drain_task = asyncio.create_task(self.drainer.run(self._drain_stop, deadline, self._drain_wanted),
+                                               name="remediation-drain")
+        self._drain_task.add_done_callback(lambda _task: self._wake())
+
+    def _stop_drain(self) -> None:
+        self._drain_stop.set()
+
+    async def _collect_drain(self) -> None:
+        task = self._drain_task
+        if task is None or not task.done():
+            return
+        self._drain_task = None
+        result = task.result()
+        if result.outcome in ("complete", "deadline") and self.recorded().cordoned:
+            await self.actions.apply("annotate", lambda n: state.annotate({self.keys.drain: result.outcome}))
+
+    async def close(self) -> None:
+        """Stop a running drain and wait for it."""
+        self._stop_drain()
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+            await asyncio.gather(self._drain_task, return_exceptions=True)
+            self._drain_task = None

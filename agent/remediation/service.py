@@ -1,0 +1,260 @@
+"""`RemediationService`: owns the remediation loops and keeps API server trouble from ever crashing them.
+
+Loops, all stopped by one stop event (blocked requests are cancelled): the verdict consumer, the node watch
+(one watch by name, jittered 5-10 min server timeout, bookmarks, re-GET only on 410, exponential backoff with
+jitter on errors), the reconcile loop (runs the engine on every change and when its next timer is due), the
+maintenance poller and the preflight checks when configured. If a loop fails with a bug, the others are
+stopped and the error is re-raised to the caller; API errors are logged and retried with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from agent.config.remediation import RemediationConfig
+from agent.remediation.actions import NodeActions
+from agent.remediation.clock import Clock, SystemClock
+from agent.remediation.drain import Drainer
+from agent.remediation.engine import Engine, Inputs
+from agent.remediation.events import EventRecorder
+from agent.remediation.maintenance import Fetch, MaintenanceWatcher, urllib_fetch
+from agent.remediation.metrics import ActionCounter
+from agent.remediation.model import ApiConflict, ApiError, ApiGone, NodeView
+from agent.remediation.port import Cluster
+from agent.remediation.preflight import PreflightCheck, run_preflight
+from agent.remediation.slots import Slots
+from agent.remediation.verdicts import NodeVerdict
+
+log = logging.getLogger(__name__)
+
+MAX_BACKOFF = 300.0
+MAX_IDLE = 3600.0
+WATCH_TIMEOUT = (300, 600)
+
+
+def _newer(candidate: str, current: str) -> bool:
+    """Best effort 'not older' for resourceVersions that are integers (etcd); opaque ones always pass."""
+    try:
+        return int(candidate) >= int(current)
+    except ValueError:
+        return True
+
+
+class RemediationService:
+    """Acts on this node's API objects from health verdicts (see `engine`).
+
+    `verdicts` carries `NodeVerdict`s or any object with the same attributes (`NodeVerdict.coerce`), such as the
+    health subsystem's own verdict type; only the latest queued one matters.
+    """
+
+    def __init__(self, config: RemediationConfig, node_name: str, cluster: Cluster,
+                 verdicts: asyncio.Queue[Any], registry: CollectorRegistry, *, pod_name: str = "",
+                 pod_namespace: str = "", clock: Clock | None = None, rng: random.Random | None = None,
+                 preflight_checks: Sequence[PreflightCheck] = (), metadata_fetch: Fetch = urllib_fetch) -> None:
+        if not node_name:
+            raise ValueError("remediation needs the node name: set --node-name or NODE_NAME (downward API)")
+        self.config = config
+        self.node_name = node_name
+        self.cluster = cluster
+        self.verdicts = verdicts
+        self.clock = clock or SystemClock()
+        self._rng = rng or random.Random()  # noqa: S311 - jitter, not security
+        self.counter = ActionCounter(registry)
+        self._wake_event = asyncio.Event()
+        self.inputs = Inputs()
+        self._checks = list(preflight_checks)
+        dry = config.dry_run
+        self.actions = NodeActions(cluster, self.clock, self.counter, condition_type=config.condition_type,
+                                   heartbeat_seconds=config.condition_heartbeat_seconds, dry_run=dry)
+        self.events = EventRecorder(cluster, self.clock, dry_run=dry)
+        self.slots = Slots(cluster, self.clock, self.counter, namespace=config.lease_namespace(),
+                           count=config.slots, holder=node_name, lease_seconds=config.slot_lease_seconds,
+                           label=f"{config.prefix}/remediation-slot", dry_run=dry)
+        drainer = Drainer(cluster, self.clock, self.events, self.counter, own_pod=(pod_namespace, pod_name),
+                          backoff_seconds=config.eviction_backoff_seconds,
+                          backoff_max_seconds=config.eviction_backoff_max_seconds,
+                          blocked_retry_seconds=config.eviction_blocked_retry_seconds, dry_run=dry)
+        self.engine = Engine(config, actions=self.actions, slots=self.slots, events=self.events, drainer=drainer,
+                             clock=self.clock, counter=self.counter, inputs=self.inputs, wake=self.wake,
+                             jitter=self._jitter)
+        self.maintenance = (MaintenanceWatcher(list(config.maintenance_clouds), config.maintenance_base_url,
+                                               self.clock, poll_seconds=config.maintenance_poll_seconds,
+                                               drain_before=config.maintenance_drain_before_seconds,
+                                               fetch=metadata_fetch)
+                            if config.maintenance_clouds else None)
+
+    def _jitter(self) -> float:
+        return self._rng.uniform(0.8, 1.2)
+
+    def wake(self) -> None:
+        """Ask the reconcile loop to run now."""
+        self._wake_event.set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run until `stop` is set; re-raises a loop's unexpected error after stopping the others."""
+        if not await self._start(stop):
+            return
+        loops: list[Coroutine[Any, Any, None]] = [self._reconcile_loop(stop), self._verdict_loop(stop),
+                                                  self._watch_loop(stop), self._relay(stop)]
+        if self.maintenance is not None:
+            loops.append(self._maintenance_loop(stop))
+        if self.inputs.preflight.active:
+            loops.append(run_preflight(self._checks, self.inputs.preflight, self.clock, stop=stop,
+                                       retry_seconds=self.config.preflight_retry_seconds, changed=self.wake))
+        try:
+            await supervise([asyncio.create_task(loop) for loop in loops], stop)
+        finally:
+            await self.engine.close()
+
+    async def _relay(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self._wake_event.set()
+
+    async def _start(self, stop: asyncio.Event) -> bool:
+        """Read the node (retrying), then pick up where a previous agent left off."""
+        backoff = 1.0
+        while not stop.is_set():
+            try:
+                node = await self.actions.refresh()
+                break
+            except ApiError as exc:
+                log.warning("cannot read node %s: %s; retrying in %.0fs", self.node_name, exc, backoff)
+                await self.clock.wait(stop, backoff * self._jitter())
+                backoff = min(backoff * 2, MAX_BACKOFF)
+        else:
+            return False
+        key = self.config.preflight_taint
+        self.inputs.preflight.active = bool(key) and node.taint(key) is not None
+        rec = self.engine.recorded()
+        if rec.cordoned:
+            log.info("resuming: the agent's cordon for %s is recorded on node %s", rec.reason, node.name)
+            with contextlib.suppress(ApiError):
+                if await self.slots.find_own() is None:
+                    log.warning("resuming without a remediation slot; the cordon stays")
+        if self.config.dry_run:
+            log.info("dry-run: decisions are logged and sent as Events; nothing else changes")
+        return True
+
+    async def _verdict_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            getter = asyncio.ensure_future(self.verdicts.get())
+            stopper = asyncio.ensure_future(stop.wait())
+            try:
+                await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # also when cancelled: an orphaned get() would swallow the next agent's verdict
+                stopper.cancel()
+                if not getter.done():
+                    getter.cancel()
+            if getter.cancelled():
+                return
+            verdict = getter.result()
+            while not self.verdicts.empty():  # only the latest verdict matters
+                verdict = self.verdicts.get_nowait()
+            try:
+                verdict = NodeVerdict.coerce(verdict)
+            except ValueError as exc:
+                log.error("ignoring a verdict: %s", exc)
+                continue
+            if verdict != self.inputs.health:
+                log.info("verdict %s (%s): %s", verdict.verdict, verdict.reason, verdict.describe())
+                self.inputs.health = verdict
+                self.wake()
+
+    async def _maintenance_loop(self, stop: asyncio.Event) -> None:
+        assert self.maintenance is not None
+
+        def changed() -> None:
+            self.inputs.maintenance = self.maintenance.verdict if self.maintenance else None
+            self.wake()
+        await self.maintenance.run(stop, changed)
+
+    async def _reconcile_loop(self, stop: asyncio.Event) -> None:
+        backoff = 1.0
+        conflicts = 0
+        while not stop.is_set():
+            self._wake_event.clear()
+            try:
+                await self.engine.reconcile()
+            except ApiConflict:
+                conflicts += 1
+                log.info("node changed under us; deciding again from the fresh node")
+                timeout = 0.0 if conflicts < 3 else backoff
+            except ApiError as exc:
+                self.counter.count("reconcile", "api_error")
+                timeout = backoff * self._jitter()
+                log.warning("remediation step failed: %s; retrying in %.0fs", exc, timeout)
+                backoff = min(backoff * 2, MAX_BACKOFF)
+            else:
+                backoff, conflicts = 1.0, 0
+                due = self.engine.next_due()
+                timeout = MAX_IDLE if due is None else max(1.0, due - self.clock.now())
+            if timeout > 0:
+                await self.clock.wait(self._wake_event, min(timeout, MAX_IDLE))
+
+    async def _watch_loop(self, stop: asyncio.Event) -> None:
+        version = self.actions.node.resource_version
+        backoff = 1.0
+        while not stop.is_set():
+            started = self.clock.now()
+            seen = False
+            try:
+                timeout = self._rng.randint(*WATCH_TIMEOUT)
+                async for event in self.cluster.watch_node(version, timeout):
+                    seen = True
+                    version = event.resource_version or version
+                    if event.node is not None and event.type != "DELETED":
+                        self._observe(event.node)
+                    elif event.type == "DELETED":
+                        log.error("node %s was deleted", self.node_name)
+                if seen or self.clock.now() - started >= 1.0:
+                    backoff = 1.0
+                    continue
+                raise ApiError(0, "watch closed at once")  # a broken proxy: do not spin
+            except ApiGone:
+                log.info("node watch expired (410); reading the node again")
+                try:
+                    version = (await self.actions.refresh()).resource_version
+                    self.wake()
+                    continue
+                except ApiError as exc:
+                    log.warning("cannot read node: %s", exc)
+            except ApiError as exc:
+                log.warning("node watch failed: %s; retrying in %.0fs", exc, backoff)
+            await self.clock.wait(stop, backoff * self._jitter())
+            backoff = min(backoff * 2, MAX_BACKOFF)
+
+    def _observe(self, node: NodeView) -> None:
+        before = self.actions.node
+        if not _newer(node.resource_version, before.resource_version):
+            return
+        self.actions.observe(node)
+        after = self.actions.node
+        condition = self.config.condition_type
+        if (before.unschedulable, before.taints, before.annotations, before.conditions.get(condition)) != (
+                after.unschedulable, after.taints, after.annotations, after.conditions.get(condition)):
+            self.wake()
+
+
+async def supervise(tasks: list[asyncio.Task[None]], stop: asyncio.Event) -> None:
+    """Wait for `stop`; if a task fails first, stop the rest and re-raise. Tasks may finish early."""
+    stopper = asyncio.ensure_future(stop.wait())
+    running = set(tasks)
+    try:
+        while running and not stop.is_set():
+            done, _ = await asyncio.wait({*running, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done - {stopper}:
+                running.discard(task)
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+    finally:
+        stopper.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, stopper, return_exceptions=True)

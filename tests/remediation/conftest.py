@@ -1,0 +1,186 @@
+"""Fixtures: the HTTP API double, a fake clock, and a harness that runs `RemediationService` against them."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from agent.config.remediation import RemediationConfig
+from agent.remediation import RemediationService
+from agent.remediation.cluster import LightkubeCluster, connect
+from agent.remediation.metrics import ApiRequestCounter
+from agent.remediation.preflight import PreflightCheck
+from agent.remediation.verdicts import NodeVerdict
+from tests.remediation.apiserver import ApiServerDouble, Request
+from tests.remediation.fakes import FakeClock
+
+NODE = "gpu-node-1"
+AGENT_NS = "gpu-system"
+AGENT_POD = "gpu-node-agent-abcde"
+
+
+def write_kubeconfig(path: Path, url: str) -> Path:
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "double",
+        "clusters": [{"name": "double", "cluster": {"server": url}}],
+        "users": [{"name": "agent", "user": {"token": "test-token"}}],
+        "contexts": [{"name": "double", "context": {"cluster": "double", "user": "agent"}}]}))
+    return path
+
+
+def make_config(**overrides: Any) -> RemediationConfig:
+    base = RemediationConfig(enabled=True, pod_name=AGENT_POD, pod_namespace=AGENT_NS, slots=2,
+                             healthy_window_seconds=600.0, api_timeout_seconds=2.0, preflight_taint="")
+    return dataclasses.replace(base, **overrides)
+
+
+ALLOWED = [
+    ("GET", rf"/api/v1/nodes/{NODE}"), ("PATCH", rf"/api/v1/nodes/{NODE}"), ("PATCH", rf"/api/v1/nodes/{NODE}/status"),
+    ("GET", r"/api/v1/nodes"),  # watch only, checked below
+    ("GET", r"/api/v1/pods"), ("POST", r"/api/v1/namespaces/[^/]+/pods/[^/]+/eviction"),
+    ("POST", r"/api/v1/namespaces/default/events"), ("PATCH", r"/api/v1/namespaces/default/events/[^/]+"),
+    ("GET", rf"/apis/coordination.k8s.io/v1/namespaces/{AGENT_NS}/leases"),
+    ("POST", rf"/apis/coordination.k8s.io/v1/namespaces/{AGENT_NS}/leases"),
+    ("PUT", rf"/apis/coordination.k8s.io/v1/namespaces/{AGENT_NS}/leases/[^/]+"),
+]
+
+
+def assert_only_allowed(requests: list[Request]) -> None:
+    """Every request is one the RBAC rules grant, and nothing lists or watches cluster-wide."""
+    for r in requests:
+        assert any(r.method == m and re.fullmatch(p, r.path) for m, p in ALLOWED), (r.method, r.path)
+        if r.path == "/api/v1/nodes":
+            assert r.watch and r.query.get("fieldSelector") == f"metadata.name={NODE}", r
+        if r.path == "/api/v1/pods":
+            assert r.query.get("fieldSelector") == f"spec.nodeName={NODE}", r
+
+
+class Harness:
+    """The service under test, its double, clock and metrics."""
+
+    def __init__(self, api: ApiServerDouble, clock: FakeClock, kubeconfig: Path) -> None:
+        self.api = api
+        self.clock = clock
+        self.kubeconfig = kubeconfig
+        self.registry = CollectorRegistry()
+        self.requests = ApiRequestCounter(self.registry)
+        self.queue: asyncio.Queue[NodeVerdict] = asyncio.Queue()
+        self.service: RemediationService | None = None
+        self.cluster: LightkubeCluster | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+
+    async def start(self, config: RemediationConfig | None = None,
+                    checks: tuple[PreflightCheck, ...] = (), **kwargs: Any) -> RemediationService:
+        config = config or make_config()
+        self.cluster = connect(NODE, self.requests, str(self.kubeconfig), timeout=config.api_timeout_seconds)
+        self._stop = asyncio.Event()
+        self.service = RemediationService(config, NODE, self.cluster, self.queue, self.registry, pod_name=AGENT_POD,
+                                          pod_namespace=AGENT_NS, clock=self.clock, rng=random.Random(7),  # noqa: S311 - jitter
+                                          preflight_checks=checks, **kwargs)
+        self._task = asyncio.create_task(self.service.run(self._stop))
+        await self.settle()
+        return self.service
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._stop.set()
+            await asyncio.wait_for(self._task, 5)
+            self._task = None
+        if self.cluster is not None:
+            await self.cluster.aclose()
+            self.cluster = None
+
+    async def restart(self, config: RemediationConfig | None = None) -> RemediationService:
+        """A new agent process: fresh service, metrics and client; the cluster keeps its state."""
+        await self.stop()
+        self.registry = CollectorRegistry()
+        self.requests = ApiRequestCounter(self.registry)
+        return await self.start(config)
+
+    async def verdict(self, verdict: NodeVerdict) -> None:
+        await self.queue.put(verdict)
+        await self.settle()
+
+    async def settle(self) -> None:
+        """Wait until no request is in flight and nothing changed for a few polls (real time, never asserted)."""
+        last: tuple[Any, ...] | None = None
+        stable = 0
+        for _ in range(2000):
+            await asyncio.sleep(0.003)
+            snapshot = (len(self.api.requests), self.api.inflight, len(self.clock._sleepers),
+                        self.clock.next_deadline())
+            if snapshot == last and self.api.inflight == 0:
+                stable += 1
+                if stable >= 6:
+                    return
+            else:
+                stable = 0
+            last = snapshot
+
+    async def advance(self, seconds: float) -> None:
+        await self.clock.advance(seconds, self.settle)
+
+    async def until(self, predicate: Callable[[], bool], what: str = "condition") -> None:
+        """Poll `predicate` (a guard against hangs, not a timing assertion)."""
+        for _ in range(1000):
+            if predicate():
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"never happened: {what}")
+
+    def actions(self, action: str, result: str) -> float:
+        return self.registry.get_sample_value("gpu_node_agent_remediation_actions_total",
+                                              {"action": action, "result": result}) or 0.0
+
+    def api_count(self, verb: str, code: str) -> float:
+        return self.registry.get_sample_value("gpu_node_agent_apiserver_requests_total",
+                                              {"verb": verb, "code": code}) or 0.0
+
+    def event_reasons(self) -> list[str]:
+        return [e["reason"] for e in self.api.events.values()]
+
+    def mark(self) -> int:
+        return len(self.api.requests)
+
+    def writes(self, since: int = 0) -> list[Request]:
+        """Requests that change something, from request number `since` on (see `mark`)."""
+        return [r for r in self.api.requests[since:] if r.method != "GET"]
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+async def api(clock: FakeClock):
+    double = ApiServerDouble(clock, NODE)
+    await double.start()
+    yield double
+    await double.stop()
+
+
+@pytest.fixture
+async def harness(api: ApiServerDouble, clock: FakeClock, tmp_path: Path):
+    h = Harness(api, clock, write_kubeconfig(tmp_path / "kubeconfig", api.url))
+    yield h
+    await h.stop()
+    assert_only_allowed(api.requests)
+    await api.stop()
+    current = asyncio.current_task()
+    for _ in range(100):  # every loop the service started has ended (kopf's no-pending-tasks check)
+        leaked = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+        if not leaked:
+            break
+        await asyncio.sleep(0.01)
+    assert not leaked, leaked

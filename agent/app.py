@@ -121,8 +121,9 @@ async def run_agent(cfg: AgentConfig, stop: asyncio.Event | None = None,
         hardware: Hardware = await asyncio.to_thread(open_hardware, cfg.topology, scratch / "sys")
         supervisor = Supervisor(stop, registry)
         supervisor.add("heartbeat", lambda s: _heartbeat(readiness, s))
-        subsystems.install(supervisor, subsystems.Context(cfg=cfg, hardware=hardware, registry=registry,
-                                                          readiness=readiness, rescan=rescan, scratch=scratch))
+        ctx = subsystems.install(supervisor, subsystems.Context(
+            cfg=cfg, hardware=hardware, registry=registry, readiness=readiness, rescan=rescan, scratch=scratch,
+            stop=stop))
         server.start()
         if on_ready is not None:
             on_ready(server.port)
@@ -135,7 +136,7 @@ async def run_agent(cfg: AgentConfig, stop: asyncio.Event | None = None,
             loop.remove_signal_handler(sig)
         shutil.rmtree(scratch, ignore_errors=True)
     log.info("gpu-node-agent stopped")
-    return 0
+    return ctx.exit_code
 
 
 def main(cfg: AgentConfig) -> int:

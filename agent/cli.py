@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "config": _cmd_config}
     try:
         return handlers[args.command](args)
-    except (UsageError, UnknownProfileError, TopologyXmlError) as exc:
+    except (UsageError, config.ConfigError, UnknownProfileError, TopologyXmlError) as exc:
         print(f"gpu-node-agent {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

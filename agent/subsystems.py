@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -44,6 +44,22 @@ class Context:
     scratch: Path
     topology_listeners: list[TopologyListener] = field(default_factory=list)
     device_plugin: DevicePluginManager | None = None
+    # node verdicts from health to remediation (only the latest one matters to remediation)
+    verdicts: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    stop: asyncio.Event | None = None
+    exit_code: int = 0
+
+    def fatal(self, code: int, reason: str) -> None:
+        """End the process with `code`: a condition the operator asked to treat as fatal (e.g. no NVML)."""
+        log.critical("%s; stopping the agent", reason)
+        self.exit_code = code
+        if self.stop is not None:
+            self.stop.set()
+
+    @property
+    def simulate(self) -> bool:
+        """True when running on a simulated node."""
+        return self.cfg.topology.simulate is not None
 
 
 async def _wait(stop: asyncio.Event, seconds: float) -> None:
@@ -125,18 +141,20 @@ def install_device_plugin(supervisor: Supervisor, ctx: Context) -> None:
         if kubelet is not None:
             log.info("simulate mode: no kubelet at %s, starting a stand-in kubelet there", directory)
             await kubelet.start()
-        shown = False
+        samples: asyncio.Task[None] | None = None
         try:
             await manager.start()
             while not stop.is_set():
                 registered = manager.registered.is_set()
                 ctx.readiness.set("device-plugin registered", registered)
-                if registered and kubelet is not None and not shown:
-                    shown = True
-                    await _show_sample_allocations(kubelet, sorted(manager.resources))
+                if registered and kubelet is not None and samples is None:
+                    samples = asyncio.create_task(_show_sample_allocations(kubelet, sorted(manager.resources)))
                 await _wait(stop, 0.5)
         finally:
             ctx.readiness.set("device-plugin registered", False)
+            if samples is not None:  # a demo must never hold up shutdown
+                samples.cancel()
+                await asyncio.gather(samples, return_exceptions=True)
             await manager.stop()
             if kubelet is not None:
                 await kubelet.stop()
@@ -144,10 +162,103 @@ def install_device_plugin(supervisor: Supervisor, ctx: Context) -> None:
     supervisor.add("device-plugin", run)
 
 
+def install_health(supervisor: Supervisor, ctx: Context) -> None:
+    """GPU and NIC health: device health to the device plugin, node verdicts to remediation."""
+    from agent.config.model import AgentConfig as _Defaults
+    from agent.health.links import NetlinkLinkPort, SysfsLinkPort
+    from agent.health.service import HealthService, NvmlRequiredError
+
+    cfg = ctx.cfg.health
+    state_dir = Path(ctx.cfg.state_dir)
+    if ctx.simulate:
+        if cfg.kmsg == "/dev/kmsg":  # simulated GPUs must not be judged by the host's kernel log
+            cfg = dataclasses.replace(cfg, kmsg="")
+        if ctx.cfg.state_dir == _Defaults().state_dir:  # a newcomer's laptop: no root-owned state dir
+            state_dir = ctx.scratch / "state"
+    manager = ctx.device_plugin
+    events = manager.health_events if manager is not None else asyncio.Queue()
+    link_port = SysfsLinkPort(ctx.hardware.sysfs_root) if ctx.simulate else NetlinkLinkPort(ctx.hardware.sysfs_root)
+
+    def resource_of(device_id: str) -> str | None:
+        if manager is None:
+            return None
+        return next((name for name in manager.resources if device_id in manager.plugin(name).pool.ids), None)
+
+    health = HealthService(cfg, state_dir, ctx.hardware.topology, ctx.hardware.nvml, events, ctx.registry,
+                           link_port, resource_of=resource_of)
+    ctx.readiness.require("first health pass")
+
+    async def on_topology(topology: Topology) -> None:
+        health.update_topology(topology)
+
+    ctx.topology_listeners.append(on_topology)
+
+    async def feed_remediation() -> None:
+        # No verdict before the first full pass: an early "healthy" could uncordon a node with a real fault.
+        await health.first_pass_done.wait()
+        ctx.readiness.set("first health pass")
+        ctx.verdicts.put_nowait(health.verdict)
+        health.add_listener(ctx.verdicts.put_nowait)
+
+    async def run(stop: asyncio.Event) -> None:
+        feeder = asyncio.create_task(feed_remediation())
+        drain = None if manager is not None else asyncio.create_task(_discard(events))
+        try:
+            await health.run(stop)
+        except NvmlRequiredError as exc:
+            ctx.fatal(1, f"health: {exc}")
+        finally:
+            for task in (feeder, drain):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+
+    supervisor.add("health", run)
+
+
+async def _discard(queue: asyncio.Queue[Any]) -> None:
+    """Device-health events nobody serves (device plugin off) are dropped, not queued forever."""
+    while True:
+        await queue.get()
+
+
+def install_remediation(supervisor: Supervisor, ctx: Context) -> None:
+    """Act on this node's API objects; with --simulate, on an in-memory node and in dry-run."""
+    from agent.config import ConfigError
+    from agent.remediation import build_service
+    from agent.remediation.cluster import ClusterConfigError
+    from agent.remediation.preflight import build_checks
+
+    cfg = ctx.cfg.remediation
+    simulate = ctx.simulate
+    if simulate and not cfg.dry_run:
+        log.info("simulate mode: remediation runs in dry-run against an in-memory node")
+        cfg = dataclasses.replace(cfg, dry_run=True)
+    checks = build_checks(expected_gpus=cfg.preflight_gpu_count,
+                          gpu_count=lambda: len(ctx.hardware.topology.gpus),
+                          command=cfg.preflight_command, command_timeout=cfg.preflight_command_timeout_seconds)
+    try:
+        service = build_service(cfg, ctx.cfg.node_name, ctx.verdicts, ctx.registry, simulate=simulate,
+                                preflight_checks=checks)
+    except (ValueError, ClusterConfigError) as exc:
+        raise ConfigError(f"remediation: {exc}") from exc
+
+    async def run(stop: asyncio.Event) -> None:
+        try:
+            await service.run(stop)
+        finally:
+            await service.cluster.aclose()
+
+    supervisor.add("remediation", run)
+
+
 def install(supervisor: Supervisor, ctx: Context) -> Context:
     """Add every enabled subsystem to the supervisor."""
     cfg = ctx.cfg
     if cfg.device_plugin.enabled:
         install_device_plugin(supervisor, ctx)
+    install_health(supervisor, ctx)
+    if cfg.remediation.enabled or ctx.simulate:
+        install_remediation(supervisor, ctx)
     supervisor.add("rescan", lambda stop: run_rescans(ctx, stop))
     return ctx

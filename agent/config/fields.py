@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any
 
+# The project's domain for resource names, taints, labels and annotations. No dashes, so SR-IOV DP-style env
+# keys derived from resource names (PCIDEVICE_GPUNODEAGENT_IO_SRIOV_RDMA) stay usable from a shell.
+PROJECT_DOMAIN = "gpunodeagent.io"
+
 
 def setting(default: Any = None, *, help: str, flag: str | None = None, env: str | None = None,
             factory: Any = None, choices: tuple[str, ...] | None = None, repeat: bool = False) -> Any:

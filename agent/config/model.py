@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent.config.fields import setting
+from agent.config.fields import PROJECT_DOMAIN, setting
 from agent.config.health import HealthConfig
 from agent.config.netacct import NetacctConfig
 from agent.config.remediation import RemediationConfig
 
 CONFIG_VERSION = 1
-# No dashes: SR-IOV DP-style env keys (PCIDEVICE_GPUNODEAGENT_IO_SRIOV_RDMA) must stay usable from a shell.
-DEFAULT_RESOURCE_PREFIX = "gpunodeagent.io"
+DEFAULT_RESOURCE_PREFIX = PROJECT_DOMAIN
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent.config.fields import setting
+from agent.config.fields import PROJECT_DOMAIN, setting
 
 CLOUDS = ("azure", "gcp", "aws")
 UNCORDON_POLICIES = ("never", "non-hardware", "always")
@@ -26,7 +26,7 @@ class RemediationConfig:
                                      help="kubeconfig file; the in-cluster service account when unset")
     dry_run: bool = setting(False, flag="--dry-run", env="GPU_NODE_AGENT_DRY_RUN",
                             help="decide, log and emit Events, but change nothing else on the cluster")
-    prefix: str = setting("gpu-node-agent.io", flag="--remediation-prefix", env="GPU_NODE_AGENT_REMEDIATION_PREFIX",
+    prefix: str = setting(PROJECT_DOMAIN, flag="--remediation-prefix", env="GPU_NODE_AGENT_REMEDIATION_PREFIX",
                           help="domain prefix of the agent's taint, annotations and labels")
     pod_name: str = setting("", flag="--pod-name", env="POD_NAME",
                             help="the agent's own pod name (downward API metadata.name); never evicted")
@@ -67,7 +67,7 @@ class RemediationConfig:
         300.0, flag="--eviction-blocked-retry", env="GPU_NODE_AGENT_EVICTION_BLOCKED_RETRY",
         help="wait after a 500 eviction refusal (e.g. several PDBs select the pod) before trying again")
     preflight_taint: str = setting(
-        "gpu-node-agent.io/preflight", flag="--preflight-taint", env="GPU_NODE_AGENT_PREFLIGHT_TAINT",
+        f"{PROJECT_DOMAIN}/preflight", flag="--preflight-taint", env="GPU_NODE_AGENT_PREFLIGHT_TAINT",
         help="taint key that marks a node not yet checked; removed when the checks pass (empty: off)")
     preflight_gpu_count: int = setting(0, flag="--preflight-gpu-count", env="GPU_NODE_AGENT_PREFLIGHT_GPU_COUNT",
                                        help="GPUs the node must show for preflight to pass (0: not checked)")

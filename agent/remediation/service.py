@@ -152,8 +152,8 @@ class RemediationService:
                 stopper.cancel()
                 if not getter.done():
                     getter.cancel()
-            if getter.cancelled():
-                return
+            if not getter.done() or getter.cancelled():
+                return  # stop won; a cancelled task only reports "cancelled" once it has run again
             verdict = getter.result()
             while not self.verdicts.empty():  # only the latest verdict matters
                 verdict = self.verdicts.get_nowait()

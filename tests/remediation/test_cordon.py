@@ -5,7 +5,7 @@ from __future__ import annotations
 from agent.remediation.verdicts import NodeVerdict
 from tests.remediation.conftest import AGENT_NS, NODE, Harness, make_config
 
-P = "gpu-node-agent.io"
+P = "gpunodeagent.io"
 XID79 = NodeVerdict("cordon", "GpuXid79", "GPU fell off the bus", ("GPU-1",), hardware=True)
 XID13 = NodeVerdict("cordon", "GpuXid13", "graphics engine exception", ("GPU-2",))
 HEALTHY = NodeVerdict("healthy", "GpuHealthy", "all checks pass")

@@ -6,7 +6,7 @@ from agent.remediation.verdicts import NodeVerdict
 from tests.remediation.conftest import AGENT_NS, AGENT_POD, Harness, make_config
 from tests.remediation.test_cordon import HEALTHY
 
-P = "gpu-node-agent.io"
+P = "gpunodeagent.io"
 DRAIN = NodeVerdict("drain", "GpuXid79", "GPU fell off the bus", ("GPU-1",), hardware=True)
 
 

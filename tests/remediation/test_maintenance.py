@@ -197,7 +197,7 @@ async def test_a_scheduled_event_cordons_then_drains_ahead_of_not_before(harness
     await harness.until(lambda: ("team", "train-0") not in harness.api.pods, "drained ahead of NotBefore")
     meta.azure["Events"] = []  # the maintenance is over
     await harness.advance(60)
-    await harness.until(lambda: "gpu-node-agent.io/healthy-since" in harness.api.annotations, "healthy window")
+    await harness.until(lambda: "gpunodeagent.io/healthy-since" in harness.api.annotations, "healthy window")
     await harness.settle()
     await harness.advance(600)
     await harness.until(lambda: not harness.api.node["spec"].get("unschedulable"), "uncordoned after maintenance")

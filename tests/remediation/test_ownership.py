@@ -6,7 +6,7 @@ from agent.remediation.verdicts import NodeVerdict
 from tests.remediation.conftest import AGENT_NS, NODE, Harness, make_config
 from tests.remediation.test_cordon import HEALTHY, XID13, XID79, our_taint
 
-P = "gpu-node-agent.io"
+P = "gpunodeagent.io"
 LABEL = {f"{P}/remediation-slot": "true"}
 
 

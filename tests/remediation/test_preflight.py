@@ -8,7 +8,7 @@ from agent.remediation.preflight import CheckResult, build_checks, command_check
 from tests.remediation.conftest import Harness, make_config
 from tests.remediation.test_cordon import HEALTHY
 
-KEY = "gpu-node-agent.io/preflight"
+KEY = "gpunodeagent.io/preflight"
 
 
 def tainted(harness: Harness) -> bool:

@@ -188,5 +188,5 @@ async def test_the_simulation_also_applies_changes_without_dry_run():
         await asyncio.sleep(0.01)
     stop.set()
     await asyncio.wait_for(task, 5)
-    assert cluster.node.unschedulable and cluster.node.taint("gpu-node-agent.io/gpu-unhealthy") is not None
+    assert cluster.node.unschedulable and cluster.node.taint("gpunodeagent.io/gpu-unhealthy") is not None
     assert cluster.node.conditions["GpuUnhealthy"].status == "True"

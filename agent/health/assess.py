@@ -1,0 +1,287 @@
+"""Turn what the producers observe into findings, device health events and node verdicts.
+
+Producers call `HealthAssessor.on_*` from the event loop thread (NVML's blocking thread hands its events over
+with `call_soon_threadsafe`), so nothing here needs a lock. After every observation the assessor diffs the
+verdict book against what it last published: a device whose health changed gets one `DeviceHealthEvent` on
+the device plugin's queue, and a changed node verdict goes to every subscriber. Repeats change nothing, so
+they publish nothing: that, plus the Xid counter's bursts, is what keeps floods out of logs and actions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from agent.config.health import HealthConfig
+from agent.deviceplugin.manager import DeviceHealthEvent
+from agent.health.findings import HEALTHY, Clears, Finding, GpuRef, NodeVerdict, Severity
+from agent.health.nvrm import bus_key
+from agent.health.verdict import VerdictBook
+from agent.health.xid import XidCounter, XidPolicy
+from agent.nvml import MemoryHealth, NvmlEvent
+from agent.topology.model import Nic, Topology
+
+log = logging.getLogger(__name__)
+
+VerdictListener = Callable[[NodeVerdict], None]
+_LOST_XID = 79
+
+
+@dataclass(frozen=True)
+class LinkStatus:
+    """The last link check of one RDMA NIC (physical function)."""
+
+    nic: Nic
+    up: bool
+    detail: str = ""
+
+
+class HealthAssessor:
+    """Findings from observations; device health and node verdict out to the device plugin and subscribers."""
+
+    def __init__(self, config: HealthConfig, topology: Topology,
+                 device_events: asyncio.Queue[DeviceHealthEvent], clock: Callable[[], float]) -> None:
+        self.config = config
+        self.clock = clock
+        self.policy = XidPolicy(config.xid_action_overrides())
+        self.xids = XidCounter(config.xid_burst_window_seconds)
+        self.book = VerdictBook()
+        self.memory: dict[str, MemoryHealth] = {}  # latest poll per GPU UUID
+        self.links: dict[str, LinkStatus] = {}  # by PF bus id
+        self.checks: dict[str, str] = {}  # producer -> "ok", "starting", "off", "unavailable: ...", "failed: ..."
+        self.verdict: NodeVerdict = HEALTHY
+        self.awaiting_reset_changed = False  # persist the RESET findings when set
+        self._events = device_events
+        self._published: dict[str, str] = {}  # Unhealthy device -> reason, as last sent
+        self._queues: list[asyncio.Queue[NodeVerdict]] = []
+        self._listeners: list[VerdictListener] = []
+        self._nvml_lost: set[str] = set()
+        self._learned_uuids: dict[str, str] = {}  # kernel device key -> UUID from NVRM map lines
+        self.topology = topology
+
+    # identity ------------------------------------------------------------------------------------------------
+    def update_topology(self, topology: Topology) -> None:
+        """Use a rescanned topology for names and device IDs from now on; vanished NICs are forgotten."""
+        self.topology = topology
+        present = {nic.bus_id for nic in topology.nics}
+        for bus_id in [b for b in self.links if b not in present]:
+            del self.links[bus_id]
+            self.book.remove(f"link:{bus_id}")
+        self._publish()
+
+    def gpu_uuids(self) -> tuple[str, ...]:
+        """UUIDs of the GPUs in the topology (what NVML is asked about)."""
+        return tuple(g.uuid for g in self.topology.gpus if g.uuid)
+
+    def gpu_by_uuid(self, uuid: str) -> GpuRef:
+        """Labels of a GPU known by UUID."""
+        gpu = self.topology.gpu_by_uuid(uuid)
+        return GpuRef(str(gpu.index), uuid, gpu.bus_id) if gpu else GpuRef(uuid=uuid)
+
+    def gpu_by_kernel_device(self, device: str, parsed: bool = True) -> GpuRef:
+        """Labels of a GPU named the kernel-log way (`0000:1b:00`); the raw text when it is not one of ours."""
+        if not parsed:
+            return GpuRef(bus_id=device)
+        gpu = next((g for g in self.topology.gpus if bus_key(g.bus_id) == device), None)
+        if gpu is None:
+            return GpuRef(uuid=self._learned_uuids.get(device, ""), bus_id=f"{device}.0")
+        return GpuRef(str(gpu.index), gpu.uuid or self._learned_uuids.get(device, ""), gpu.bus_id)
+
+    def learn_uuid(self, device: str, uuid: str) -> None:
+        """An `NVRM: GPU at PCI:...: GPU-...` line named a GPU's UUID."""
+        self._learned_uuids[device] = uuid
+
+    # observations --------------------------------------------------------------------------------------------
+    def on_xid(self, gpu: GpuRef, code: int, source: str, detail: str = "",
+               gpu_instance: int | None = None) -> None:
+        """An Xid from the kernel log ("kmsg") or NVML ("nvml")."""
+        now = self.clock()
+        record = self.xids.record(gpu, code, source, now)
+        if not record.counted:
+            return
+        action = self.policy.action(code)
+        if record.first_of_burst:
+            where = gpu.name + (f" GPU-I {gpu_instance}" if gpu_instance is not None else "")
+            log.log(logging.WARNING if action > Severity.HEALTHY else logging.INFO, "%s on %s from %s: %s -> %s",
+                    self.policy.describe(code), where, source, detail or "-",
+                    action.verdict if action > Severity.HEALTHY else "counted only",
+                    extra={"gpu_uuid": gpu.uuid, "xid": code, "action": action.verdict})
+        if action == Severity.HEALTHY:
+            return
+        describe, kind, hardware = self.policy.describe(code), f"GpuXid{code}", self.policy.is_hardware(code)
+        key, reason = f"xid:{code}:{gpu.uuid or gpu.bus_id}", f"{describe} on {gpu.name}"
+        if code == _LOST_XID:
+            self._add(self._lost_finding(gpu, f"{gpu.name} fell off the bus: {describe}", action, kind))
+        elif action >= Severity.CORDON:
+            self._add(Finding(key, action, reason, Clears.RESET, (gpu.uuid,) if gpu.uuid else (), gpu.uuid,
+                              code=kind, hardware=hardware))
+        else:
+            self._add(self._hold(key, action, reason, kind, hardware))
+        self._publish()
+
+    def on_gpu_lost(self, gpu: GpuRef, why: str, *, from_nvml: bool) -> None:
+        """The GPU stopped answering NVML (GPU_IS_LOST), or the kernel log says it fell off the bus."""
+        if from_nvml and gpu.uuid:
+            self._nvml_lost.add(gpu.uuid)  # NVML answering again later is the reset we wait for
+        self._add(self._lost_finding(gpu, f"{gpu.name} is lost: {why}", Severity.DRAIN, "GpuLost"))
+        self._publish()
+
+    def on_gpu_answering(self, uuid: str) -> None:
+        """NVML answered for this GPU; if it had been lost, that is a reset (or re-attach) observed."""
+        if uuid in self._nvml_lost:
+            self._nvml_lost.discard(uuid)
+            self.on_gpu_reset(uuid, "NVML answers again")
+
+    def on_gpu_reset(self, uuid: str, why: str) -> None:
+        """A reset of this GPU was observed: findings that waited for it end, ECC baselines restart."""
+        cleared = self.book.gpu_reset(uuid)
+        self.memory.pop(uuid, None)
+        if cleared:
+            log.info("%s reset observed (%s); cleared: %s", self.gpu_by_uuid(uuid).name, why,
+                     "; ".join(f.reason for f in cleared), extra={"gpu_uuid": uuid})
+            self.awaiting_reset_changed = True
+        self._publish()
+
+    def on_nvml_event(self, event: NvmlEvent) -> None:
+        """An event from the NVML event set (delivered on the loop thread)."""
+        gpu = self.gpu_by_uuid(event.uuid)
+        if event.kind == "xid":
+            self.on_xid(gpu, event.xid, "nvml", gpu_instance=event.gpu_instance)
+        elif event.kind == "lost":
+            self.on_gpu_lost(gpu, "NVML: GPU is lost", from_nvml=True)
+        elif event.kind == "sbe":
+            self._add(self._hold(f"sbe:{event.uuid}", Severity.DEGRADED, f"single-bit ECC errors on {gpu.name}",
+                                 "GpuEccSbe", hardware=True))
+            self._publish()
+        elif event.kind == "dbe":
+            self._add(self._hold(f"dbe:{event.uuid}", Severity.DEGRADED, f"uncorrectable ECC errors on {gpu.name}",
+                                 "GpuEccDbe", hardware=True))
+            self._publish()
+
+    def on_memory(self, health: MemoryHealth) -> None:
+        """One NVML poll: ECC deltas, retired-page and row-remap flags."""
+        uuid, gpu = health.uuid, self.gpu_by_uuid(health.uuid)
+        self.on_gpu_answering(uuid)
+        before = self.memory.get(uuid)
+        if before is not None and _dropped(before, health):
+            self.on_gpu_reset(uuid, "volatile ECC counts were zeroed")
+            before = None
+        self.memory[uuid] = health
+        if before is not None:
+            for key, kind, text, old, new in (
+                ("sbe", "GpuEccSbe", "single-bit ECC errors", before.ecc_corrected_volatile,
+                 health.ecc_corrected_volatile),
+                ("dbe", "GpuEccDbe", "uncorrectable ECC errors", before.ecc_uncorrected_volatile,
+                 health.ecc_uncorrected_volatile),
+            ):
+                if old is not None and new is not None and new > old:
+                    log.info("%s: %s growing (+%d)", gpu.name, text, new - old, extra={"gpu_uuid": uuid})
+                    self._add(self._hold(f"{key}:{uuid}", Severity.DEGRADED, f"{text} on {gpu.name}", kind,
+                                         hardware=True))
+        for key, kind, hardware, active, text in (
+            ("remap-pending", "GpuRowRemapPending", False, health.remap_pending,
+             "row remap pending (reset the GPU when idle)"),
+            ("remap-failure", "GpuRowRemapFailure", True, health.remap_failure, "row remapping failed"),
+            ("retire-pending", "GpuPageRetirementPending", False, health.retired_pages_pending,
+             "page retirement pending (reset the GPU when idle)"),
+        ):
+            self._state(bool(active), Finding(f"{key}:{uuid}", Severity.CORDON, f"{gpu.name}: {text}", Clears.STATE,
+                                              (uuid,), code=kind, hardware=hardware))
+        self._publish()
+
+    def on_link(self, nic: Nic, up: bool, detail: str = "") -> None:
+        """A link check of an RDMA PF: while it is down, it and its VFs are Unhealthy."""
+        before = self.links.get(nic.bus_id)
+        self.links[nic.bus_id] = LinkStatus(nic, up, detail)
+        if (before.up if before is not None else True) != up:
+            log.warning("%s (%s) link %s%s", nic.netdevs[0] if nic.netdevs else nic.rdma, nic.bus_id,
+                        "up" if up else "down", f": {detail}" if detail else "",
+                        extra={"nic": nic.bus_id, "link_up": up})
+        name = nic.netdevs[0] if nic.netdevs else (nic.rdma or nic.bus_id)
+        devices = (nic.bus_id, *(vf.bus_id for vf in nic.vfs))
+        self._state(not up, Finding(f"link:{nic.bus_id}", Severity.parse(self.config.link_down_action),
+                                    f"NIC {name} ({nic.bus_id}) link down: {detail}", Clears.STATE, devices,
+                                    code="NicLinkDown"))
+        self._publish()
+
+    def tick(self) -> None:
+        """Housekeeping: HOLD findings expire, quiet Xid bursts end."""
+        now = self.clock()
+        self.xids.sweep(now)
+        if self.book.expire(now):
+            self._publish()
+
+    def restore(self, findings: list[Finding]) -> None:
+        """Findings that were waiting for a reset when the agent stopped (same boot)."""
+        for finding in findings:
+            self.book.add(finding)
+        if findings:
+            log.warning("still waiting for a GPU reset: %s", "; ".join(f.reason for f in findings))
+        self._publish()
+
+    # outputs -------------------------------------------------------------------------------------------------
+    def subscribe(self, maxsize: int = 16) -> asyncio.Queue[NodeVerdict]:
+        """A queue that gets the current verdict now and every change after (oldest dropped when full)."""
+        verdicts: asyncio.Queue[NodeVerdict] = asyncio.Queue(maxsize)
+        verdicts.put_nowait(self.verdict)
+        self._queues.append(verdicts)
+        return verdicts
+
+    def add_listener(self, listener: VerdictListener) -> None:
+        """Call `listener(verdict)` on every change (on the loop thread; it must not block)."""
+        self._listeners.append(listener)
+
+    def _hold(self, key: str, severity: Severity, reason: str, code: str, hardware: bool = False) -> Finding:
+        expires = self.clock() + self.config.degraded_hold_seconds
+        return Finding(key, severity, reason, Clears.HOLD, expires_at=expires, code=code, hardware=hardware)
+
+    def _lost_finding(self, gpu: GpuRef, reason: str, severity: Severity, code: str) -> Finding:
+        return Finding(f"lost:{gpu.uuid or gpu.bus_id}", severity, reason, Clears.RESET,
+                       (gpu.uuid,) if gpu.uuid else (), gpu.uuid, code=code, hardware=True)
+
+    def _state(self, active: bool, finding: Finding) -> None:
+        """A STATE finding: raised while the condition is active, ended when a check says it is gone."""
+        if active:
+            self._add(finding)
+        elif self.book.remove(finding.key) is not None:
+            log.info("cleared: %s", finding.reason)
+
+    def _add(self, finding: Finding) -> None:
+        if self.book.add(finding) and finding.clears is Clears.RESET:
+            self.awaiting_reset_changed = True
+
+    def _publish(self) -> None:
+        unhealthy = self.book.unhealthy_devices()
+        for device, reason in unhealthy.items():
+            if self._published.get(device) != reason:
+                self._events.put_nowait(DeviceHealthEvent(device, False, reason))
+        for device in self._published.keys() - unhealthy.keys():
+            self._events.put_nowait(DeviceHealthEvent(device, True, ""))
+        self._published = unhealthy
+        verdict = self.book.verdict()
+        if verdict == self.verdict:
+            return
+        level = logging.WARNING if verdict.severity > self.verdict.severity else logging.INFO
+        change = f"{self.verdict.verdict} -> {verdict.verdict}" if verdict.verdict != self.verdict.verdict \
+            else f"{verdict.verdict}, reasons changed"
+        log.log(level, "node verdict %s%s", change, f": {'; '.join(verdict.reasons)}" if verdict.reasons else "",
+                extra={"verdict": verdict.verdict})
+        self.verdict = verdict
+        for verdicts in self._queues:
+            if verdicts.full():
+                verdicts.get_nowait()
+            verdicts.put_nowait(verdict)
+        for listener in self._listeners:
+            try:
+                listener(verdict)
+            except Exception:
+                log.exception("node verdict listener %r failed", listener)
+
+
+def _dropped(before: MemoryHealth, after: MemoryHealth) -> bool:
+    """Volatile ECC counts only go down when the driver reloads or the GPU resets."""
+    pairs = ((before.ecc_corrected_volatile, after.ecc_corrected_volatile),
+             (before.ecc_uncorrected_volatile, after.ecc_uncorrected_volatile))
+    return any(old is not None and new is not None and new < old for old, new in pairs)

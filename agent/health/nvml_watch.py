@@ -1,0 +1,143 @@
+"""The NVML producers: an event watch (Xid, single/double-bit ECC) and a poll (ECC counts, retired pages,
+remapped rows).
+
+`nvmlEventSetWait` blocks, so the event watch runs in its own thread with a bounded wait (the config's event
+timeout) and hands each event to the event loop with `loop.call_soon_threadsafe`; the thread checks a stop flag
+between waits, so stopping takes at most one timeout. The event set is created, waited on and freed by that one
+thread, as NVML requires. Polls run one NVML call batch per GPU in a worker thread, since a lost GPU can make
+NVML calls slow. Without NVML both report "unavailable" and return; the other producers are unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from agent.health.assess import HealthAssessor
+from agent.nvml import GpuLostError, NvmlError, NvmlEvent, NvmlHealth, NvmlUnavailableError
+
+log = logging.getLogger(__name__)
+
+
+class NvmlEventWatcher:
+    """Waits on an NVML event set in a thread; re-registers when the topology's GPU set changes."""
+
+    def __init__(self, nvml: NvmlHealth, assessor: HealthAssessor, timeout_s: float) -> None:
+        self.nvml = nvml
+        self.assessor = assessor
+        self.timeout_s = timeout_s
+        self.first_pass = asyncio.Event()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Watch until `stop`; returns at once (check "unavailable") without NVML."""
+        if not await asyncio.to_thread(lambda: self.nvml.available):
+            self.assessor.checks["nvml_events"] = f"unavailable: {self.nvml.unavailable_reason}"
+            self.first_pass.set()
+            return
+        loop = asyncio.get_running_loop()
+        halt = threading.Event()
+        deliver = self._deliverer(loop)
+        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml-events")  # not the shared pool
+        worker = loop.run_in_executor(thread, self._watch, halt, deliver)
+        stopper = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait([worker, stopper], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            halt.set()
+            stopper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stopper
+            try:
+                await asyncio.shield(worker)  # the thread notices `halt` within one timeout
+            finally:
+                thread.shutdown(wait=False)
+
+    def _deliverer(self, loop: asyncio.AbstractEventLoop) -> Callable[[Callable[[], None]], None]:
+        def deliver(call: Callable[[], None]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closing: nothing left to tell
+                loop.call_soon_threadsafe(call)
+        return deliver
+
+    def _opened(self) -> None:
+        self.assessor.checks["nvml_events"] = "ok"
+        self.first_pass.set()
+
+    def _watch(self, halt: threading.Event, deliver: Callable[[Callable[[], None]], None]) -> None:
+        """The blocking loop (worker thread): open, wait, hand over, re-open when the GPU set changes."""
+        while not halt.is_set():
+            uuids = self.assessor.gpu_uuids()
+            events = self.nvml.open_events(uuids)  # NvmlError ends the producer; the supervisor restarts it
+            deliver(self._opened)
+            failing = False
+            try:
+                while not halt.is_set() and self.assessor.gpu_uuids() == uuids:
+                    try:
+                        found = events.wait(self.timeout_s)
+                    except NvmlError as exc:
+                        if not failing:
+                            log.warning("NVML event wait failed (%s); retrying every %.0f s", exc, self.timeout_s)
+                        failing = True
+                        halt.wait(self.timeout_s)
+                        continue
+                    failing = False
+                    for event in found:
+                        deliver(_bind(self.assessor.on_nvml_event, event))
+            finally:
+                events.close()
+
+
+def _bind(handler: Callable[[NvmlEvent], None], event: NvmlEvent) -> Callable[[], None]:
+    return lambda: handler(event)
+
+
+class NvmlPoller:
+    """Polls each GPU's memory health every `interval` seconds."""
+
+    def __init__(self, nvml: NvmlHealth, assessor: HealthAssessor, interval: float) -> None:
+        self.nvml = nvml
+        self.assessor = assessor
+        self.interval = interval
+        self.first_pass = asyncio.Event()
+        self.polls = 0
+        self._failing: set[str] = set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Poll until `stop`; returns at once (check "unavailable") without NVML."""
+        if not await asyncio.to_thread(lambda: self.nvml.available):
+            self.assessor.checks["nvml_poll"] = f"unavailable: {self.nvml.unavailable_reason}"
+            self.first_pass.set()
+            return
+        while not stop.is_set():
+            try:
+                await self.poll_once()
+            except NvmlUnavailableError as exc:
+                self.assessor.checks["nvml_poll"] = f"unavailable: {exc}"
+                self.first_pass.set()
+                return
+            self.assessor.checks["nvml_poll"] = "ok"
+            self.first_pass.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.interval)
+
+    async def poll_once(self) -> None:
+        """One pass over every GPU of the topology."""
+        for uuid in self.assessor.gpu_uuids():
+            try:
+                health = await asyncio.to_thread(self.nvml.memory_health, uuid)
+            except GpuLostError as exc:
+                self.assessor.on_gpu_lost(self.assessor.gpu_by_uuid(uuid), f"NVML: {exc}", from_nvml=True)
+                continue
+            except NvmlUnavailableError:
+                raise
+            except NvmlError as exc:
+                if uuid not in self._failing:
+                    log.warning("NVML poll of %s failed (%s); will retry", uuid, exc)
+                self._failing.add(uuid)
+                continue
+            self._failing.discard(uuid)
+            self.assessor.on_memory(health)
+        self.polls += 1

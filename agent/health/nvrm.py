@@ -1,0 +1,88 @@
+"""Parse the NVIDIA driver's (NVRM) kernel-log lines that matter for health: Xids, bus loss, UUID map lines.
+
+Every form from the reference is accepted: `NVRM: Xid (PCI:0000:05:00): 79, ...`, the older form without
+`PCI:`, 8-digit domains, MIG lines with a `GPU-I:05` suffix, the "has fallen off the bus" line that comes
+without an Xid, and `NVRM: GPU at PCI:0000:2b:00: GPU-<uuid>` which names a GPU's UUID. Kernel-log text is
+untrusted, so the parser never raises: anything it does not recognise is None.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_DEVICE = r"(?:PCI:)?([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})(?:\.[0-7])?"
+_XID = re.compile(r"NVRM: Xid \(" + _DEVICE + r"(?:\s+GPU-I:\s*(\d{1,6}))?[^)]*\):\s*(\d{1,6})\b,?\s*(.*)",
+                  re.DOTALL)
+_XID_ANY_DEVICE = re.compile(r"NVRM: Xid \(([^)]{0,64})\):\s*(\d{1,6})\b,?\s*(.*)", re.DOTALL)
+_FALLEN = re.compile(r"NVRM: (?:The NVIDIA )?GPU (?:at )?" + _DEVICE + r"\b.{0,200}?fallen off the bus",
+                     re.DOTALL)
+_GPU_MAP = re.compile(r"NVRM: GPU at " + _DEVICE + r":\s*(GPU-[0-9a-fA-F-]{8,64})")
+_CAUSED_BY = re.compile(r"caused by previous Xid (\d{1,6})")
+
+
+def device_key(domain: str, bus: str, dev: str) -> str:
+    """Kernel-log device `dddd:bb:dd` (lower case, last 4 domain digits, no function)."""
+    return f"{domain[-4:].lower()}:{bus.lower()}:{dev.lower()}"
+
+
+def bus_key(bus_id: str) -> str:
+    """The kernel-log key of a canonical bus id: `0000:1b:00.0` -> `0000:1b:00`."""
+    return bus_id.rsplit(".", 1)[0].lower()
+
+
+@dataclass(frozen=True)
+class XidLine:
+    """An Xid reported in the kernel log. `device` is `dddd:bb:dd`, or the raw text when it is not a bus id."""
+
+    device: str
+    code: int
+    detail: str = ""
+    gpu_instance: int | None = None  # MIG GPU instance (GPU-I) when the line names one
+    caused_by: int | None = None  # Xid 45 cascades name the Xid that caused them
+    device_parsed: bool = True
+
+
+@dataclass(frozen=True)
+class FallenOffBus:
+    """`NVRM: The NVIDIA GPU 0000:b3:00.0 ... has fallen off the bus` (no Xid line needed)."""
+
+    device: str
+
+
+@dataclass(frozen=True)
+class GpuUuidLine:
+    """`NVRM: GPU at PCI:0000:2b:00: GPU-...`: which UUID sits at a bus address."""
+
+    device: str
+    uuid: str
+
+
+NvrmLine = XidLine | FallenOffBus | GpuUuidLine
+
+
+def parse_nvrm(message: str) -> NvrmLine | None:
+    """The health-relevant NVRM event in one kernel-log message, or None. Never raises."""
+    if "NVRM" not in message:
+        return None
+    try:
+        return _parse(message)
+    except (ValueError, IndexError):  # defensive: the patterns should make these impossible
+        return None
+
+
+def _parse(message: str) -> NvrmLine | None:
+    if (match := _XID.search(message)) is not None:
+        domain, bus, dev, instance, code, detail = match.groups()
+        caused = _CAUSED_BY.search(detail)
+        return XidLine(device_key(domain, bus, dev), int(code), detail.strip()[:300],
+                       int(instance) if instance else None, int(caused.group(1)) if caused else None)
+    if (match := _XID_ANY_DEVICE.search(message)) is not None:
+        raw, code, detail = match.groups()
+        return XidLine(raw.strip(), int(code), detail.strip()[:300], device_parsed=False)
+    if (match := _FALLEN.search(message)) is not None:
+        return FallenOffBus(device_key(*match.groups()))
+    if (match := _GPU_MAP.search(message)) is not None:
+        domain, bus, dev, uuid = match.groups()
+        return GpuUuidLine(device_key(domain, bus, dev), uuid)
+    return None

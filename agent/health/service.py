@@ -1,0 +1,190 @@
+"""The health subsystem as one object: every producer supervised, device health out, node verdicts out.
+
+`HealthService.run(stop)` starts the producers (kernel log, NVML events, NVML polls, NIC links) and a
+housekeeping loop, each under its own supervisor: a producer that raises is logged, shown as "failed" in
+`checks` and the `gpu_node_agent_health_check_up` gauge, and restarted with backoff, while the others carry
+on. Without NVML the NVML checks say "unavailable" and the rest runs, unless `require_nvml` asks for a hard
+failure. Device health goes onto the device plugin's `DeviceHealthEvent` queue; node verdicts go to
+subscribers (the remediation subsystem). `first_pass_done` is set once every producer has looked once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from agent.config.health import HealthConfig
+from agent.deviceplugin.manager import DeviceHealthEvent
+from agent.health.assess import HealthAssessor, VerdictListener
+from agent.health.findings import NodeVerdict
+from agent.health.kmsg import read_boot_id
+from agent.health.kmsg_watch import KmsgWatcher
+from agent.health.links import LinkPort, LinkWatcher, NetlinkLinkPort
+from agent.health.metrics import HealthCollector, ResourceOf
+from agent.health.nvml_watch import NvmlEventWatcher, NvmlPoller
+from agent.health.state import SavedHealth, StateStore
+from agent.nvml import NvmlHealth
+from agent.topology.model import Topology
+
+log = logging.getLogger(__name__)
+
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+Producer = Callable[[asyncio.Event], Awaitable[None]]
+
+
+class NvmlRequiredError(RuntimeError):
+    """NVML is unavailable and the config says it is required."""
+
+
+class HealthService:
+    """GPU and NIC health checks, supervised; see the module docstring."""
+
+    def __init__(self, config: HealthConfig, state_dir: str | os.PathLike[str], topology: Topology,  # noqa: PLR0917
+                 nvml: NvmlHealth, device_events: asyncio.Queue[DeviceHealthEvent], registry: CollectorRegistry,
+                 link_port: LinkPort | None = None, *, resource_of: ResourceOf | None = None,
+                 boot_id_path: str | os.PathLike[str] = BOOT_ID_PATH, clock: Callable[[], float] = time.monotonic,
+                 kmsg_file_poll_interval: float = 0.05, housekeeping_interval: float = 1.0,
+                 restart_backoff: tuple[float, float] = (1.0, 30.0)) -> None:
+        self.config = config
+        self.nvml = nvml
+        self.assessor = HealthAssessor(config, topology, device_events, clock)
+        self.store = StateStore(state_dir)
+        self.first_pass_done = asyncio.Event()
+        self._boot_id_path = Path(boot_id_path)
+        self._housekeeping_interval = housekeeping_interval
+        self._backoff = restart_backoff
+        self.kmsg = KmsgWatcher(config.kmsg, self.assessor, "", file_poll_interval=kmsg_file_poll_interval) \
+            if config.kmsg else None
+        self.nvml_events = NvmlEventWatcher(nvml, self.assessor, config.nvml_event_timeout_seconds)
+        self.nvml_poll = NvmlPoller(nvml, self.assessor, config.nvml_poll_interval_seconds)
+        self.links = LinkWatcher(link_port or NetlinkLinkPort("/sys"), self.assessor,
+                                 config.link_check_interval_seconds)
+        self._saved = SavedHealth()
+        registry.register(HealthCollector(self.assessor, resource_of,
+                                          lambda: self.kmsg.lost_records if self.kmsg else 0))
+
+    @property
+    def verdict(self) -> NodeVerdict:
+        """The current node verdict."""
+        return self.assessor.verdict
+
+    @property
+    def checks(self) -> dict[str, str]:
+        """Producer -> "ok", "off", "unavailable: why" or "failed: why"."""
+        return dict(self.assessor.checks)
+
+    def subscribe(self, maxsize: int = 16) -> asyncio.Queue[NodeVerdict]:
+        """A queue that gets the current node verdict now and every change after."""
+        return self.assessor.subscribe(maxsize)
+
+    def add_listener(self, listener: VerdictListener) -> None:
+        """Call `listener(verdict)` on the loop thread at every verdict change."""
+        self.assessor.add_listener(listener)
+
+    def update_topology(self, topology: Topology) -> None:
+        """After a rescan: new GPUs and NICs are watched (the NVML event set re-registers)."""
+        self.assessor.update_topology(topology)
+
+    def gpu_reset_done(self, uuid: str) -> None:
+        """The remediation subsystem reset this GPU: faults waiting for a reset clear."""
+        self.assessor.on_gpu_reset(uuid, "reset reported by remediation")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run every producer until `stop` is set. Raises NvmlRequiredError when required NVML is missing."""
+        if self.config.require_nvml and not await asyncio.to_thread(lambda: self.nvml.available):
+            raise NvmlRequiredError(
+                f"NVML is required (requireNvml / --require-nvml) but unavailable: {self.nvml.unavailable_reason}."
+                " Give the agent libnvidia-ml.so.1 and /dev/nvidia* (NVIDIA container toolkit, "
+                "NVIDIA_VISIBLE_DEVICES=all) or run without --require-nvml")
+        boot_id = await asyncio.to_thread(read_boot_id, self._boot_id_path)
+        self._saved = await asyncio.to_thread(self.store.load, boot_id)
+        self.assessor.restore(self._saved.awaiting_reset)
+        producers: dict[str, tuple[Producer, asyncio.Event]] = {
+            "nvml_events": (self.nvml_events.run, self.nvml_events.first_pass),
+            "nvml_poll": (self.nvml_poll.run, self.nvml_poll.first_pass),
+            "links": (self.links.run, self.links.first_pass),
+        }
+        if self.kmsg is not None:
+            self.kmsg.boot_id = boot_id
+            self.kmsg.cursor = self._saved.cursor if self._saved.kmsg_path == self.config.kmsg else None
+            producers["kmsg"] = (self.kmsg.run, self.kmsg.first_pass)
+        else:
+            self.assessor.checks["kmsg"] = "off"
+        for name in producers:
+            self.assessor.checks.setdefault(name, "starting")
+        tasks = [asyncio.create_task(self._supervise(name, run, ready, stop), name=f"health-{name}")
+                 for name, (run, ready) in producers.items()]
+        tasks.append(asyncio.create_task(self._housekeeping(stop, boot_id), name="health-housekeeping"))
+        tasks.append(asyncio.create_task(self._await_first_pass([r for _, r in producers.values()], stop),
+                                         name="health-first-pass"))
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.to_thread(self._save, boot_id)
+
+    async def _supervise(self, name: str, run: Producer, ready: asyncio.Event, stop: asyncio.Event) -> None:
+        delay, longest = self._backoff
+        last = ""
+        while not stop.is_set():
+            try:
+                await run(stop)
+                return
+            except Exception as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+                self.assessor.checks[name] = f"failed: {problem}"
+                if problem != last:  # the same failure again is not news: the check's state already says it
+                    log.error("health check %s failed (%s); retrying with backoff, the other checks go on", name,
+                              problem, exc_info=True)
+                last = problem
+                ready.set()  # readiness must not hang on a broken producer; the gauge shows it
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            delay = min(delay * 2, longest)
+
+    async def _await_first_pass(self, ready: list[asyncio.Event], stop: asyncio.Event) -> None:
+        waiting = asyncio.ensure_future(asyncio.gather(*(event.wait() for event in ready)))
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait([waiting, stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting.cancel()
+            stopping.cancel()
+            await asyncio.gather(waiting, stopping, return_exceptions=True)
+        if not stop.is_set():
+            self.first_pass_done.set()
+            log.info("health checks: first pass done (%s)",
+                     ", ".join(f"{k} {v}" for k, v in sorted(self.assessor.checks.items())))
+
+    async def _housekeeping(self, stop: asyncio.Event, boot_id: str) -> None:
+        """Expire held findings, end quiet Xid bursts, save state when it changed."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self._housekeeping_interval)
+            try:
+                self.assessor.tick()
+                if self._dirty():
+                    await asyncio.to_thread(self._save, boot_id)
+            except Exception:
+                log.exception("health housekeeping failed; continuing")
+
+    def _dirty(self) -> bool:
+        cursor = self.kmsg.cursor if self.kmsg else None
+        return self.assessor.awaiting_reset_changed or cursor != self._saved.cursor
+
+    def _save(self, boot_id: str) -> None:
+        self.assessor.awaiting_reset_changed = False
+        saved = SavedHealth(boot_id, self.config.kmsg, self.kmsg.cursor if self.kmsg else None,
+                            self.assessor.book.awaiting_reset())
+        if not self.store.save(saved):
+            self.assessor.awaiting_reset_changed = True  # try again at the next housekeeping turn
+        self._saved = saved

@@ -1,0 +1,197 @@
+"""The health service: replay across restarts, reboots, floods, verdict subscribers, supervision, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+from agent.health import kmsg_watch
+from agent.health.findings import NodeVerdict
+from agent.simulate.node import SimulatedNode
+from tests.health.conftest import fast_config, wait_until, xid_record
+
+
+def _xid_total(running, gpu, code: int) -> float | None:
+    bus_id = "0000" + gpu.bus_id.upper()
+    labels = {"gpu": str(gpu.index), "uuid": gpu.uuid, "pci_bus_id": bus_id, "xid": str(code)}
+    return running.registry.get_sample_value("gpu_node_agent_xid_errors_total", labels)
+
+
+async def test_restart_does_not_replay_old_xids(node: SimulatedNode, kmsg_file: Path, start_service) -> None:
+    gpus = node.topology().gpus
+    kmsg_file.write_text(xid_record(1, "0000:1b:00", 13) + xid_record(2, "0000:43:00", 48))
+    first = await start_service(node, fast_config(kmsg_file))
+    assert _xid_total(first, gpus[0], 13) == 1 and _xid_total(first, gpus[1], 48) == 1
+    assert first.health() == {gpus[1].uuid: False}
+    await first.halt()
+    saved = json.loads((kmsg_file.parent / "state" / "health-state.json").read_text())
+    assert saved["kmsg"]["seq"] == 2 and len(saved["awaiting_reset"]) == 1
+
+    second = await start_service(node, fast_config(kmsg_file))
+    assert _xid_total(second, gpus[0], 13) is None  # the old lines were not counted again
+    assert _xid_total(second, gpus[1], 48) is None
+    assert second.health() == {gpus[1].uuid: False}  # the fault still waits for a reset
+    assert second.service.verdict.verdict == "drain"
+    with kmsg_file.open("a") as log:
+        log.write(xid_record(3, "0000:1b:00", 13))
+    await wait_until(lambda: _xid_total(second, gpus[0], 13) == 1)
+
+
+async def test_reboot_starts_fresh(node: SimulatedNode, kmsg_file: Path, boot_id_file: Path,
+                                   start_service) -> None:
+    gpus = node.topology().gpus
+    kmsg_file.write_text(xid_record(1, "0000:43:00", 48))
+    first = await start_service(node, fast_config(kmsg_file))
+    assert first.service.verdict.verdict == "drain"
+    await first.halt()
+    boot_id_file.write_text("99999999-2222-3333-4444-555555555555\n")
+    kmsg_file.write_text(xid_record(1, "0000:1b:00", 13))  # the new boot's kernel log
+    second = await start_service(node, fast_config(kmsg_file))
+    assert second.service.verdict.verdict == "healthy" and second.health() == {}
+    assert _xid_total(second, gpus[0], 13) == 1
+
+
+async def test_a_flood_is_counted_and_acted_on_once(node: SimulatedNode, kmsg_file: Path, start_service,
+                                                    caplog) -> None:
+    gpu = node.topology().gpus[6]
+    running = await start_service(node, fast_config(kmsg_file))
+    verdicts = running.service.subscribe()
+    assert verdicts.get_nowait() == NodeVerdict("healthy")
+    caplog.set_level(logging.INFO, logger="agent.health")
+    with kmsg_file.open("a") as log:
+        log.writelines(xid_record(10 + i, "0000:d1:00", 45, "pid=7, name=python3, Ch 00000001 caused by previous "
+                                  "Xid 149") for i in range(500))
+        log.writelines(xid_record(600 + i, "0000:d1:00", 119, "Timeout after 6s waiting for RPC") for i in range(50))
+    await wait_until(lambda: _xid_total(running, gpu, 119) == 50)
+    assert _xid_total(running, gpu, 45) == 500
+    assert [e.healthy for e in running.drain()] == [False]  # one device event
+    assert verdicts.qsize() == 1 and verdicts.get_nowait().verdict == "drain"  # one verdict
+    logged = [r.getMessage() for r in caplog.records if "from kmsg" in r.getMessage()]
+    assert len(logged) == 2 and "Xid 45 (PREEMPTIVE_REMOVAL" in logged[0] and "counted only" in logged[0]
+
+
+async def test_other_line_forms_reach_the_right_gpu(node: SimulatedNode, kmsg_file: Path, start_service) -> None:
+    gpus = node.topology().gpus
+    running = await start_service(node, fast_config(kmsg_file))
+    with kmsg_file.open("a") as log:
+        log.write("6,1,1,-;NVRM: Xid (PCI:0000:c3:00 GPU-I:05): 95, pid=7194, Uncontained: FBHUB. RST: Yes\n")
+        log.write("3,2,2,-;NVRM: The NVIDIA GPU 0000:df:00.0 (PCI ID: 10de:2330) installed in this system has "
+                  "fallen off the bus and is not responding to commands.\n")
+        log.write("3,3,3,-;NVRM: Xid (0000:9d:00): 13, Graphics Exception\n")
+        log.write("3,4,4,-;NVRM: Xid (PCI:0000:ee:00): 79, GPU has fallen off the bus.\n")  # not one of ours
+    await wait_until(lambda: running.health().get(gpus[7].uuid) is False)
+    await wait_until(lambda: running.health().get(gpus[5].uuid) is False)
+    assert _xid_total(running, gpus[4], 13) == 1 and gpus[4].uuid not in running.health()
+    stranger = {"gpu": "", "uuid": "", "pci_bus_id": "00000000:EE:00.0", "xid": "79"}
+    assert running.registry.get_sample_value("gpu_node_agent_xid_errors_total", stranger) == 1
+    assert running.service.verdict.verdict == "drain"
+    assert running.registry.get_sample_value("gpu_node_agent_node_verdict", {"verdict": "drain"}) == 1
+    assert running.registry.get_sample_value("gpu_node_agent_node_verdict", {"verdict": "healthy"}) == 0
+
+
+async def test_remediation_reset_and_listeners(node: SimulatedNode, kmsg_file: Path, start_service) -> None:
+    gpu = node.topology().gpus[0]
+    running = await start_service(node, fast_config(kmsg_file))
+    heard: list[str] = []
+    running.service.add_listener(lambda verdict: heard.append(verdict.verdict))
+    running.service.add_listener(lambda verdict: 1 / 0)  # a broken listener harms no one
+    node.nvml.inject_xid(gpu.uuid, 62)
+    await wait_until(lambda: heard == ["drain"])
+    running.service.gpu_reset_done(gpu.uuid)
+    assert heard == ["drain", "healthy"]
+    await wait_until(lambda: running.health() == {gpu.uuid: True})
+
+
+class _Broken:
+    """A link port that fails: the supervisor restarts it and the other producers carry on."""
+
+    calls = 0
+
+    def netdev_states(self) -> dict:
+        _Broken.calls += 1
+        raise OSError("netlink socket refused")
+
+    def rdma_port_states(self, rdma: str) -> dict:
+        return {}
+
+
+async def test_a_failing_producer_is_restarted_and_the_rest_runs(node: SimulatedNode, kmsg_file: Path,
+                                                                 start_service) -> None:
+    running = await start_service(node, fast_config(kmsg_file), link_port=_Broken())
+    assert running.service.checks["links"].startswith("failed: OSError")
+    assert running.registry.get_sample_value("gpu_node_agent_health_check_up", {"check": "links"}) == 0
+    await wait_until(lambda: _Broken.calls >= 3)  # retried with backoff
+    gpu = node.topology().gpus[0]
+    with kmsg_file.open("a") as log:
+        log.write(xid_record(1, "0000:1b:00", 79))
+    await wait_until(lambda: running.health().get(gpu.uuid) is False)
+
+
+async def test_a_missing_kmsg_file_is_waited_for(node: SimulatedNode, tmp_path: Path, start_service,
+                                                 monkeypatch) -> None:
+    monkeypatch.setattr(kmsg_watch, "MISSING_FILE_RETRY_SECONDS", 0.02)
+    path = tmp_path / "later-kmsg"
+    running = await start_service(node, fast_config(path))
+    assert running.service.checks["kmsg"].startswith("unavailable: no such file")
+    assert running.service.checks["nvml_poll"] == "ok"
+    path.write_text(xid_record(1, "0000:1b:00", 79))
+    await wait_until(lambda: running.health().get(node.topology().gpus[0].uuid) is False)
+    assert running.service.checks["kmsg"] == "ok"
+
+
+async def test_an_unreadable_kmsg_is_a_failed_check_not_a_crash(node: SimulatedNode, tmp_path: Path,
+                                                                start_service) -> None:
+    running = await start_service(node, fast_config(tmp_path))  # a directory: open() fails
+    assert running.service.checks["kmsg"].startswith("failed: IsADirectoryError")
+    assert running.service.checks["nvml_poll"] == "ok"
+
+
+async def test_stop_leaves_no_tasks_or_threads(node: SimulatedNode, kmsg_file: Path, start_service) -> None:
+    before = asyncio.all_tasks()
+    running = await start_service(node, fast_config(kmsg_file))
+    assert any(t.name.startswith("nvml-events") for t in threading.enumerate())
+    await running.halt()
+    assert asyncio.all_tasks() - before == set()
+    await wait_until(lambda: not any(t.name.startswith("nvml-events") for t in threading.enumerate()))
+
+
+async def test_kmsg_can_be_off(node: SimulatedNode, start_service) -> None:
+    running = await start_service(node, fast_config(""))
+    assert running.service.checks["kmsg"] == "off"
+
+
+async def test_a_character_device_is_followed_by_readiness(node: SimulatedNode, start_service,
+                                                           monkeypatch) -> None:
+    """/dev/kmsg is pollable; a pty is a character device that also hands out one line per read."""
+    monkeypatch.setattr(kmsg_watch, "DEVICE_WAKE_SECONDS", 60.0)  # so only readiness can wake the reader
+    master, slave = os.openpty()
+    try:
+        running = await start_service(node, fast_config(os.ttyname(slave)), kmsg_file_poll_interval=60.0)
+        assert running.service.checks["kmsg"] == "ok"
+        gpu = node.topology().gpus[3]
+        os.write(master, xid_record(7, "0000:61:00", 74).encode())
+        await wait_until(lambda: running.health().get(gpu.uuid) is False)
+        await running.halt()
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+async def test_degraded_findings_expire_after_the_hold(node: SimulatedNode, kmsg_file: Path, start_service) -> None:
+    now = [1000.0]
+    running = await start_service(node, fast_config(kmsg_file, degraded_hold_seconds=60), clock=lambda: now[0])
+    uuid = node.topology().gpus[0].uuid
+    await wait_until(lambda: running.service.nvml_poll.polls >= 1)
+    node.nvml.inject_ecc(uuid, corrected=1)
+    await wait_until(lambda: running.service.verdict.verdict == "degraded")
+    polls = running.service.nvml_poll.polls
+    await wait_until(lambda: running.service.nvml_poll.polls >= polls + 2)  # the poll saw the growth too
+    now[0] += 59
+    await wait_until(lambda: running.service.nvml_poll.polls >= polls + 4)
+    assert running.service.verdict.verdict == "degraded"
+    now[0] += 2
+    await wait_until(lambda: running.service.verdict.verdict == "healthy")

@@ -1,0 +1,98 @@
+"""The verdict book: worst finding wins, devices follow findings, each kind of finding ends by its own rule."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from agent.config.health import HealthConfig
+from agent.health.assess import HealthAssessor
+from agent.health.findings import HEALTHY, Clears, Finding, GpuRef, NodeVerdict, Severity
+from agent.health.verdict import VerdictBook
+from agent.nvml import MemoryHealth, NvmlEvent, SimulatedNvml
+from agent.simulate import profiles
+from agent.topology.load import load_topology
+
+
+def _reset(key: str, severity: Severity = Severity.DRAIN, gpu: str = "GPU-a") -> Finding:
+    return Finding(key, severity, f"{key} happened", Clears.RESET, (gpu,), gpu, code="GpuXid79", hardware=True)
+
+
+def test_empty_book_is_healthy() -> None:
+    assert VerdictBook().verdict() == HEALTHY
+
+
+def test_worst_severity_wins_and_reasons_are_most_severe_first() -> None:
+    book = VerdictBook()
+    book.add(Finding("sbe", Severity.DEGRADED, "ECC growing", Clears.HOLD, expires_at=10, code="GpuEccSbe",
+                     hardware=True))
+    book.add(Finding("remap", Severity.CORDON, "remap pending", Clears.STATE, ("GPU-b",), code="GpuRowRemapPending"))
+    assert book.verdict() == NodeVerdict("cordon", ("remap pending", "ECC growing"), "GpuRowRemapPending",
+                                         ("GPU-b",), hardware=False)
+    book.add(_reset("xid79"))
+    verdict = book.verdict()
+    assert (verdict.verdict, verdict.reason, verdict.devices, verdict.hardware) == ("drain", "GpuXid79", ("GPU-a",),
+                                                                                    True)
+    assert verdict.message == "xid79 happened; remap pending; ECC growing"
+    assert book.unhealthy_devices() == {"GPU-a": "xid79 happened", "GPU-b": "remap pending"}
+
+
+def test_count_only_findings_do_not_change_the_verdict() -> None:
+    book = VerdictBook([Finding("link", Severity.HEALTHY, "link down", Clears.STATE, ("0000:18:00.1",))])
+    assert book.verdict() == HEALTHY
+    assert book.unhealthy_devices() == {"0000:18:00.1": "link down"}
+
+
+def test_repeats_change_nothing_but_extend_holds() -> None:
+    book = VerdictBook()
+    assert book.add(_reset("xid79"))
+    assert not book.add(_reset("xid79"))
+    assert not book.add(_reset("xid79", Severity.DEGRADED))  # a milder repeat never softens a reset fault
+    hold = Finding("sbe", Severity.DEGRADED, "ECC growing", Clears.HOLD, expires_at=10)
+    assert book.add(hold)
+    assert not book.add(Finding("sbe", Severity.DEGRADED, "ECC growing", Clears.HOLD, expires_at=20))
+    assert book.expire(now=15) == []
+    assert [f.key for f in book.expire(now=20)] == ["sbe"]
+
+
+def test_reset_findings_end_only_with_their_gpus_reset() -> None:
+    book = VerdictBook([_reset("xid79:a", gpu="GPU-a"), _reset("xid48:b", gpu="GPU-b"),
+                        Finding("remap:a", Severity.CORDON, "remap", Clears.STATE, ("GPU-a",))])
+    assert book.expire(now=1e9) == []
+    assert [f.key for f in book.gpu_reset("GPU-a")] == ["xid79:a"]
+    assert set(book.unhealthy_devices()) == {"GPU-a", "GPU-b"}  # the STATE finding is the poller's to end
+    assert [f.key for f in book.awaiting_reset()] == ["xid48:b"]
+    assert book.remove("remap:a") is not None
+    assert set(book.unhealthy_devices()) == {"GPU-b"}
+
+
+def test_gpu_ref_labels() -> None:
+    assert GpuRef("3", "GPU-x", "0000:9d:00.0").nvml_bus_id == "00000000:9D:00.0"
+    assert GpuRef(bus_id="GPU 7").nvml_bus_id == "GPU 7"
+    assert GpuRef("3", "GPU-x", "0000:9d:00.0").name == "GPU 3 (0000:9d:00.0)"
+
+
+def test_verdicts_convert_to_remediation_verdicts(dgx_root: Path) -> None:
+    """app.py hands verdicts to remediation field by field: every code the assessor uses must be valid there."""
+    from agent.remediation.verdicts import NodeVerdict as RemediationVerdict
+
+    topology = load_topology(dgx_root, SimulatedNvml(profiles.load_profile("dgx-h100").gpu_uuids))
+    assessor = HealthAssessor(HealthConfig(), topology, asyncio.Queue(), clock=lambda: 0.0)
+    a, b, c = (gpu.uuid or "" for gpu in topology.gpus[:3])
+    assessor.on_xid(assessor.gpu_by_uuid(a), 79, "kmsg")
+    assessor.on_xid(assessor.gpu_by_uuid(b), 119, "kmsg")
+    assessor.on_xid(assessor.gpu_by_uuid(b), 999, "kmsg")
+    assessor.on_gpu_lost(assessor.gpu_by_uuid(c), "NVML: GPU is lost", from_nvml=True)
+    assessor.on_nvml_event(NvmlEvent("sbe", a))
+    assessor.on_nvml_event(NvmlEvent("dbe", a))
+    assessor.on_memory(MemoryHealth(b, remap_pending=True, remap_failure=True, retired_pages_pending=True))
+    assessor.on_link(topology.rdma_nics[0], False, "ibp24s0 no carrier")
+    codes = {f.code for f in assessor.book.findings()}
+    assert codes == {"GpuXid79", "GpuXid119", "GpuXid999", "GpuLost", "GpuEccSbe", "GpuEccDbe", "GpuRowRemapPending",
+                     "GpuRowRemapFailure", "GpuPageRetirementPending", "NicLinkDown"}
+    for finding in assessor.book.findings():
+        RemediationVerdict("drain", finding.code, finding.reason, finding.devices, finding.hardware)
+    for verdict in (assessor.verdict, VerdictBook().verdict()):
+        RemediationVerdict(verdict.verdict, verdict.reason, verdict.message, verdict.devices, verdict.hardware)
+    assert assessor.verdict.verdict == "drain" and assessor.verdict.hardware
+    assert set(assessor.verdict.devices) == {a, b, c}  # the drain-level findings' devices

@@ -1,0 +1,72 @@
+"""`run --simulate dgx-h100 --kmsg FILE`: an appended Xid 79 line turns that GPU Unhealthy in ListAndWatch.
+
+The agent runs as a real process; the test owns the kubelet (the stand-in, serving kubelet.sock), so what it
+checks is exactly what a kubelet would receive over the device-plugin API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+from agent.simulate.kubelet import LocalKubelet
+from agent.simulate.profiles import load_profile
+
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+async def test_xid_79_in_the_kernel_log_withdraws_the_gpu_from_the_kubelet():
+    directory = Path(tempfile.mkdtemp(prefix="gna"))
+    kmsg = directory / "kmsg"
+    kmsg.write_text("")
+    profile = load_profile("dgx-h100")
+    bus_id, uuid = sorted(profile.gpu_uuids.items())[0]
+    port = _free_port()
+    kubelet = LocalKubelet(directory)
+    await kubelet.start()
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "agent", "run", "--simulate", "dgx-h100", "--device-plugin-dir", str(directory),
+         "--kmsg", str(kmsg), "--metrics-address", f"127.0.0.1:{port}", "--log-format", "json"],
+        stdout=subprocess.DEVNULL, stderr=(directory / "agent.log").open("w"),
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        await kubelet.wait_for(lambda: GPU_RESOURCE in kubelet.plugins
+                               and kubelet.plugins[GPU_RESOURCE].health().get(uuid) == "Healthy", timeout=60)
+        # kmsg record: priority 3, sequence, timestamp, flags; then the driver's message for that GPU.
+        domain, bus, rest = bus_id.split(":")
+        line = (f"3,7001,12345678,-;NVRM: Xid (PCI:{domain}:{bus}:{rest.split('.')[0]}): 79, pid=4242, "
+                "name=python3, GPU has fallen off the bus.\n")
+        with kmsg.open("a") as handle:
+            handle.write(line)
+        await kubelet.wait_for(lambda: kubelet.plugins[GPU_RESOURCE].health().get(uuid) == "Unhealthy", timeout=30)
+        others = {k: v for k, v in kubelet.plugins[GPU_RESOURCE].health().items() if k != uuid}
+        assert set(others.values()) == {"Healthy"}  # only the faulty GPU is withdrawn
+        text = await asyncio.to_thread(_metrics, port)
+        assert f'uuid="{uuid}",xid="79"}} 1.0' in text
+        assert 'gpu_node_agent_node_verdict{verdict="drain"} 1.0' in text
+    finally:
+        agent.terminate()
+        try:
+            agent.wait(timeout=30)
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+        await kubelet.stop()
+    assert agent.returncode == 0, (directory / "agent.log").read_text()[-3000:]

@@ -127,7 +127,7 @@ def install_device_plugin(supervisor: Supervisor, ctx: Context) -> None:
         directory = ctx.scratch / "dp"
         directory.mkdir()
         cfg = dataclasses.replace(cfg, device_plugin_dir=str(directory))
-    manager = DevicePluginManager(cfg, ctx.hardware.topology)
+    manager = DevicePluginManager(cfg, ctx.hardware.topology, registry=ctx.registry)
     ctx.device_plugin = manager
     ctx.readiness.require("device-plugin registered")
 

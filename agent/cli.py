@@ -51,6 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--out", type=Path, help="directory to write the sysfs tree into (it plays /sys)")
     sim.add_argument("--list", action="store_true", help="list the built-in profiles")
 
+    net = sub.add_parser("netacct", help="network accounting maintenance")
+    net_sub = net.add_subparsers(dest="netacct_command", required=True, metavar="ACTION")
+    clean = net_sub.add_parser("cleanup", help="remove every chain, rule and set netacct installed, nothing else "
+                                               "(stop the agent first)")
+    config.add_flags(clean, sections=("netacct",))
+
     dump = sub.add_parser("config", help="print the effective configuration as YAML")
     config.add_flags(dump)
     return parser
@@ -103,6 +109,12 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_netacct(args: argparse.Namespace) -> int:
+    from agent.netacct.command import cleanup_command
+
+    return cleanup_command(_load_config(args).netacct, out=sys.stdout)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from agent import app
 
@@ -120,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "run":
         setup_logging("warning", "text")
     handlers = {"run": _cmd_run, "topology": _cmd_topology, "simulate-node": _cmd_simulate_node,
-                "config": _cmd_config}
+                "config": _cmd_config, "netacct": _cmd_netacct}
     try:
         return handlers[args.command](args)
     except (UsageError, config.ConfigError, UnknownProfileError, TopologyXmlError) as exc:

@@ -252,6 +252,21 @@ def install_remediation(supervisor: Supervisor, ctx: Context) -> None:
     supervisor.add("remediation", run)
 
 
+def install_netacct(supervisor: Supervisor, ctx: Context) -> None:
+    """Network accounting with iptables mangle rules and ipset counters (only with --netacct)."""
+    from agent.netacct.service import NetacctService
+
+    service = NetacctService(ctx.cfg.netacct, ctx.registry)
+
+    async def run(stop: asyncio.Event) -> None:
+        try:
+            await service.run(stop)
+        finally:
+            service.close()  # keeps the rules, so counters continue after a restart; `netacct cleanup` removes them
+
+    supervisor.add("netacct", run)
+
+
 def install(supervisor: Supervisor, ctx: Context) -> Context:
     """Add every enabled subsystem to the supervisor."""
     cfg = ctx.cfg
@@ -260,5 +275,7 @@ def install(supervisor: Supervisor, ctx: Context) -> Context:
     install_health(supervisor, ctx)
     if cfg.remediation.enabled or ctx.simulate:
         install_remediation(supervisor, ctx)
+    if cfg.netacct.enabled:
+        install_netacct(supervisor, ctx)
     supervisor.add("rescan", lambda stop: run_rescans(ctx, stop))
     return ctx

@@ -1,0 +1,111 @@
+"""Monotonic counters from kernel counters that can restart: delta accumulation per stable identity.
+
+Kernel counters restart when a rule is rewritten or a set element is re-created, and Prometheus reads any decrease
+of an exported (summed) counter as a reset of the whole sum. So this book keeps, per stable identity, the last raw
+value it saw and an accumulated total, and only ever adds deltas (reference netacct.md §7.4):
+
+- rules are identified by (family, comment key), e.g. (4, "traffic=internet-in scope=host");
+- set elements by (set name, member), and each element belongs to the pod that owns its address; its deltas go to
+  that pod's totals, so an address that moves to another pod starts counting for the new pod from that moment.
+  An element nobody owns yet (after a restart, before the pod list arrives) keeps its raw value for its first
+  owner, so per-pod totals continue across agent restarts too.
+
+A raw value below the last one means the kernel counter restarted, and the raw value is all new traffic. A rule the
+engine rewrites is marked so that its next value counts from zero. The first sight of an identity counts from zero
+too, so after an agent restart the totals continue from the kernel's counters instead of dropping. Pure data, no
+I/O: the engine feeds it under its lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from agent.netacct import ipsets
+
+PodKey = tuple[str, str]  # namespace, name
+Counts = tuple[int, int]  # packets, bytes
+
+
+def _delta(raw: Counts, last: Counts) -> Counts:
+    if raw[0] < last[0] or raw[1] < last[1]:
+        return raw
+    return raw[0] - last[0], raw[1] - last[1]
+
+
+@dataclass
+class _Element:
+    owner: PodKey | None
+    last: Counts = (0, 0)
+
+
+@dataclass
+class CounterBook:
+    """Accumulated packets/bytes per rule key (summed over families) and per pod and set role."""
+
+    _rule_last: dict[tuple[int, str], Counts] = field(default_factory=dict)
+    _rule_total: dict[str, Counts] = field(default_factory=dict)
+    _elements: dict[str, dict[ipsets.Member, _Element]] = field(default_factory=dict)
+    _owners: dict[bytes, PodKey] = field(default_factory=dict)
+    _pod_total: dict[PodKey, dict[str, Counts]] = field(default_factory=dict)
+
+    # -- feeding ------------------------------------------------------------------------------------------------
+
+    def observe_rules(self, family: int, raw: Mapping[str, Counts]) -> None:
+        """A complete read of one family's rule counters (keys missing now are forgotten)."""
+        for key, value in raw.items():
+            last = self._rule_last.get((family, key), (0, 0))
+            delta = _delta(value, last)
+            total = self._rule_total.get(key, (0, 0))
+            self._rule_total[key] = (total[0] + delta[0], total[1] + delta[1])
+        for gone in [k for k in self._rule_last if k[0] == family and k[1] not in raw]:
+            del self._rule_last[gone]
+        self._rule_last.update(((family, key), value) for key, value in raw.items())
+
+    def observe_set(self, name: str, role: str, raw: Mapping[ipsets.Member, Counts]) -> None:
+        """A complete dump of one counted set; deltas go to each element's owning pod."""
+        old = self._elements.get(name, {})
+        new: dict[ipsets.Member, _Element] = {}
+        for member, value in raw.items():
+            element = old.get(member) or _Element(self._owners.get(member[0]))
+            new[member] = element
+            if element.owner is None or element.owner not in self._pod_total:
+                continue  # unowned (pods not known yet): its traffic goes to whoever owns it first
+            delta = _delta(value, element.last)
+            element.last = value
+            totals = self._pod_total[element.owner]
+            total = totals.get(role, (0, 0))
+            totals[role] = (total[0] + delta[0], total[1] + delta[1])
+        self._elements[name] = new
+
+    def rules_restarted(self, family: int, keys: Iterable[str]) -> None:
+        """These rules were just re-created: their next raw value is all new traffic."""
+        for key in keys:
+            self._rule_last[(family, key)] = (0, 0)
+
+    def kernel_state_lost(self) -> None:
+        """Every rule and set was re-created (cleanup then install): forget raw values, keep totals."""
+        self._rule_last.clear()
+        self._elements.clear()
+
+    def set_pods(self, owners: Mapping[bytes, PodKey]) -> None:
+        """The current pods, as address owners; departed pods lose their totals, moved addresses change owner."""
+        self._owners = dict(owners)
+        live = set(owners.values())
+        for pod in live - set(self._pod_total):
+            self._pod_total[pod] = {}
+        for pod in set(self._pod_total) - live:
+            del self._pod_total[pod]
+        for elements in self._elements.values():
+            for member, element in elements.items():
+                element.owner = self._owners.get(member[0])
+
+    # -- reading ------------------------------------------------------------------------------------------------
+
+    def rule_totals(self) -> dict[str, Counts]:
+        """Accumulated (packets, bytes) per rule key, summed over IPv4 and IPv6."""
+        return dict(self._rule_total)
+
+    def pod_totals(self) -> dict[PodKey, dict[str, Counts]]:
+        """Accumulated (packets, bytes) per current pod and counted-set role (rx-inet, tx-clus, ...)."""
+        return {pod: dict(roles) for pod, roles in self._pod_total.items()}

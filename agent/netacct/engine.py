@@ -1,0 +1,194 @@
+"""The netacct engine: one lock around every read and change of the kernel state, and the counter book.
+
+Why one lock: a change (rewritten chain, moved address) must be absorbed into the book before it happens and
+marked right after, with no scrape in between, or a delta would be counted twice or to the wrong pod. So `sync`
+reads (feeding the book), changes, and marks under the same lock that `scrape` takes for its single read pass.
+Scrapes wait at most one sync (tens of milliseconds).
+
+`sync` is idempotent: it only changes what differs from the desired state, so a restart adds no duplicates and
+keeps the kernel's counters. `remove_all` removes exactly what netacct creates, on both backends and both
+families, whatever the current configuration says.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from agent.config.netacct import NetacctConfig
+from agent.netacct import ipsets, rules
+from agent.netacct.backend import FAMILIES, MODES, CommandError, Host, Snapshot
+from agent.netacct.counters import CounterBook, Counts, PodKey
+from agent.netacct.pods import Pod
+
+log = logging.getLogger(__name__)
+
+
+class SyncError(Exception):
+    """A sync could not read or change the kernel state; the service logs it and retries."""
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What one scrape returns: accumulated totals, whether the read was complete, and how long it took."""
+
+    rules: dict[str, Counts]
+    pods: dict[PodKey, dict[str, Counts]]
+    ok: bool
+    seconds: float
+    mode: str
+    errors: tuple[str, ...] = ()
+
+
+class Netacct:
+    """Installs, reads and removes netacct's rules and sets through a `Host` port."""
+
+    def __init__(self, config: NetacctConfig, host: Host | None = None) -> None:
+        self.config = config
+        self.host = host or Host(lock_wait=config.lock_wait_seconds)
+        self.families = (4, 6) if config.ipv6 else (4,)
+        self.book = CounterBook()
+        self.syncs = 0
+        self.sync_failures = 0
+        self._lock = threading.Lock()
+        self._mode: str | None = None if config.backend == "auto" else config.backend
+        self._networks = config.internal_networks()
+        self._conflicts: set[str] = set()
+
+    @property
+    def mode(self) -> str:
+        """The iptables backend in use (detected on first use when configured as auto)."""
+        if self._mode is None:
+            self._mode = self.host.detect_mode(self.families)
+            log.info("netacct: using the iptables-%s backend", self._mode)
+        return self._mode
+
+    def close(self) -> None:
+        """Release the netlink socket (rules and sets stay)."""
+        self.host.close()
+
+    # -- reading ------------------------------------------------------------------------------------------------
+
+    def _read(self, names: Sequence[str]) -> Snapshot:
+        snap = self.host.snapshot(self.mode, self.families, names)
+        for family, text in snap.saves.items():
+            self.book.observe_rules(family, rules.counters(rules.parse(text)))
+        for family in self.families:
+            for role in ipsets.COUNTED:
+                name = ipsets.set_name(role, family)
+                if name in snap.sets:
+                    dump = snap.sets[name]
+                    self.book.observe_set(name, role, dump.members if dump is not None else {})
+        return snap
+
+    def scrape(self) -> Reading:
+        """One read pass over every counter, folded into the book; never raises for kernel errors."""
+        started = time.perf_counter()
+        with self._lock:
+            try:
+                names = [ipsets.set_name(role, f) for f in self.families for role in ipsets.COUNTED]
+                snap = self._read(names)
+                errors = snap.errors
+            except (CommandError, OSError) as exc:
+                errors = (str(exc),)
+            mode = self._mode or "unknown"
+            return Reading(self.book.rule_totals(), self.book.pod_totals(), not errors,
+                           time.perf_counter() - started, mode, errors)
+
+    # -- changing -----------------------------------------------------------------------------------------------
+
+    def _pod_members(self, pods: Sequence[Pod]) -> tuple[dict[bytes, PodKey], dict[int, set[ipsets.Member]]]:
+        owners: dict[bytes, PodKey] = {}
+        members: dict[int, set[ipsets.Member]] = {f: set() for f in FAMILIES}
+        conflicts: set[str] = set()
+        for pod in pods:
+            for ip in pod.ips:
+                packed = ipaddress.ip_address(ip).packed
+                owner = owners.setdefault(packed, (pod.namespace, pod.name))
+                if owner != (pod.namespace, pod.name):
+                    conflicts.add(ip)
+                    continue
+                members[4 if len(packed) == 4 else 6].add((packed, len(packed) * 8))
+        for ip in sorted(conflicts - self._conflicts):
+            log.warning("netacct: %s is listed for more than one pod; counting it for the first", ip)
+        self._conflicts = conflicts
+        return owners, members
+
+    def sync(self, pods: Sequence[Pod] | None) -> None:
+        """Bring sets and rules in line with the config and `pods` (None: pods unknown yet, keep members)."""
+        with self._lock:
+            try:
+                self._sync(pods)
+                self.syncs += 1
+            except SyncError:
+                self.sync_failures += 1
+                raise
+            except (CommandError, OSError) as exc:
+                self.sync_failures += 1
+                raise SyncError(str(exc)) from exc
+
+    def _sync(self, pods: Sequence[Pod] | None) -> None:
+        names = ipsets.all_names(self.families)
+        snap = self._read(names)
+        if snap.errors:
+            raise SyncError("; ".join(snap.errors))
+        bad = [name for name, dump in snap.sets.items() if dump is not None
+               and not ipsets.compatible(name[len(ipsets.PREFIX):-1], int(name[-1]), dump)]
+        if bad:
+            log.warning("netacct: sets %s exist with another type; re-creating all of netacct's rules and sets", bad)
+            self._remove_locked(MODES)
+            self.book.kernel_state_lost()
+            snap = self._read(names)
+        # Our chains in the other backend (the hint chain moved) or in a family turned off would keep feeding the
+        # shared sets, counting pod traffic twice or from stale members: remove them.
+        other = [m for m in MODES if m != self.mode]
+        for mode, family in [(m, f) for m in other for f in FAMILIES] + [
+                (self.mode, f) for f in FAMILIES if f not in self.families]:
+            self._remove_chains(mode, family)
+        if pods is None:
+            members = {f: {m for role in ipsets.COUNTED if (d := snap.sets.get(ipsets.set_name(role, f)))
+                           for m in d.members} for f in self.families}
+        else:
+            owners, members = self._pod_members(pods)
+            self.book.set_pods(owners)
+        plan = ipsets.plan(snap.sets, members, self._networks, self.families)
+        self.host.ipset_restore(plan.payload)
+        for family in self.families:
+            rule_plan = rules.plan(rules.parse(snap.saves[family]), family)
+            for index, payload in enumerate(rule_plan.payloads):
+                self.host.restore(self.mode, family, payload)
+                if index == 0 and rule_plan.reset_keys:
+                    self.book.rules_restarted(family, rule_plan.reset_keys)
+                    log.info("netacct: wrote %d IPv%d rules", len(rule_plan.reset_keys), family)
+
+    # -- removing -----------------------------------------------------------------------------------------------
+
+    def remove_all(self) -> list[str]:
+        """Remove every chain, jump rule and set netacct made (both backends, both families); what was removed."""
+        with self._lock:
+            return self._remove_locked(MODES)
+
+    def _remove_chains(self, mode: str, family: int) -> list[str]:
+        """Remove netacct's chains and the jumps into them from one backend and family; what was removed."""
+        try:
+            state = rules.parse(self.host.save_full(mode, family))
+        except CommandError as exc:  # that backend is not installed or not usable here
+            log.debug("netacct: skipping iptables-%s IPv%d: %s", mode, family, exc)
+            return []
+        ours = state.ours()
+        for payload in rules.removal_payloads(state, ours):
+            self.host.restore(mode, family, payload)
+        if ours:
+            log.info("netacct: removed IPv%d chains %s from iptables-%s", family, sorted(ours), mode)
+        return [f"{mode} IPv{family} chain {chain}" for chain in sorted(ours)]
+
+    def _remove_locked(self, modes: Sequence[str]) -> list[str]:
+        removed = [item for mode in modes for family in FAMILIES for item in self._remove_chains(mode, family)]
+        names = self.host.ipset_names()
+        self.host.ipset_restore(ipsets.destroy_payload(names))
+        removed.extend(f"set {name}" for name in sorted(names) if ipsets.is_ours(name))
+        return removed

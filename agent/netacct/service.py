@@ -1,0 +1,97 @@
+"""The netacct service: keeps rules and sets in line with the pod list, and serves the collector.
+
+One asyncio loop owned by the app's supervisor through a stop event. Each round runs one sync in a worker thread
+(subprocesses and netlink block), then waits for a pod change, the sync interval, or stop. A failed sync is logged
+and retried with exponential backoff (capped at the sync interval); it never ends the loop. Pod changes arriving
+in a burst are coalesced by a short settle delay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from prometheus_client import CollectorRegistry
+
+from agent.config.netacct import NetacctConfig
+from agent.netacct.backend import Host
+from agent.netacct.collector import NetacctCollector
+from agent.netacct.engine import Netacct, SyncError
+from agent.netacct.pods import FilePodSource, PodFeed, PodSource
+
+log = logging.getLogger(__name__)
+
+
+def default_pod_source(config: NetacctConfig) -> PodSource:
+    """The pods file when configured, else an empty pod list (node and pod aggregates only)."""
+    return FilePodSource(config.pods_file) if config.pods_file else PodFeed(())
+
+
+class NetacctService:
+    """Network accounting for one node (or one network namespace, given a `Host(netns=...)`)."""
+
+    def __init__(self, config: NetacctConfig, registry: CollectorRegistry, pod_source: PodSource | None = None,
+                 *, host: Host | None = None, settle_seconds: float = 0.2, backoff_initial: float = 1.0) -> None:
+        self.config = config
+        self.engine = Netacct(config, host)
+        self.pods = pod_source if pod_source is not None else default_pod_source(config)
+        self.collector = NetacctCollector(self.engine, per_pod=config.per_pod_metrics)
+        self.registry = registry
+        self.settle_seconds = settle_seconds
+        self.backoff_initial = backoff_initial
+        self.synced = asyncio.Event()  # set after each successful sync (tests and readiness)
+        registry.register(self.collector)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Sync now, then on every pod change and every sync interval, until `stop` is set."""
+        source = asyncio.create_task(self.pods.run(stop), name="netacct-pods")
+        backoff = self.backoff_initial
+        try:
+            while not stop.is_set():
+                version, pods = self.pods.snapshot()
+                try:
+                    await asyncio.to_thread(self.engine.sync, pods)
+                except Exception as exc:  # one failure must not end accounting; the next round retries
+                    log.error("netacct: sync failed, retrying in %.1f s: %s", backoff, exc,
+                              exc_info=not isinstance(exc, SyncError))
+                    wait, backoff = backoff, min(backoff * 2, self.config.sync_interval_seconds)
+                else:
+                    backoff = self.backoff_initial
+                    wait = self.config.sync_interval_seconds
+                    self.synced.set()
+                if await self._wait(stop, version, wait):
+                    await self._sleep(stop, self.settle_seconds)
+        finally:
+            source.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await source
+
+    async def _wait(self, stop: asyncio.Event, version: int, timeout: float) -> bool:
+        """Wait for a pod change, `timeout` or stop; True when the pods changed."""
+        changed = asyncio.create_task(self.pods.wait_changed(version, timeout))
+        stopped = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({changed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (changed, stopped):
+                task.cancel()
+            await asyncio.gather(changed, stopped, return_exceptions=True)
+        return self.pods.snapshot()[0] != version
+
+    @staticmethod
+    async def _sleep(stop: asyncio.Event, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), seconds)
+
+    def close(self) -> None:
+        """Unregister the collector and release sockets; rules and sets stay so counters survive a restart."""
+        with contextlib.suppress(KeyError):
+            self.registry.unregister(self.collector)
+        self.engine.close()
+
+    def cleanup(self) -> list[str]:
+        """Remove every chain, rule and set netacct made (uninstall); returns what was removed."""
+        removed = self.engine.remove_all()
+        self.close()
+        return removed

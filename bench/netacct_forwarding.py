@@ -1,0 +1,186 @@
+"""Bench (a): forwarding throughput through the node namespace with 0, 100 and 500 pods accounted.
+
+Goal: 500 pods >= 0.95 x 0 pods with netacct's layout (constant rules + ipset counters), compared in the same run
+against the naive layout of one rule per pod and direction/class (4 per pod in one chain, every forwarded
+packet walks all of them). Measured through the same pod -> node -> internet namespaces as the end-to-end tests:
+
+- TCP: one stream, pod -> internet peer, Gbit/s (veth offloads on, as on a node);
+- UDP: 64-byte datagrams from one Python sender, forwarded packets/s counted by the node (`ForwDatagrams`);
+  small packets make the per-packet rule cost visible.
+
+Configurations are interleaved round by round in a shuffled order and the median is reported, to damp the
+noise of a shared VM.
+
+    python bench/netacct_forwarding.py [--seconds 2] [--rounds 5] [--backend nft legacy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from agent.config.netacct import NetacctConfig
+from agent.netacct.backend import Host
+from agent.netacct.engine import Netacct
+from agent.netacct.pods import Pod, make_pod
+from tests.netacct import netns
+from tests.netacct.netns import INET4, POD4, POD6
+
+CONFIGS = [("none", 0), ("ipset", 0), ("ipset", 100), ("ipset", 500), ("naive", 100), ("naive", 500)]
+NAIVE = "GNA-BENCH-NAIVE"
+
+
+def pods(count: int) -> list[Pod]:
+    """The sending pod plus `count - 1` others."""
+    others = [make_pod("bench", f"pod-{i}", [f"10.245.{i // 250}.{i % 250 + 1}", f"fd00:245::{i + 1:x}"])
+              for i in range(max(0, count - 1))]
+    return [make_pod("bench", "sender", [POD4, POD6]), *others] if count else []
+
+
+def naive_payload(count: int) -> str:
+    """One chain, four counting rules per pod (IPv4), jumped to from FORWARD."""
+    lines = ["*mangle", f":{NAIVE} - [0:0]", f"-I FORWARD 1 -j {NAIVE}"]
+    for pod in pods(count):
+        ip = pod.ips[0]
+        for match, tag in ((f"-s {ip} -m set ! --match-set gna-internal4 dst", "tx-inet"),
+                           (f"-d {ip} -m set ! --match-set gna-internal4 src", "rx-inet"),
+                           (f"-s {ip} -m set --match-set gna-internal4 dst", "tx-clus"),
+                           (f"-d {ip} -m set --match-set gna-internal4 src", "rx-clus")):
+            lines.append(f'-A {NAIVE} {match} -m comment --comment "bench pod={pod.name} {tag}"')
+    return "\n".join([*lines, "COMMIT", ""])
+
+
+class Bench:
+    """Switches the node between configurations and measures traffic through it."""
+
+    def __init__(self, topo: netns.Topology, mode: str, seconds: float) -> None:
+        self.topo = topo
+        self.mode = mode
+        self.seconds = seconds
+        self.host = Host(netns=topo.node)
+        self.engine = Netacct(NetacctConfig(enabled=True, backend=mode), self.host)
+
+    def configure(self, kind: str, count: int) -> None:
+        """Remove everything, then install one configuration."""
+        save = self.host.save(self.mode, 4, counters=False)
+        if f":{NAIVE} " in save:
+            self.host.restore(self.mode, 4, f"*mangle\n-D FORWARD -j {NAIVE}\n:{NAIVE} - [0:0]\n-X {NAIVE}\nCOMMIT\n")
+        self.engine.remove_all()
+        if kind == "ipset":
+            self.engine.sync(pods(count))
+        elif kind == "naive":
+            self.engine.sync([])
+            self.host.restore(self.mode, 4, naive_payload(count))
+
+    def tcp_gbits(self) -> float:
+        """One TCP stream pod -> internet for `seconds`; Gbit/s received."""
+        with netns.entered(self.topo.inet):
+            server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        with netns.entered(self.topo.pod):
+            client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        server.bind((INET4, 0))
+        server.listen(1)
+        received = [0]
+
+        def sink() -> None:
+            conn, _ = server.accept()
+            buf = bytearray(1 << 20)
+            with conn:
+                while n := conn.recv_into(buf):
+                    received[0] += n
+
+        thread = threading.Thread(target=sink)
+        thread.start()
+        client.connect((INET4, server.getsockname()[1]))
+        payload = b"\x5a" * (256 << 10)
+        start = time.perf_counter()
+        while time.perf_counter() - start < self.seconds:
+            client.sendall(payload)
+        client.close()
+        thread.join()
+        elapsed = time.perf_counter() - start
+        server.close()
+        return received[0] * 8 / elapsed / 1e9
+
+    def _forwarded(self) -> int:
+        with netns.entered(self.topo.node), open("/proc/thread-self/net/snmp", encoding="ascii") as handle:
+            head, values = [line.split() for line in handle.readlines()[:2]]
+        return int(values[head.index("ForwDatagrams")])
+
+    def udp_kpps(self) -> float:
+        """64-byte datagrams pod -> internet for `seconds`; thousands of packets/s the node forwarded."""
+        with netns.entered(self.topo.inet):
+            sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with netns.entered(self.topo.pod):
+            sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sink.bind((INET4, 0))  # bound but never read: overflow is dropped silently, no ICMP back
+        target, payload = (INET4, sink.getsockname()[1]), b"\x5a" * 64
+        before = self._forwarded()
+        start = time.perf_counter()
+        while time.perf_counter() - start < self.seconds:
+            for _ in range(1000):
+                sender.sendto(payload, target)
+        elapsed = time.perf_counter() - start
+        forwarded = self._forwarded() - before
+        sender.close()
+        sink.close()
+        return forwarded / elapsed / 1e3
+
+
+def run(mode: str, seconds: float, rounds: int) -> None:
+    """All configurations, interleaved, for one backend."""
+    topo = netns.build()
+    bench = Bench(topo, mode, seconds)
+    tcp: dict[tuple[str, int], list[float]] = {c: [] for c in CONFIGS}
+    udp: dict[tuple[str, int], list[float]] = {c: [] for c in CONFIGS}
+    try:
+        order = random.Random(7)
+        for _ in range(rounds):
+            for config in order.sample(CONFIGS, len(CONFIGS)):  # no configuration always runs first or last
+                bench.configure(*config)
+                tcp[config].append(bench.tcp_gbits())
+                udp[config].append(bench.udp_kpps())
+        bench.configure("none", 0)
+    finally:
+        bench.engine.close()
+        netns.destroy(topo)
+    base_tcp, base_udp = statistics.median(tcp[("ipset", 0)]), statistics.median(udp[("ipset", 0)])
+    print(f"\nbackend {mode}: median of {rounds} rounds x {seconds:g} s; ratios against netacct with 0 pods")
+    print(f"  {'layout':<8}{'pods':>5}  {'TCP Gbit/s':>10} {'ratio':>6}   {'UDP-64 kpps':>11} {'ratio':>6}")
+    for config in CONFIGS:
+        t, u = statistics.median(tcp[config]), statistics.median(udp[config])
+        print(f"  {config[0]:<8}{config[1]:>5}  {t:>10.2f} {t / base_tcp:>6.2f}   {u:>11.1f} {u / base_udp:>6.2f}")
+    goal_tcp = statistics.median(tcp[("ipset", 500)]) / base_tcp
+    goal_udp = statistics.median(udp[("ipset", 500)]) / base_udp
+    verdict = "met" if min(goal_tcp, goal_udp) >= 0.95 else "NOT met"
+    print(f"  goal 500 pods >= 0.95 x 0 pods: TCP {goal_tcp:.2f}, UDP {goal_udp:.2f} -> {verdict}")
+
+
+def main() -> int:
+    """Parse arguments and run each backend."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--backend", nargs="+", default=["nft"], choices=["nft", "legacy"])
+    args = parser.parse_args()
+    reason = netns.missing_prerequisite()
+    if reason:
+        print(reason)
+        return 2
+    print(f"netacct forwarding bench: {os.cpu_count()} CPUs, {os.uname().release}")
+    for mode in args.backend:
+        run(mode, args.seconds, args.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""The NVML port: the agent's only way to NVIDIA's management library.
+
+`RealNvml` (in `real`, the only module that imports `pynvml`) talks to the driver; `SimulatedNvml` (in
+`simulated`) answers for a simulated profile and takes injected faults (Xids, ECC errors, row remaps, lost GPUs,
+unsupported calls) for tests and demos. Both share the small `Nvml` protocol, and `NvmlHealth` adds what the
+health checks need: an event set (Xid, single/double-bit ECC) and one memory-health poll per GPU. A node
+without the NVIDIA driver is normal (CPU nodes, tests, laptops): NVML then reports itself unavailable, once,
+and the rest of the agent carries on.
+
+NVML errors are translated at this boundary (by return code, never by message text): a lost GPU (or one that
+needs a reset) is `GpuLostError`; a call the GPU or driver does not support leaves its field None; anything
+else is `NvmlError`.
+"""
+
+from agent.nvml.api import (
+    GpuLostError,
+    MemoryHealth,
+    Nvml,
+    NvmlError,
+    NvmlEvent,
+    NvmlEventSet,
+    NvmlHealth,
+    NvmlUnavailableError,
+)
+from agent.nvml.real import RealNvml
+from agent.nvml.simulated import SimulatedNvml
+
+__all__ = [
+    "GpuLostError",
+    "MemoryHealth",
+    "Nvml",
+    "NvmlError",
+    "NvmlEvent",
+    "NvmlEventSet",
+    "NvmlHealth",
+    "NvmlUnavailableError",
+    "RealNvml",
+    "SimulatedNvml",
+]

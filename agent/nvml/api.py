@@ -1,0 +1,100 @@
+"""What the agent asks of NVML: the protocols, value types and errors both ports share."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+_GPU_IS_LOST, _NOT_SUPPORTED, _TIMEOUT, _FUNCTION_NOT_FOUND, _RESET_REQUIRED = 15, 3, 10, 13, 16
+_SBE, _DBE, _XID = 0x1, 0x2, 0x8  # nvmlEventTypeSingleBitEccError, DoubleBitEccError, XidCriticalError
+_NO_INSTANCE = 0xFFFFFFFF
+
+
+class NvmlError(Exception):
+    """An NVML call failed for a reason other than a lost GPU or an unsupported call."""
+
+
+class NvmlUnavailableError(NvmlError):
+    """NVML is not there (no driver or library); the message says why."""
+
+
+class GpuLostError(NvmlError):
+    """The GPU fell off the bus or needs a reset: NVML_ERROR_GPU_IS_LOST or NVML_ERROR_RESET_REQUIRED."""
+
+    def __init__(self, uuid: str, detail: str) -> None:
+        super().__init__(f"{uuid}: {detail}")
+        self.uuid = uuid
+
+
+@dataclass(frozen=True)
+class NvmlEvent:
+    """One NVML event: kind "xid" (with `xid`), "sbe", "dbe", or "lost" (the GPU stopped answering)."""
+
+    kind: str
+    uuid: str
+    xid: int = 0
+    gpu_instance: int | None = None
+
+
+@dataclass(frozen=True)
+class MemoryHealth:
+    """One poll of a GPU's memory health; None where the GPU or driver does not support the query."""
+
+    uuid: str
+    ecc_corrected_volatile: int | None = None
+    ecc_uncorrected_volatile: int | None = None
+    ecc_corrected_aggregate: int | None = None
+    ecc_uncorrected_aggregate: int | None = None
+    retired_pages_sbe: int | None = None
+    retired_pages_dbe: int | None = None
+    retired_pages_pending: bool | None = None
+    remapped_rows_corrected: int | None = None
+    remapped_rows_uncorrected: int | None = None
+    remap_pending: bool | None = None
+    remap_failure: bool | None = None
+
+
+class Nvml(Protocol):
+    """What the agent asks of NVML."""
+
+    @property
+    def available(self) -> bool:
+        """True once NVML initialised."""
+
+    def gpu_uuids(self) -> dict[str, str]:
+        """GPU UUIDs keyed by canonical bus id (`0000:3b:00.0`); empty when NVML is unavailable."""
+
+
+class NvmlEventSet(Protocol):
+    """Registered Xid/ECC events of some GPUs. `wait` and `close` belong to one (blocking) thread."""
+
+    def wait(self, timeout_s: float) -> list[NvmlEvent]:
+        """Events that arrived, or [] after the timeout. GpuLostError is reported as "lost" events."""
+
+    def close(self) -> None:
+        """Free the event set."""
+
+
+class NvmlHealth(Nvml, Protocol):
+    """What the health checks ask of NVML."""
+
+    @property
+    def unavailable_reason(self) -> str:
+        """Why NVML is unavailable ("" when it is available)."""
+
+    def open_events(self, uuids: Iterable[str]) -> NvmlEventSet:
+        """Register Xid and single/double-bit ECC events of these GPUs. NvmlUnavailableError without NVML."""
+
+    def memory_health(self, uuid: str) -> MemoryHealth:
+        """ECC counts, retired pages, remapped rows of one GPU. GpuLostError, NvmlUnavailableError."""
+
+
+def _code(exc: BaseException) -> int | None:
+    value = getattr(exc, "value", None)
+    return value if isinstance(value, int) else None
+
+

@@ -1,0 +1,218 @@
+"""NVML through nvidia-ml-py: the only module that imports `pynvml`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from types import ModuleType
+from typing import Any
+
+from agent.nvml.api import (
+    _DBE,
+    _FUNCTION_NOT_FOUND,
+    _GPU_IS_LOST,
+    _NO_INSTANCE,
+    _NOT_SUPPORTED,
+    _RESET_REQUIRED,
+    _SBE,
+    _TIMEOUT,
+    _XID,
+    GpuLostError,
+    MemoryHealth,
+    NvmlError,
+    NvmlEvent,
+    NvmlEventSet,
+    NvmlUnavailableError,
+    _code,
+)
+from agent.topology.model import BusIdError, normalize_bus_id
+
+log = logging.getLogger(__name__)
+
+
+class RealNvml:
+    """NVML through nvidia-ml-py. Initialises lazily; a missing library or driver makes it unavailable."""
+
+    def __init__(self, library: ModuleType | None = None) -> None:
+        self._library = library
+        self._lock = threading.Lock()
+        self._initialised: bool | None = None
+        self.unavailable_reason = ""
+        self._handles: dict[str, Any] = {}
+        self._unsupported_logged: set[tuple[str, str]] = set()
+
+    def _init(self) -> ModuleType | None:
+        with self._lock:
+            if self._initialised is None:
+                try:
+                    if self._library is None:
+                        import pynvml
+
+                        self._library = pynvml
+                    self._library.nvmlInit()
+                    self._initialised = True
+                except Exception as exc:  # pynvml raises NVMLError subclasses, or OSError for the library
+                    self._initialised = False
+                    self.unavailable_reason = f"{type(exc).__name__}: {exc}"
+                    log.warning("NVML unavailable (%s); GPU identity and NVML health checks are off",
+                                self.unavailable_reason)
+            return self._library if self._initialised else None
+
+    @property
+    def available(self) -> bool:
+        """True once NVML initialised."""
+        return self._init() is not None
+
+    def gpu_uuids(self) -> dict[str, str]:
+        """UUID per canonical bus id; a GPU that errors (lost, not supported) is skipped with a warning."""
+        nvml = self._init()
+        if nvml is None:
+            return {}
+        found: dict[str, str] = {}
+        try:
+            count = nvml.nvmlDeviceGetCount()
+        except nvml.NVMLError as exc:
+            log.warning("NVML device count failed: %s", exc)
+            return {}
+        for index in range(count):
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                bus_id = _text(nvml.nvmlDeviceGetPciInfo(handle).busId)
+                found[normalize_bus_id(bus_id)] = _text(nvml.nvmlDeviceGetUUID(handle))
+            except nvml.NVMLError as exc:
+                log.warning("NVML GPU %d skipped: %s", index, exc)
+            except BusIdError as exc:
+                log.warning("NVML GPU %d skipped: %s", index, exc)
+        return found
+
+    def _lib(self) -> ModuleType:
+        nvml = self._init()
+        if nvml is None:
+            raise NvmlUnavailableError(self.unavailable_reason)
+        return nvml
+
+    def _translate(self, nvml: ModuleType, uuid: str, exc: BaseException) -> NvmlError:
+        if _code(exc) in (_GPU_IS_LOST, _RESET_REQUIRED):
+            self._handles.pop(uuid, None)
+            return GpuLostError(uuid, str(exc))
+        return NvmlError(f"{uuid}: {exc}")
+
+    def _handle(self, nvml: ModuleType, uuid: str) -> Any:
+        if uuid not in self._handles:
+            try:
+                self._handles[uuid] = nvml.nvmlDeviceGetHandleByUUID(uuid)
+            except nvml.NVMLError as exc:
+                raise self._translate(nvml, uuid, exc) from exc
+        return self._handles[uuid]
+
+    def _query(self, nvml: ModuleType, uuid: str, what: str, call: Any, *args: Any) -> Any:
+        """One call; None when the GPU or driver does not support it (said once per GPU and call)."""
+        try:
+            return call(*args)
+        except nvml.NVMLError as exc:
+            if _code(exc) in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND):
+                if (uuid, what) not in self._unsupported_logged:
+                    self._unsupported_logged.add((uuid, what))
+                    log.info("NVML %s not supported on %s; that check is skipped", what, uuid)
+                return None
+            raise self._translate(nvml, uuid, exc) from exc
+
+    def memory_health(self, uuid: str) -> MemoryHealth:
+        """ECC counts, retired pages and remapped rows of one GPU."""
+        nvml = self._lib()
+        h = self._handle(nvml, uuid)
+
+        def ecc(error_type: int, counter: int) -> int | None:
+            return self._query(nvml, uuid, "ECC counts", nvml.nvmlDeviceGetTotalEccErrors, h, error_type, counter)
+
+        def retired(cause: int) -> int | None:
+            pages = self._query(nvml, uuid, "retired pages", nvml.nvmlDeviceGetRetiredPages, h, cause)
+            return None if pages is None else len(pages)
+
+        pending = self._query(nvml, uuid, "retired-page status", nvml.nvmlDeviceGetRetiredPagesPendingStatus, h)
+        rows = self._query(nvml, uuid, "remapped rows", nvml.nvmlDeviceGetRemappedRows, h)
+        corr, unc, remap_pending, failure = rows if rows is not None else (None,) * 4
+        return MemoryHealth(
+            uuid, ecc(0, 0), ecc(1, 0), ecc(0, 1), ecc(1, 1), retired(0), retired(1),
+            None if pending is None else bool(pending), corr, unc,
+            None if remap_pending is None else bool(remap_pending), None if failure is None else bool(failure))
+
+    def open_events(self, uuids: Iterable[str]) -> NvmlEventSet:
+        """Register Xid and ECC events (masked by what each GPU supports) on one event set."""
+        nvml = self._lib()
+        try:
+            event_set = nvml.nvmlEventSetCreate()
+        except nvml.NVMLError as exc:
+            raise NvmlError(f"cannot create an NVML event set: {exc}") from exc
+        events = _RealEventSet(self, nvml, event_set)
+        for uuid in uuids:
+            try:
+                handle = self._handle(nvml, uuid)
+                mask = (_XID | _SBE | _DBE) & nvml.nvmlDeviceGetSupportedEventTypes(handle)
+                if mask:
+                    nvml.nvmlDeviceRegisterEvents(handle, mask, event_set)
+                events.handles[uuid] = handle
+            except GpuLostError:
+                events.pending.append(NvmlEvent("lost", uuid))
+            except nvml.NVMLError as exc:
+                if _code(exc) in (_GPU_IS_LOST, _RESET_REQUIRED):
+                    events.pending.append(NvmlEvent("lost", uuid))
+                else:
+                    log.warning("NVML events not available for %s (%s); polling still covers it", uuid, exc)
+        return events
+
+
+class _RealEventSet:
+    def __init__(self, owner: RealNvml, nvml: ModuleType, event_set: Any) -> None:
+        self._owner, self._nvml, self._set = owner, nvml, event_set
+        self.handles: dict[str, Any] = {}
+        self.pending: list[NvmlEvent] = []
+        self._lost: set[str] = set()
+
+    def wait(self, timeout_s: float) -> list[NvmlEvent]:
+        nvml = self._nvml
+        if self.pending:
+            found, self.pending = self.pending, []
+            return found
+        try:
+            data = nvml.nvmlEventSetWait_v2(self._set, max(1, int(timeout_s * 1000)))
+        except nvml.NVMLError as exc:
+            if _code(exc) == _TIMEOUT:
+                return []
+            if _code(exc) == _GPU_IS_LOST:
+                return self._find_lost(exc)
+            raise NvmlError(f"NVML event wait failed: {exc}") from exc
+        try:
+            uuid = _text(nvml.nvmlDeviceGetUUID(data.device))
+        except nvml.NVMLError as exc:
+            raise NvmlError(f"NVML event for an unknown GPU: {exc}") from exc
+        instance = getattr(data, "gpuInstanceId", _NO_INSTANCE)
+        if data.eventType & _XID:
+            return [NvmlEvent("xid", uuid, int(data.eventData), None if instance == _NO_INSTANCE else instance)]
+        return [NvmlEvent("dbe" if data.eventType & _DBE else "sbe", uuid)] if data.eventType & (_SBE | _DBE) \
+            else []
+
+    def _find_lost(self, exc: BaseException) -> list[NvmlEvent]:
+        """The wait says a GPU is lost but not which: ask each one."""
+        nvml, found = self._nvml, []
+        for uuid, handle in self.handles.items():
+            try:
+                nvml.nvmlDeviceGetTemperature(handle, 0)
+            except nvml.NVMLError as probe:
+                if _code(probe) in (_GPU_IS_LOST, _RESET_REQUIRED) and uuid not in self._lost:
+                    self._lost.add(uuid)
+                    found.append(NvmlEvent("lost", uuid))
+        if not found:
+            raise NvmlError(f"NVML event wait: {exc}") from exc
+        return found
+
+    def close(self) -> None:
+        try:
+            self._nvml.nvmlEventSetFree(self._set)
+        except self._nvml.NVMLError as exc:
+            log.debug("NVML event set free failed: %s", exc)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -17,7 +17,13 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Gauge, PlatformCollector, ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Gauge,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
 
 from agent import __version__
 from agent.config import AgentConfig
@@ -109,6 +115,7 @@ async def run_agent(cfg: AgentConfig, stop: asyncio.Event | None = None,
             loop.add_signal_handler(sig, action)
             installed.append(sig)
 
+    disable_created_metrics()  # `_created` twins double the series count and no alert or panel reads them
     scratch = Path(tempfile.mkdtemp(prefix="gna-"))  # simulated sysfs and stand-in kubelet dir (short path)
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
@@ -117,13 +124,14 @@ async def run_agent(cfg: AgentConfig, stop: asyncio.Event | None = None,
           registry=registry).labels(__version__).set(1)
     readiness = Readiness()
     server = MetricsServer(cfg.metrics_address, registry, readiness)
+    ctx: subsystems.Context | None = None
     try:
         hardware: Hardware = await asyncio.to_thread(open_hardware, cfg.topology, scratch / "sys")
         supervisor = Supervisor(stop, registry)
         supervisor.add("heartbeat", lambda s: _heartbeat(readiness, s))
-        ctx = subsystems.install(supervisor, subsystems.Context(
-            cfg=cfg, hardware=hardware, registry=registry, readiness=readiness, rescan=rescan, scratch=scratch,
-            stop=stop))
+        ctx = subsystems.Context(cfg=cfg, hardware=hardware, registry=registry, readiness=readiness, rescan=rescan,
+                                 scratch=scratch, stop=stop)
+        subsystems.install(supervisor, ctx)
         server.start()
         if on_ready is not None:
             on_ready(server.port)
@@ -131,12 +139,14 @@ async def run_agent(cfg: AgentConfig, stop: asyncio.Event | None = None,
                  len(hardware.topology.rdma_nics), hardware.describe())
         await supervisor.run()
     finally:
+        if ctx is not None:  # shared clients (the cluster port) outlive every subsystem that uses them
+            await ctx.aclose()
         server.stop()
         for sig in installed:
             loop.remove_signal_handler(sig)
         shutil.rmtree(scratch, ignore_errors=True)
     log.info("gpu-node-agent stopped")
-    return ctx.exit_code
+    return ctx.exit_code if ctx is not None else 0
 
 
 def main(cfg: AgentConfig) -> int:

@@ -25,6 +25,9 @@ from agent.topology.model import Topology
 
 if TYPE_CHECKING:
     from agent.deviceplugin.manager import DevicePluginManager
+    from agent.kube.port import Cluster
+    from agent.netacct.service import NetacctService
+    from agent.remediation import RemediationService
     from agent.simulate.kubelet import LocalKubelet
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,8 @@ class Context:
     verdicts: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     stop: asyncio.Event | None = None
     exit_code: int = 0
+    # the one Kubernetes API client of the process, shared by remediation and netacct (see `kube_cluster`)
+    cluster: Cluster | None = None
 
     def fatal(self, code: int, reason: str) -> None:
         """End the process with `code`: a condition the operator asked to treat as fatal (e.g. no NVML)."""
@@ -60,6 +65,23 @@ class Context:
     def simulate(self) -> bool:
         """True when running on a simulated node."""
         return self.cfg.topology.simulate is not None
+
+    def kube_cluster(self) -> Cluster:
+        """The process's one cluster port (`agent.kube.open_cluster`), made on first use; `aclose()` releases it.
+        `ClusterConfigError` without a node name or credentials."""
+        if self.cluster is None:
+            from agent.kube import open_cluster
+
+            api = self.cfg.remediation  # the API settings (--kubeconfig, timeout) live in that section
+            self.cluster = open_cluster(self.cfg.node_name, self.registry, simulate=self.simulate,
+                                        kubeconfig=api.kubeconfig, timeout=api.api_timeout_seconds)
+        return self.cluster
+
+    async def aclose(self) -> None:
+        """Release what subsystems share (after every subsystem has stopped)."""
+        cluster, self.cluster = self.cluster, None
+        if cluster is not None:
+            await cluster.aclose()
 
 
 async def _wait(stop: asyncio.Event, seconds: float) -> None:
@@ -222,11 +244,11 @@ async def _discard(queue: asyncio.Queue[Any]) -> None:
         await queue.get()
 
 
-def install_remediation(supervisor: Supervisor, ctx: Context) -> None:
+def install_remediation(supervisor: Supervisor, ctx: Context) -> RemediationService:
     """Act on this node's API objects; with --simulate, on an in-memory node and in dry-run."""
     from agent.config import ConfigError
+    from agent.kube.errors import ClusterConfigError
     from agent.remediation import build_service
-    from agent.remediation.cluster import ClusterConfigError
     from agent.remediation.preflight import build_checks
 
     cfg = ctx.cfg.remediation
@@ -237,26 +259,23 @@ def install_remediation(supervisor: Supervisor, ctx: Context) -> None:
     checks = build_checks(expected_gpus=cfg.preflight_gpu_count,
                           gpu_count=lambda: len(ctx.hardware.topology.gpus),
                           command=cfg.preflight_command, command_timeout=cfg.preflight_command_timeout_seconds)
+    node_name = ctx.cfg.node_name or ("simulated-node" if simulate else "")
     try:
-        service = build_service(cfg, ctx.cfg.node_name, ctx.verdicts, ctx.registry, simulate=simulate,
-                                preflight_checks=checks)
+        service = build_service(cfg, node_name, ctx.verdicts, ctx.registry, simulate=simulate,
+                                cluster=ctx.kube_cluster(), preflight_checks=checks)
     except (ValueError, ClusterConfigError) as exc:
         raise ConfigError(f"remediation: {exc}") from exc
 
-    async def run(stop: asyncio.Event) -> None:
-        try:
-            await service.run(stop)
-        finally:
-            await service.cluster.aclose()
-
-    supervisor.add("remediation", run)
+    supervisor.add("remediation", service.run)  # the shared cluster client is closed by `Context.aclose`
+    return service
 
 
-def install_netacct(supervisor: Supervisor, ctx: Context) -> None:
+def install_netacct(supervisor: Supervisor, ctx: Context) -> NetacctService:
     """Network accounting with iptables mangle rules and ipset counters (only with --netacct)."""
-    from agent.netacct.service import NetacctService
+    from agent.netacct.service import NetacctService, default_pod_source
 
-    service = NetacctService(ctx.cfg.netacct, ctx.registry)
+    # the pods file if set; else this node's pods from the API (the simulated cluster's with --simulate)
+    service = NetacctService(ctx.cfg.netacct, ctx.registry, default_pod_source(ctx.cfg.netacct, ctx.kube_cluster))
 
     async def run(stop: asyncio.Event) -> None:
         try:
@@ -265,6 +284,7 @@ def install_netacct(supervisor: Supervisor, ctx: Context) -> None:
             service.close()  # keeps the rules, so counters continue after a restart; `netacct cleanup` removes them
 
     supervisor.add("netacct", run)
+    return service
 
 
 def install(supervisor: Supervisor, ctx: Context) -> Context:

@@ -1,10 +1,10 @@
 """Where netacct learns this node's pods and their IPs: a feed that any pod source publishes into.
 
-Two producers: `FilePodSource` (a JSON file re-read when it changes, for standalone use and tests) and, later,
-the Kubernetes pod watch of the cluster port, which only has to call `PodFeed.publish(pods)`. The engine never
-talks to either; it takes snapshots and waits for changes. Addresses are validated and normalised here
-(`ipaddress`), so nothing downstream ever formats an unchecked string into a command. Names and namespaces are
-kept verbatim: they only ever become Prometheus label values.
+Two producers: `FilePodSource` (a JSON file re-read when it changes, for standalone use and tests) and
+`kubepods.KubePodSource` (the Kubernetes pod watch of the shared cluster port), which calls `PodFeed.publish`.
+The engine never talks to either; it takes snapshots and waits for changes. Addresses are validated and
+normalised here (`ipaddress`), so nothing downstream ever formats an unchecked string into a command. Names and
+namespaces are kept verbatim: they only ever become Prometheus label values.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
@@ -20,12 +22,30 @@ from agent.netacct.collector import NetacctCollector
 from agent.netacct.engine import Netacct, SyncError
 from agent.netacct.pods import FilePodSource, PodFeed, PodSource
 
+if TYPE_CHECKING:
+    from agent.kube.port import PodWatchApi
+
 log = logging.getLogger(__name__)
 
 
-def default_pod_source(config: NetacctConfig) -> PodSource:
-    """The pods file when configured, else an empty pod list (node and pod aggregates only)."""
-    return FilePodSource(config.pods_file) if config.pods_file else PodFeed(())
+def default_pod_source(config: NetacctConfig, cluster: Callable[[], PodWatchApi] | None = None) -> PodSource:
+    """The pods file when configured; else this node's pods through the cluster port `cluster()` returns; else
+    (no `cluster`, or it has no node name or credentials: logged once, here) an empty pod list, so only the
+    node and pod aggregates are counted."""
+    if config.pods_file:
+        return FilePodSource(config.pods_file)
+    if cluster is None:
+        return PodFeed(())
+    from agent.kube.errors import ClusterConfigError
+    from agent.netacct.kubepods import KubePodSource
+
+    try:
+        api = cluster()
+    except ClusterConfigError as exc:
+        log.warning("netacct: no pods from the Kubernetes API (%s); counting node traffic only (or give "
+                    "--pods-file)", exc)
+        return PodFeed(())
+    return KubePodSource(api)
 
 
 class NetacctService:

@@ -14,11 +14,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from agent.remediation.clock import Clock
+from agent.clock import Clock
+from agent.kube.errors import ApiConflict, ApiError
+from agent.kube.model import Condition, NodeView, apply_patch, with_condition
+from agent.kube.port import NodeApi
 from agent.remediation.metrics import ActionCounter
-from agent.remediation.model import ApiConflict, ApiError, Condition, NodeView
-from agent.remediation.port import NodeApi
-from agent.remediation.state import apply_patch, compose, with_condition
+from agent.remediation.state import compose
 
 log = logging.getLogger(__name__)
 

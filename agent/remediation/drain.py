@@ -15,11 +15,12 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agent.remediation.clock import Clock
+from agent.clock import Clock
+from agent.kube.errors import ApiError, ApiNotFound, ApiServerError, ApiTooManyRequests
+from agent.kube.model import PodView
+from agent.kube.port import PodApi
 from agent.remediation.events import WARNING, EventRecorder
 from agent.remediation.metrics import ActionCounter
-from agent.remediation.model import ApiError, ApiNotFound, ApiServerError, ApiTooManyRequests, PodView
-from agent.remediation.port import PodApi
 
 log = logging.getLogger(__name__)
 

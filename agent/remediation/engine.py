@@ -19,14 +19,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from agent.clock import Clock
 from agent.config.remediation import RemediationConfig
+from agent.kube.model import format_time
 from agent.remediation import state
 from agent.remediation.actions import NodeActions
-from agent.remediation.clock import Clock
 from agent.remediation.drain import Drainer, DrainResult
 from agent.remediation.events import WARNING, EventRecorder
 from agent.remediation.metrics import ActionCounter
-from agent.remediation.model import format_time
 from agent.remediation.preflight import PreflightState
 from agent.remediation.slots import Slots
 from agent.remediation.state import Keys, Recorded

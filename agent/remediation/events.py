@@ -13,9 +13,10 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from agent.remediation.clock import Clock
-from agent.remediation.model import ApiError, ApiNotFound, EventRecord
-from agent.remediation.port import EventApi
+from agent.clock import Clock
+from agent.kube.errors import ApiError, ApiNotFound
+from agent.kube.model import EventRecord
+from agent.kube.port import EventApi
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from agent.remediation.clock import Clock
+from agent.clock import Clock
 from agent.remediation.verdicts import NodeVerdict
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from agent.remediation.clock import Clock
+from agent.clock import Clock
 
 log = logging.getLogger(__name__)
 

@@ -18,16 +18,17 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from agent.clock import Clock, SystemClock
 from agent.config.remediation import RemediationConfig
+from agent.kube.errors import ApiConflict, ApiError, ApiGone
+from agent.kube.model import NodeView
+from agent.kube.port import Cluster
 from agent.remediation.actions import NodeActions
-from agent.remediation.clock import Clock, SystemClock
 from agent.remediation.drain import Drainer
 from agent.remediation.engine import Engine, Inputs
 from agent.remediation.events import EventRecorder
 from agent.remediation.maintenance import Fetch, MaintenanceWatcher, urllib_fetch
 from agent.remediation.metrics import ActionCounter
-from agent.remediation.model import ApiConflict, ApiError, ApiGone, NodeView
-from agent.remediation.port import Cluster
 from agent.remediation.preflight import PreflightCheck, run_preflight
 from agent.remediation.slots import Slots
 from agent.remediation.verdicts import NodeVerdict
@@ -209,8 +210,8 @@ class RemediationService:
                 async for event in self.cluster.watch_node(version, timeout):
                     seen = True
                     version = event.resource_version or version
-                    if event.node is not None and event.type != "DELETED":
-                        self._observe(event.node)
+                    if event.object is not None and event.type != "DELETED":
+                        self._observe(event.object)
                     elif event.type == "DELETED":
                         log.error("node %s was deleted", self.node_name)
                 if seen or self.clock.now() - started >= 1.0:

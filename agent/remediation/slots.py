@@ -15,10 +15,11 @@ import dataclasses
 import logging
 import zlib
 
-from agent.remediation.clock import Clock
+from agent.clock import Clock
+from agent.kube.errors import ApiConflict, ApiNotFound
+from agent.kube.model import LeaseView
+from agent.kube.port import LeaseApi
 from agent.remediation.metrics import ActionCounter
-from agent.remediation.model import ApiConflict, ApiNotFound, LeaseView
-from agent.remediation.port import LeaseApi
 
 log = logging.getLogger(__name__)
 

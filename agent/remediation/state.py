@@ -13,12 +13,11 @@ Annotations (prefix `P`): `P/cordon-by` (ownership; present only while the agent
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agent.remediation.model import Condition, NodeView, Taint, format_time, parse_time
+from agent.kube.model import NodeView, Taint, format_time, parse_time
 
 OWNER = "gpu-node-agent"
 
@@ -140,26 +139,3 @@ def compose(first: Mapping[str, Any], second: Mapping[str, Any]) -> dict[str, An
         else:
             out[key] = value
     return out
-
-
-def apply_patch(node: NodeView, patch: Mapping[str, Any]) -> NodeView:
-    """A merge patch applied to a NodeView, for the fields remediation writes (dry-run and the simulation)."""
-    meta = patch.get("metadata") or {}
-    spec = patch.get("spec") or {}
-    annotations = dict(node.annotations)
-    for key, value in (meta.get("annotations") or {}).items():
-        if value is None:
-            annotations.pop(key, None)
-        else:
-            annotations[key] = value
-    changes: dict[str, Any] = {"annotations": annotations}
-    if "unschedulable" in spec:
-        changes["unschedulable"] = bool(spec["unschedulable"])
-    if "taints" in spec:
-        changes["taints"] = tuple(Taint(t["key"], t["effect"], t.get("value", "")) for t in spec["taints"] or ())
-    return dataclasses.replace(node, **changes)
-
-
-def with_condition(node: NodeView, condition: Condition) -> NodeView:
-    """The node with one condition replaced by type (what a strategic merge of nodes/status does)."""
-    return dataclasses.replace(node, conditions={**node.conditions, condition.type: condition})

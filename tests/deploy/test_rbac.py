@@ -1,4 +1,4 @@
-"""RBAC is exactly the least privilege agent/remediation/port.py needs: no wildcards, no secrets, no extra verbs."""
+"""RBAC is exactly the least privilege agent/kube/port.py needs: no wildcards, no secrets, no extra verbs."""
 
 from __future__ import annotations
 

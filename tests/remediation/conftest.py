@@ -1,40 +1,30 @@
-"""Fixtures: the HTTP API double, a fake clock, and a harness that runs `RemediationService` against them."""
+"""Fixtures: the HTTP API double and fake clock (tests/fakes), and a harness running `RemediationService` on them."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import random
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from prometheus_client import CollectorRegistry
 
 from agent.config.remediation import RemediationConfig
+from agent.kube.cluster import LightkubeCluster, connect
+from agent.kube.metrics import ApiRequestCounter
 from agent.remediation import RemediationService
-from agent.remediation.cluster import LightkubeCluster, connect
-from agent.remediation.metrics import ApiRequestCounter
 from agent.remediation.preflight import PreflightCheck
 from agent.remediation.verdicts import NodeVerdict
-from tests.remediation.apiserver import ApiServerDouble, Request
-from tests.remediation.fakes import FakeClock
+from tests.fakes.allowed import assert_only_allowed as check_allowed
+from tests.fakes.apiserver import ApiServerDouble, Request, write_kubeconfig
+from tests.fakes.clock import FakeClock
 
 NODE = "gpu-node-1"
 AGENT_NS = "gpu-system"
 AGENT_POD = "gpu-node-agent-abcde"
-
-
-def write_kubeconfig(path: Path, url: str) -> Path:
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "double",
-        "clusters": [{"name": "double", "cluster": {"server": url}}],
-        "users": [{"name": "agent", "user": {"token": "test-token"}}],
-        "contexts": [{"name": "double", "context": {"cluster": "double", "user": "agent"}}]}))
-    return path
 
 
 def make_config(**overrides: Any) -> RemediationConfig:
@@ -43,25 +33,9 @@ def make_config(**overrides: Any) -> RemediationConfig:
     return dataclasses.replace(base, **overrides)
 
 
-ALLOWED = [
-    ("GET", rf"/api/v1/nodes/{NODE}"), ("PATCH", rf"/api/v1/nodes/{NODE}"), ("PATCH", rf"/api/v1/nodes/{NODE}/status"),
-    ("GET", r"/api/v1/nodes"),  # watch only, checked below
-    ("GET", r"/api/v1/pods"), ("POST", r"/api/v1/namespaces/[^/]+/pods/[^/]+/eviction"),
-    ("POST", r"/api/v1/namespaces/default/events"), ("PATCH", r"/api/v1/namespaces/default/events/[^/]+"),
-    ("GET", rf"/apis/coordination.k8s.io/v1/namespaces/{AGENT_NS}/leases"),
-    ("POST", rf"/apis/coordination.k8s.io/v1/namespaces/{AGENT_NS}/leases"),
-    ("PUT", rf"/apis/coordination.k8s.io/v1/namespaces/{AGENT_NS}/leases/[^/]+"),
-]
-
-
 def assert_only_allowed(requests: list[Request]) -> None:
     """Every request is one the RBAC rules grant, and nothing lists or watches cluster-wide."""
-    for r in requests:
-        assert any(r.method == m and re.fullmatch(p, r.path) for m, p in ALLOWED), (r.method, r.path)
-        if r.path == "/api/v1/nodes":
-            assert r.watch and r.query.get("fieldSelector") == f"metadata.name={NODE}", r
-        if r.path == "/api/v1/pods":
-            assert r.query.get("fieldSelector") == f"spec.nodeName={NODE}", r
+    check_allowed(requests, NODE, AGENT_NS)
 
 
 class Harness:

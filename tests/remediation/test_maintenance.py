@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from agent.remediation.maintenance import MaintenanceWatcher, to_verdict
+from tests.fakes.clock import FakeClock
 from tests.remediation.conftest import Harness, make_config
-from tests.remediation.fakes import FakeClock
 from tests.remediation.test_cordon import HEALTHY
 
 NOW = FakeClock().now()

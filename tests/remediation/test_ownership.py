@@ -11,7 +11,7 @@ LABEL = {f"{P}/remediation-slot": "true"}
 
 
 def other_nodes_hold(harness: Harness, *slots: int, renewed: float | None = None, duration: int = 3600) -> None:
-    from agent.remediation.model import format_micro_time
+    from agent.kube.model import format_micro_time
     for index in slots:
         name = f"gpu-remediation-slot-{index}"
         harness.api.leases[(AGENT_NS, name)] = {

@@ -11,14 +11,15 @@ from prometheus_client import CollectorRegistry
 
 from agent import config
 from agent.config.remediation import RemediationConfig
+from agent.kube.errors import ApiNotFound
+from agent.kube.model import EventRecord, LeaseView, NodeView
+from agent.kube.simulated import InMemoryCluster
 from agent.remediation import RemediationService, simulated_cluster
 from agent.remediation.events import EventRecorder
 from agent.remediation.metrics import ActionCounter
-from agent.remediation.model import ApiNotFound, EventRecord, LeaseView, NodeView
-from agent.remediation.simulated import InMemoryCluster
 from agent.remediation.slots import Slots
 from agent.remediation.verdicts import NodeVerdict, worst
-from tests.remediation.fakes import FakeClock
+from tests.fakes.clock import FakeClock
 
 
 def test_verdicts_validate_and_order():

@@ -1,36 +1,24 @@
-"""The lightkube cluster port against the HTTP double: each request shape, error translation, counting."""
+"""The lightkube cluster port against the HTTP double: each request shape, error translation, counting.
+
+The pod list and watch of the port are covered with the pod watch in test_podwatch.py.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent.remediation import model
-from agent.remediation.cluster import ClusterConfigError, connect, request_verb
-from agent.remediation.metrics import ApiRequestCounter
-from agent.remediation.model import Condition, EventRecord, LeaseView
-from tests.remediation.apiserver import ApiServerDouble
-from tests.remediation.conftest import AGENT_NS, NODE, assert_only_allowed, write_kubeconfig
-from tests.remediation.fakes import FakeClock
-
-
-@pytest.fixture
-async def port(api: ApiServerDouble, tmp_path: Path):
-    registry = CollectorRegistry()
-    cluster = connect(NODE, ApiRequestCounter(registry), str(write_kubeconfig(tmp_path / "kc", api.url)),
-                      timeout=0.5)
-    cluster.registry = registry  # type: ignore[attr-defined]
-    yield cluster
-    await cluster.aclose()
-    assert_only_allowed(api.requests)
-
-
-def count(port, verb: str, code: str) -> float:
-    return port.registry.get_sample_value("gpu_node_agent_apiserver_requests_total",
-                                          {"verb": verb, "code": code}) or 0.0
+from agent.kube import errors, model
+from agent.kube.cluster import connect
+from agent.kube.errors import ClusterConfigError
+from agent.kube.metrics import ApiRequestCounter
+from agent.kube.model import Condition, EventRecord, LeaseView
+from agent.kube.transport import request_verb
+from tests.fakes.apiserver import write_kubeconfig
+from tests.fakes.clock import FakeClock
+from tests.kube.conftest import AGENT_NS, NODE, count
 
 
 @pytest.mark.parametrize(("method", "path", "query", "verb"), [
@@ -53,7 +41,7 @@ async def test_node_get_patch_and_condition_merge_by_type(port, api):
     patched = await port.patch_node({"spec": {"unschedulable": True}}, node.resource_version)
     assert patched.unschedulable and api.node["spec"]["unschedulable"] is True
     assert api.requests[-1].content_type == "application/merge-patch+json"
-    with pytest.raises(model.ApiConflict):
+    with pytest.raises(errors.ApiConflict):
         await port.patch_node({"spec": {"unschedulable": False}}, node.resource_version)  # stale version
     after = await port.patch_node_condition(Condition("GpuUnhealthy", "True", "GpuXid79", "fell off the bus",
                                                       1_800_000_000.0, 1_800_000_000.0))
@@ -70,13 +58,13 @@ async def test_pods_are_listed_by_node_only_and_evicted_through_policy_v1(port, 
     assert [p.name for p in pods] == ["train-0"]
     await port.evict_pod("team", "train-0")
     assert api.requests[-1].body["apiVersion"] == "policy/v1"
-    with pytest.raises(model.ApiNotFound):
+    with pytest.raises(errors.ApiNotFound):
         await port.evict_pod("team", "train-0")
     api.evictions[("team", "elsewhere")] = [429, 500]
-    with pytest.raises(model.ApiTooManyRequests) as throttled:
+    with pytest.raises(errors.ApiTooManyRequests) as throttled:
         await port.evict_pod("team", "elsewhere")
     assert throttled.value.retry_after == 7.0
-    with pytest.raises(model.ApiServerError) as blocked:
+    with pytest.raises(errors.ApiServerError) as blocked:
         await port.evict_pod("team", "elsewhere")
     assert blocked.value.code == 500 and "more than one PodDisruptionBudget" in blocked.value.message
     assert count(port, "create", "201") == 1 and count(port, "create", "429") == 1
@@ -98,21 +86,21 @@ async def test_leases_create_conflict_and_replace(port, api):
     lease = LeaseView("slot-0", NODE, 60.0, 1.0e9, 1.0e9, labels={"x/slot": "true"})
     written = await port.write_lease(AGENT_NS, lease)
     assert written.resource_version and written.holder == NODE
-    with pytest.raises(model.ApiConflict):
+    with pytest.raises(errors.ApiConflict):
         await port.write_lease(AGENT_NS, lease)  # create of an existing name
     listed = await port.list_leases(AGENT_NS, {"x/slot": "true"})
     assert [le.name for le in listed] == ["slot-0"] and listed[0].renew_time == 1.0e9
     renewed = await port.write_lease(AGENT_NS, LeaseView("slot-0", NODE, 60.0, 1.0e9 + 20, 1.0e9, 0,
                                                          written.resource_version, {"x/slot": "true"}))
-    with pytest.raises(model.ApiConflict):  # replace with a stale resourceVersion
+    with pytest.raises(errors.ApiConflict):  # replace with a stale resourceVersion
         await port.write_lease(AGENT_NS, written)
     assert renewed.renew_time == 1.0e9 + 20
     assert await port.list_leases(AGENT_NS, {"other": "label"}) == []
 
 
 @pytest.mark.parametrize(("status", "kind", "json_body"), [
-    (404, model.ApiNotFound, True), (409, model.ApiConflict, True), (429, model.ApiTooManyRequests, True),
-    (500, model.ApiServerError, True), (503, model.ApiServerError, False), (403, model.ApiError, True),
+    (404, errors.ApiNotFound, True), (409, errors.ApiConflict, True), (429, errors.ApiTooManyRequests, True),
+    (500, errors.ApiServerError, True), (503, errors.ApiServerError, False), (403, errors.ApiError, True),
 ])
 async def test_http_errors_become_our_exceptions(port, api, status, kind, json_body):
     api.fail("GET", f"/nodes/{NODE}$", status, json_body=json_body)
@@ -124,12 +112,12 @@ async def test_http_errors_become_our_exceptions(port, api, status, kind, json_b
 
 async def test_timeouts_and_refused_connections(port, api, tmp_path):
     api.fail("PATCH", f"/nodes/{NODE}/status", 200, delay=1.0)
-    with pytest.raises(model.ApiTimeout):
+    with pytest.raises(errors.ApiTimeout):
         await port.patch_node_condition(Condition("GpuUnhealthy", "False"))
     assert count(port, "patch", "timeout") == 1
     registry = CollectorRegistry()
     dead = connect(NODE, ApiRequestCounter(registry), str(write_kubeconfig(tmp_path / "dead", "http://127.0.0.1:9")))
-    with pytest.raises(model.ApiUnavailable):
+    with pytest.raises(errors.ApiUnavailable):
         await dead.get_node()
     await dead.aclose()
     assert registry.get_sample_value("gpu_node_agent_apiserver_requests_total", {"verb": "get", "code": "error"}) == 1
@@ -151,7 +139,7 @@ async def test_watch_by_name_with_bookmarks_until_the_server_timeout(port, api, 
     await clock.advance(301)
     await asyncio.wait_for(task, 5)
     assert [e.type for e in seen] == ["MODIFIED", "BOOKMARK"]
-    assert seen[0].node is not None and seen[0].node.unschedulable
+    assert seen[0].object is not None and seen[0].object.unschedulable
     assert seen[1].resource_version == str(api.rv)
     query = api.node_requests(watches=True)[0].query
     assert query["allowWatchBookmarks"] == "true" and query["timeoutSeconds"] == "300"
@@ -163,7 +151,7 @@ async def test_watch_from_a_compacted_version_is_gone(port, api):
     start = (await port.get_node()).resource_version
     api.admin_patch({"metadata": {"labels": {"a": "b"}}})
     api.compact()
-    with pytest.raises(model.ApiGone):
+    with pytest.raises(errors.ApiGone):
         async for _ in port.watch_node(start, 300):
             pass
 

@@ -1,9 +1,10 @@
-"""The cluster port: the only API-server operations remediation may perform, as four small Protocols.
+"""The cluster port: the only API-server operations the agent may perform, as small Protocols.
 
-Each consumer names the narrow protocol it needs (drain gets `PodApi`, slots get `LeaseApi`), which documents
-and limits what it can do. The whole list is what the RBAC rules grant: the own Node (get, watch by name,
-patch, patch status), pods on the own node (list with `spec.nodeName`), evictions, Events, and Leases in one
-namespace. Nothing lists or watches cluster-wide. Every method raises only `model.Api*` errors.
+Each consumer names the narrow protocol it needs (drain gets `PodApi`, slots get `LeaseApi`, network accounting
+gets `PodWatchApi`), which documents and limits what it can do. The whole list is what the RBAC rules grant
+(deploy/rbac.yaml): the own Node (get, watch by name, patch, patch status), pods on the own node (list and
+watch with `spec.nodeName`), evictions, Events, and Leases in one namespace. Nothing lists or watches
+cluster-wide. Every method raises only `agent.kube.errors.Api*` errors.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from agent.remediation.model import Condition, EventRecord, LeaseView, NodeView, PodView, WatchEvent
+from agent.kube.model import Condition, EventRecord, LeaseView, NodeView, PodList, PodView, WatchEvent
 
 
 class NodeApi(Protocol):
@@ -22,7 +23,7 @@ class NodeApi(Protocol):
     async def get_node(self) -> NodeView:
         """GET the node."""
 
-    def watch_node(self, resource_version: str, timeout_seconds: int) -> AsyncIterator[WatchEvent]:
+    def watch_node(self, resource_version: str, timeout_seconds: int) -> AsyncIterator[WatchEvent[NodeView]]:
         """One watch request on this node by name, with bookmarks; ends when the server closes it (410: ApiGone)."""
 
     async def patch_node(self, patch: dict[str, Any], resource_version: str | None = None) -> NodeView:
@@ -33,13 +34,26 @@ class NodeApi(Protocol):
 
 
 class PodApi(Protocol):
-    """Pods bound to the agent's node."""
+    """Pods bound to the agent's node, for drain."""
 
     async def list_pods(self) -> list[PodView]:
         """LIST pods with fieldSelector spec.nodeName=<node> (served from the watch-cache index)."""
 
     async def evict_pod(self, namespace: str, name: str) -> None:
         """POST a policy/v1 Eviction for the pod."""
+
+
+class PodWatchApi(Protocol):
+    """Pods bound to the agent's node, kept current by list + watch (`agent.kube.podwatch`)."""
+
+    node_name: str
+
+    async def list_node_pods(self) -> PodList:
+        """LIST pods with fieldSelector spec.nodeName=<node>, with the list's resourceVersion."""
+
+    def watch_pods(self, resource_version: str, timeout_seconds: int) -> AsyncIterator[WatchEvent[PodView]]:
+        """One watch request with fieldSelector spec.nodeName=<node> and bookmarks from `resource_version`; ends
+        when the server closes it after `timeout_seconds` (410: ApiGone, the version is too old)."""
 
 
 class EventApi(Protocol):
@@ -59,8 +73,8 @@ class LeaseApi(Protocol):
         """Create the Lease, or replace it when it carries a resourceVersion (409 if someone else wrote it)."""
 
 
-class Cluster(NodeApi, PodApi, EventApi, LeaseApi, Protocol):
-    """Everything remediation does on the API server."""
+class Cluster(NodeApi, PodApi, PodWatchApi, EventApi, LeaseApi, Protocol):
+    """Everything the agent does on the API server; one client shared by remediation and network accounting."""
 
     async def aclose(self) -> None:
         """Release connections."""

@@ -14,7 +14,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.remediation.fakes import FakeClock
+from tests.fakes.clock import FakeClock
 
 Answer = tuple[int, Any, dict[str, str]]
 

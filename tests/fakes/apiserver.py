@@ -2,10 +2,12 @@
 
 It implements just the endpoints the agent may use, with the semantics the agent relies on and that kmock does
 not emulate: merge patch with the resourceVersion precondition (409), strategic merge of `status.conditions` by
-type, the `spec.nodeName` field selector, watches with resourceVersion / bookmarks / timeoutSeconds / 410, the
-Eviction subresource, Events with generateName, and Leases with create-409 and replace-409. Everything else
-answers 404 and is recorded, so tests can assert the agent made no other request. Faults (status codes,
-delays for client timeouts) are scripted per method and path. Watch timeouts follow the injected clock.
+type, the `spec.nodeName` field selector on pod lists and watches, watches of the Node and of pods with
+resourceVersion / bookmarks / timeoutSeconds / 410 after compaction, one resourceVersion counter for every
+object (as etcd has), the Eviction subresource, Events with generateName, and Leases with create-409 and
+replace-409. Everything else answers 404 and is recorded, so tests can assert the agent made no other request.
+Faults (status codes, delays for client timeouts) are scripted per method and path. Watch timeouts follow the
+injected clock.
 """
 
 from __future__ import annotations
@@ -14,27 +16,30 @@ import asyncio
 import copy
 import itertools
 import re
+from pathlib import Path
 from typing import Any
 
-from tests.remediation.fakes import FakeClock
-from tests.remediation.httpdouble import Answer, HttpDouble, Request, status_body
+import yaml
+
+from tests.fakes.apistore import EventsAndLeases, merge_patch
+from tests.fakes.clock import FakeClock
+from tests.fakes.httpdouble import Answer, HttpDouble, Request, status_body
+
+__all__ = ["ApiServerDouble", "Request", "merge_patch", "write_kubeconfig"]
 
 
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386."""
-    if not isinstance(patch, dict):
-        return patch
-    out = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge_patch(out.get(key), value)
-    return out
+def write_kubeconfig(path: Path, url: str) -> Path:
+    """A kubeconfig with a token user for the double at `url`."""
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "double",
+        "clusters": [{"name": "double", "cluster": {"server": url}}],
+        "users": [{"name": "agent", "user": {"token": "test-token"}}],
+        "contexts": [{"name": "double", "context": {"cluster": "double", "user": "agent"}}]}))
+    return path
 
 
-class ApiServerDouble(HttpDouble):
-    """One node, its pods, Events and Leases, over HTTP."""
+class ApiServerDouble(EventsAndLeases, HttpDouble):
+    """One node, its pods (and pods of other nodes), Events and Leases, over HTTP."""
 
     def __init__(self, clock: FakeClock, node_name: str = "gpu-node-1") -> None:
         super().__init__(clock)
@@ -47,7 +52,7 @@ class ApiServerDouble(HttpDouble):
                          "labels": {"kubernetes.io/hostname": node_name}},
             "spec": {"taints": []},
             "status": {"conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}]}}
-        self.history: list[tuple[int, str, dict[str, Any]]] = []
+        self.history: list[tuple[int, str, dict[str, Any]]] = []  # (rv, event type, object) of nodes and pods
         self.oldest_rv = 0
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.events: dict[str, dict[str, Any]] = {}
@@ -56,6 +61,7 @@ class ApiServerDouble(HttpDouble):
         self.open_watches = 0
         self._changed = asyncio.Event()
         self._expire = asyncio.Event()
+        self._close = asyncio.Event()
 
     def _closing(self) -> None:
         self._expire.set()
@@ -64,15 +70,36 @@ class ApiServerDouble(HttpDouble):
     # --- scripting ----------------------------------------------------------------------------------------------
 
     def add_pod(self, namespace: str, name: str, *, owner: str = "ReplicaSet", mirror: bool = False,
-                phase: str = "Running", node: str | None = None) -> None:
+                phase: str = "Running", node: str | None = None, ips: tuple[str, ...] = (),
+                host_network: bool = False) -> dict[str, Any]:
+        """Create (ADDED) or replace (MODIFIED) a pod, by default on the double's node."""
         meta: dict[str, Any] = {"name": name, "namespace": namespace, "uid": f"uid-{namespace}-{name}",
                                 "ownerReferences": [{"kind": owner, "name": "x", "apiVersion": "v1", "uid": "o"}]
                                 if owner else []}
         if mirror:
             meta["annotations"] = {"kubernetes.io/config.mirror": "abc"}
-        self.pods[(namespace, name)] = {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
-                                        "spec": {"nodeName": node or self.node_name, "containers": []},
-                                        "status": {"phase": phase}}
+        spec: dict[str, Any] = {"nodeName": node or self.node_name, "containers": []}
+        if host_network:
+            spec["hostNetwork"] = True
+        status: dict[str, Any] = {"phase": phase}
+        if ips:
+            status["podIP"] = ips[0]
+            status["podIPs"] = [{"ip": ip} for ip in ips]
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec, "status": status}
+        kind = "MODIFIED" if (namespace, name) in self.pods else "ADDED"
+        self._write_pod(kind, pod)
+        return pod
+
+    def update_pod(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        """A merge patch of a pod (e.g. the kubelet reporting its IPs), seen by watches as MODIFIED."""
+        self._write_pod("MODIFIED", merge_patch(self.pods[(namespace, name)], patch))
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        """The pod is gone (DELETED)."""
+        pod = self.pods.pop((namespace, name))
+        pod = copy.deepcopy(pod)
+        pod["metadata"]["resourceVersion"] = self._bump()
+        self._record("DELETED", pod)
 
     def admin_patch(self, patch: dict[str, Any]) -> None:
         """A person's kubectl change to the node (e.g. uncordon)."""
@@ -86,8 +113,17 @@ class ApiServerDouble(HttpDouble):
         """Send 410 to every open watch."""
         self._expire.set()
 
+    def close_watches(self) -> None:
+        """End every open watch cleanly, without a bookmark (a server restart or a proxy timeout)."""
+        self._close.set()
+        self._close = asyncio.Event()
+
     def node_requests(self, since: float = float("-inf"), *, watches: bool = False) -> list[Request]:
-        return [r for r in self.requests if r.at >= since and r.watch == watches]
+        return [r for r in self.requests if r.at >= since and r.watch == watches and "/nodes" in r.path]
+
+    def pod_requests(self, *, watches: bool | None = None) -> list[Request]:
+        """Every request on the pods collection (lists and watches, or only one kind)."""
+        return [r for r in self.requests if r.path == "/api/v1/pods" and (watches is None or r.watch == watches)]
 
     @property
     def annotations(self) -> dict[str, str]:
@@ -106,12 +142,20 @@ class ApiServerDouble(HttpDouble):
         self.rv = next(self._rv)
         return str(self.rv)
 
+    def _record(self, kind: str, obj: dict[str, Any]) -> None:
+        self.history.append((self.rv, kind, copy.deepcopy(obj)))
+        self._changed.set()
+        self._changed = asyncio.Event()
+
     def _write_node(self, node: dict[str, Any]) -> None:
         node["metadata"]["resourceVersion"] = self._bump()
         self.node = node
-        self.history.append((self.rv, "MODIFIED", copy.deepcopy(node)))
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self._record("MODIFIED", node)
+
+    def _write_pod(self, kind: str, pod: dict[str, Any]) -> None:
+        pod["metadata"]["resourceVersion"] = self._bump()
+        self.pods[(pod["metadata"]["namespace"], pod["metadata"]["name"])] = pod
+        self._record(kind, pod)
 
     async def _answer(self, r: Request) -> Answer:
         fault = await self._fault(r)
@@ -157,10 +201,18 @@ class ApiServerDouble(HttpDouble):
         self._write_node(node)
         return 200, self.node, {}
 
+    @staticmethod
+    def _selects(selector: str, obj: dict[str, Any]) -> bool:
+        """The two field selectors the double knows; an empty selector selects everything."""
+        if not selector:
+            return True
+        if obj.get("kind") == "Pod":
+            return selector == f"spec.nodeName={obj['spec']['nodeName']}"
+        return selector == f"metadata.name={obj['metadata']['name']}"
+
     def _list_pods(self, query: dict[str, str]) -> Answer:
         selector = query.get("fieldSelector", "")
-        items = [p for p in self.pods.values() if selector == f"spec.nodeName={p['spec']['nodeName']}"] \
-            if selector else list(self.pods.values())
+        items = [p for p in self.pods.values() if self._selects(selector, p)]
         return 200, {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": str(self.rv)},
                      "items": items}, {}
 
@@ -176,100 +228,59 @@ class ApiServerDouble(HttpDouble):
                                          "subresource does not support.", "InternalError"), {}
         if (namespace, name) not in self.pods:
             return 404, status_body(404, f'pods "{name}" not found', "NotFound"), {}
-        del self.pods[(namespace, name)]
+        self.delete_pod(namespace, name)
         return 201, {"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}}, {}
-
-    def _event(self, r: Request, namespace: str, name: str | None) -> Answer:
-        if r.method == "POST" and name is None:
-            event = dict(r.body)
-            meta = dict(event.get("metadata") or {})
-            meta["name"] = meta.get("name") or f"{meta.get('generateName', 'event.')}{len(self.events):05x}"
-            meta["namespace"] = namespace
-            meta["resourceVersion"] = self._bump()
-            event["metadata"] = meta
-            self.events[meta["name"]] = event
-            return 201, event, {}
-        if r.method == "PATCH" and name is not None:
-            if name not in self.events:
-                return 404, status_body(404, f'events "{name}" not found', "NotFound"), {}
-            self.events[name] = merge_patch(self.events[name], r.body)
-            return 200, self.events[name], {}
-        return 404, status_body(404, "no such event route", "NotFound"), {}
-
-    def _lease(self, r: Request, namespace: str, name: str | None) -> Answer:
-        if r.method == "GET" and name is None:
-            wanted = dict(part.split("=", 1) for part in r.query.get("labelSelector", "").split(",") if part)
-            items = [le for (ns, _), le in self.leases.items() if ns == namespace
-                     and all((le["metadata"].get("labels") or {}).get(k) == v for k, v in wanted.items())]
-            return 200, {"kind": "LeaseList", "apiVersion": "coordination.k8s.io/v1",
-                         "metadata": {"resourceVersion": str(self.rv)}, "items": items}, {}
-        if r.method == "POST" and name is None:
-            key = (namespace, r.body["metadata"]["name"])
-            if key in self.leases:
-                return 409, status_body(409, f'leases "{key[1]}" already exists', "AlreadyExists"), {}
-            lease = copy.deepcopy(r.body)
-            lease["metadata"]["resourceVersion"] = self._bump()
-            self.leases[key] = lease
-            return 201, lease, {}
-        if r.method == "PUT" and name is not None:
-            current = self.leases.get((namespace, name))
-            if current is None:
-                return 404, status_body(404, f'leases "{name}" not found', "NotFound"), {}
-            if r.body["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]:
-                return 409, status_body(409, "the object has been modified", "Conflict"), {}
-            lease = copy.deepcopy(r.body)
-            lease["metadata"]["resourceVersion"] = self._bump()
-            self.leases[(namespace, name)] = lease
-            return 200, lease, {}
-        return 404, status_body(404, "no such lease route", "NotFound"), {}
 
     async def _watch(self, r: Request, writer: asyncio.StreamWriter) -> None:
         fault = await self._fault(r)
         if fault is not None:
             await self._respond(writer, *fault)
             return
-        if r.path != "/api/v1/nodes" or r.query.get("fieldSelector") != f"metadata.name={self.node_name}":
+        node_watch = r.path == "/api/v1/nodes" and r.query.get("fieldSelector") == f"metadata.name={self.node_name}"
+        if not node_watch and r.path != "/api/v1/pods":
             await self._respond(writer, 404, status_body(404, "watch not served", "NotFound"))
             return
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
         self.open_watches += 1
         try:
-            await self._stream(r, writer)
+            await self._stream(r, writer, "Node" if node_watch else "Pod")
             writer.write(b"0\r\n\r\n")
             await writer.drain()
         finally:
             self.open_watches -= 1
 
-    async def _stream(self, r: Request, writer: asyncio.StreamWriter) -> None:
+    async def _stream(self, r: Request, writer: asyncio.StreamWriter, kind: str) -> None:
         async def send(event: dict[str, Any]) -> None:
             await self.send_chunk(writer, event)
 
+        selector = r.query.get("fieldSelector", "")
         since = int(r.query.get("resourceVersion") or self.rv)
         if since < self.oldest_rv:
             await send({"type": "ERROR", "object": status_body(410, "too old resource version", "Expired")})
             return
         deadline = self.clock.now() + int(r.query.get("timeoutSeconds", "1800"))
-        expire = self._expire
+        expire, close = self._expire, self._close
         while True:
-            for rv, kind, obj in self.history:
-                if rv > since:
-                    await send({"type": kind, "object": obj})
+            for rv, event_type, obj in self.history:
+                if rv > since and obj.get("kind") == kind and self._selects(selector, obj):
+                    await send({"type": event_type, "object": obj})
                     since = rv
             if expire.is_set():
                 self._expire = asyncio.Event()
                 await send({"type": "ERROR", "object": status_body(410, "too old resource version", "Expired")})
                 return
+            if close.is_set():
+                return
             if self.clock.now() >= deadline:
                 if r.query.get("allowWatchBookmarks") == "true":
-                    await send({"type": "BOOKMARK", "object": {"kind": "Node", "apiVersion": "v1",
+                    await send({"type": "BOOKMARK", "object": {"kind": kind, "apiVersion": "v1",
                                                                "metadata": {"resourceVersion": str(self.rv)}}})
                 return
-            changed = self._changed
-            wake = asyncio.ensure_future(changed.wait())
-            stop = asyncio.ensure_future(expire.wait())
-            tick = asyncio.ensure_future(self.clock.wait(asyncio.Event(), deadline - self.clock.now()))
+            waits = [asyncio.ensure_future(self._changed.wait()), asyncio.ensure_future(expire.wait()),
+                     asyncio.ensure_future(close.wait()),
+                     asyncio.ensure_future(self.clock.wait(asyncio.Event(), deadline - self.clock.now()))]
             try:
-                await asyncio.wait({wake, stop, tick}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                for task in (wake, stop, tick):
+                for task in waits:
                     task.cancel()

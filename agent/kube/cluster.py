@@ -1,21 +1,22 @@
 """The real cluster port on lightkube's async client; the only module of the agent that imports lightkube.
 
-Two boundary duties live here. Every HTTP exchange, watches and token-refresh retries included, passes through
-`CountingTransport`, which feeds `gpu_node_agent_apiserver_requests_total{verb,code}`: at 7,500 nodes the
-fleet's load is this counter times the node count. Every failure (lightkube `ApiError`, httpx status errors,
-timeouts, connection errors, undecodable bodies) leaves as a `model.Api*` exception with `raise ... from`.
+Two boundary duties live here. Every HTTP exchange passes through `transport.CountingTransport`, which feeds
+`gpu_node_agent_apiserver_requests_total{verb,code}`: at 7,500 nodes the fleet's load is this counter times the
+node count. Every failure (lightkube `ApiError`, httpx status errors, timeouts, connection errors, undecodable
+bodies) leaves as an `agent.kube.errors.Api*` exception with `raise ... from`.
 
-The node watch is one request per call, asking for bookmarks: lightkube's public `watch()` cannot request
-`allowWatchBookmarks` and reconnects on its own, which would hide requests from the caller's backoff. It uses
-lightkube's request builder (`_client.prepare_request`), hence the pinned lightkube minor version.
+Watches (the own Node by name, the node's pods by `spec.nodeName`) are one request per call, asking for
+bookmarks: lightkube's public `watch()` cannot request `allowWatchBookmarks` and reconnects on its own, which
+would hide requests from the caller's backoff. They use lightkube's request builder (`_client.prepare_request`),
+hence the pinned lightkube minor version. One `LightkubeCluster` serves every subsystem of the process.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, TypeVar
 
 import httpx2
 import msgspec
@@ -23,62 +24,33 @@ from lightkube import AsyncClient, KubeConfig
 from lightkube.config.client_adapter import verify_cluster
 from lightkube.core.exceptions import ApiError as LightkubeApiError
 from lightkube.core.exceptions import ConfigError as LightkubeConfigError
+from lightkube.core.exceptions import NotReadyError
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Event, Node, Pod
 from lightkube.types import PatchType
 
-from agent.remediation import model
-from agent.remediation.metrics import ApiRequestCounter
-from agent.remediation.model import Condition, EventRecord, LeaseView, NodeView, PodView, WatchEvent
+from agent.kube import errors
+from agent.kube.errors import ClusterConfigError
+from agent.kube.metrics import ApiRequestCounter
+from agent.kube.model import (
+    Condition,
+    EventRecord,
+    LeaseView,
+    NodeView,
+    PodList,
+    PodView,
+    WatchEvent,
+    format_time,
+)
+from agent.kube.transport import CountingTransport
 
 log = logging.getLogger(__name__)
 
 FIELD_MANAGER = "gpu-node-agent"
 COMPONENT = "gpu-node-agent"
-
-
-class ClusterConfigError(Exception):
-    """No usable kubeconfig or in-cluster service account; the message names the fix."""
-
-
-def request_verb(method: str, path: str, query: str) -> str:
-    """Kubernetes verb of an HTTP request: get/list/watch/create/patch/update/delete."""
-    if method == "GET":
-        if "watch=true" in query or "watch=1" in query:
-            return "watch"
-        parts = [p for p in path.split("/") if p]
-        parts = parts[2:] if parts[:1] == ["api"] else parts[3:]  # drop api/v1 or apis/<group>/<version>
-        if parts[:1] == ["namespaces"] and len(parts) > 2:
-            parts = parts[2:]
-        return "list" if len(parts) <= 1 else "get"
-    return {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}.get(method, method.lower())
-
-
-class CountingTransport(httpx2.AsyncBaseTransport):
-    """Wraps the real transport and counts every request by verb and status (or `timeout` / `error`)."""
-
-    def __init__(self, inner: httpx2.AsyncBaseTransport, counter: ApiRequestCounter) -> None:
-        self._inner = inner
-        self._counter = counter
-
-    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        """Send and count."""
-        verb = request_verb(request.method, request.url.path, request.url.query.decode())
-        try:
-            response = await self._inner.handle_async_request(request)
-        except httpx2.TimeoutException:
-            self._counter.count(verb, "timeout")
-            raise
-        except httpx2.HTTPError:
-            self._counter.count(verb, "error")
-            raise
-        self._counter.count(verb, response.status_code)
-        return response
-
-    async def aclose(self) -> None:
-        """Close the wrapped transport."""
-        await self._inner.aclose()
+ALL_NAMESPACES = "*"
+T = TypeVar("T")
 
 
 def _retry_after(response: httpx2.Response | None) -> float | None:
@@ -90,23 +62,23 @@ def _retry_after(response: httpx2.Response | None) -> float | None:
         return None
 
 
-def translate(exc: BaseException) -> model.ApiError:
+def translate(exc: BaseException) -> errors.ApiError:
     """Our exception for any client-side failure."""
     if isinstance(exc, LightkubeApiError):
         response = exc.response if isinstance(getattr(exc, "response", None), httpx2.Response) else None
         code = response.status_code if response is not None else int(exc.status.code or 500)
-        return model.error_for_status(code, exc.status.message or "", _retry_after(response))
+        return errors.error_for_status(code, exc.status.message or "", _retry_after(response))
     if isinstance(exc, httpx2.HTTPStatusError):
-        return model.error_for_status(exc.response.status_code, exc.response.reason_phrase,
-                                      _retry_after(exc.response))
+        return errors.error_for_status(exc.response.status_code, exc.response.reason_phrase,
+                                       _retry_after(exc.response))
     if isinstance(exc, httpx2.TimeoutException):
-        return model.ApiTimeout(f"timed out: {type(exc).__name__}")
+        return errors.ApiTimeout(f"timed out: {type(exc).__name__}")
     if isinstance(exc, httpx2.HTTPError):
-        return model.ApiUnavailable(f"{type(exc).__name__}: {exc}")
+        return errors.ApiUnavailable(f"{type(exc).__name__}: {exc}")
     if isinstance(exc, LightkubeConfigError):  # e.g. the projected token file is briefly missing
-        return model.ApiUnavailable(f"credentials: {exc}")
+        return errors.ApiUnavailable(f"credentials: {exc}")
     if isinstance(exc, (msgspec.DecodeError, json.JSONDecodeError)):
-        return model.ApiServerError(502, f"undecodable response: {exc}")
+        return errors.ApiServerError(502, f"undecodable response: {exc}")
     raise TypeError(f"not an API failure: {exc!r}")  # a bug here, not an API error
 
 
@@ -149,11 +121,21 @@ class LightkubeCluster:
                                                          patch_type=PatchType.STRATEGIC))
         return NodeView.from_dict(node.to_dict())
 
-    async def watch_node(self, resource_version: str, timeout_seconds: int) -> AsyncIterator[WatchEvent]:
+    def watch_node(self, resource_version: str, timeout_seconds: int) -> AsyncIterator[WatchEvent[NodeView]]:
         """One watch request by name with bookmarks; ERROR lines become exceptions (410: ApiGone)."""
+        return self._watch(Node, None, f"metadata.name={self.node_name}", resource_version,
+                           timeout_seconds=timeout_seconds, parse=NodeView.from_dict)
+
+    def watch_pods(self, resource_version: str, timeout_seconds: int) -> AsyncIterator[WatchEvent[PodView]]:
+        """One watch of this node's pods (fieldSelector spec.nodeName, all namespaces) with bookmarks."""
+        return self._watch(Pod, ALL_NAMESPACES, f"spec.nodeName={self.node_name}", resource_version,
+                           timeout_seconds=timeout_seconds, parse=PodView.from_dict)
+
+    async def _watch(self, res: type[Any], namespace: str | None, selector: str, resource_version: str, *,
+                     timeout_seconds: int, parse: Callable[[Mapping[str, Any]], T]) -> AsyncIterator[WatchEvent[T]]:
         generic = self._client._client
-        br = generic.prepare_request("list", res=Node, watch=True, params={
-            "fieldSelector": f"metadata.name={self.node_name}", "resourceVersion": resource_version or None,
+        br = generic.prepare_request("list", res=res, namespace=namespace, watch=True, params={
+            "fieldSelector": selector, "resourceVersion": resource_version or None,
             "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_seconds)})
         br.timeout = httpx2.Timeout(self._timeout, read=timeout_seconds + 30.0)
         try:
@@ -163,10 +145,10 @@ class LightkubeCluster:
         try:
             if response.status_code >= 400:
                 await response.aread()
-                raise model.error_for_status(response.status_code, response.text[:200], _retry_after(response))
+                raise errors.error_for_status(response.status_code, response.text[:200], _retry_after(response))
             async for line in response.aiter_lines():
                 if line.strip():
-                    yield _watch_event(line)
+                    yield _watch_event(line, parse)
         except _FAILURES as exc:
             raise translate(exc) from exc
         finally:
@@ -174,9 +156,18 @@ class LightkubeCluster:
 
     async def list_pods(self) -> list[PodView]:
         """Pods on this node only (fieldSelector spec.nodeName), all namespaces."""
-        async def call() -> list[PodView]:
-            return [PodView.from_dict(p.to_dict()) async for p in
-                    self._client.list(Pod, namespace="*", fields={"spec.nodeName": self.node_name})]
+        return list((await self.list_node_pods()).pods)
+
+    async def list_node_pods(self) -> PodList:
+        """Pods on this node only, with the list's resourceVersion (where a watch continues)."""
+        async def call() -> PodList:
+            listing = self._client.list(Pod, namespace=ALL_NAMESPACES, fields={"spec.nodeName": self.node_name})
+            pods = tuple([PodView.from_dict(p.to_dict()) async for p in listing])
+            try:
+                version = listing.resourceVersion
+            except NotReadyError as exc:
+                raise errors.ApiServerError(502, "pod list without a resourceVersion") from exc
+            return PodList(pods, version)
         return await self._do(call)
 
     async def evict_pod(self, namespace: str, name: str) -> None:
@@ -186,7 +177,7 @@ class LightkubeCluster:
 
     async def write_event(self, event: EventRecord) -> EventRecord:
         """Create a core/v1 Event on the Node, or fold a repeat into it (count, lastTimestamp)."""
-        last = model.format_time(event.last_time)
+        last = format_time(event.last_time)
         if event.name:
             body = {"count": event.count, "lastTimestamp": last, "message": event.message}
             await self._do(lambda: self._client.patch(Event, event.name, body, namespace=self._event_namespace,
@@ -203,7 +194,7 @@ class LightkubeCluster:
             # kubelet names the Node's uid after the node, so `kubectl describe node` lists these Events
             "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": self.node_name},
             "reason": event.reason, "message": event.message, "type": event.type, "count": event.count,
-            "firstTimestamp": model.format_time(event.first_time), "lastTimestamp": model.format_time(event.last_time),
+            "firstTimestamp": format_time(event.first_time), "lastTimestamp": format_time(event.last_time),
             "source": {"component": COMPONENT, "host": self.node_name},
             "reportingComponent": COMPONENT, "reportingInstance": self.node_name,
         }
@@ -229,18 +220,18 @@ class LightkubeCluster:
         await self._client.close()
 
 
-def _watch_event(line: str) -> WatchEvent:
+def _watch_event(line: str, parse: Callable[[Mapping[str, Any]], T]) -> WatchEvent[T]:
     try:
         event = json.loads(line)
         kind, obj = event["type"], event.get("object") or {}
     except (ValueError, KeyError, TypeError) as exc:
-        raise model.ApiServerError(502, f"undecodable watch line: {line[:120]!r}") from exc
+        raise errors.ApiServerError(502, f"undecodable watch line: {line[:120]!r}") from exc
     if kind == "ERROR":
-        raise model.error_for_status(int(obj.get("code") or 500), obj.get("message") or "")
+        raise errors.error_for_status(int(obj.get("code") or 500), obj.get("message") or "")
     version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
     if kind == "BOOKMARK":
         return WatchEvent("BOOKMARK", version)
-    return WatchEvent(kind, version, NodeView.from_dict(obj))
+    return WatchEvent(kind, version, parse(obj))
 
 
 def connect(node_name: str, counter: ApiRequestCounter, kubeconfig: str | None = None, timeout: float = 10.0,

@@ -1,70 +1,19 @@
-"""The few Kubernetes shapes remediation reads, as small frozen values, plus the errors of the API boundary.
+"""The few Kubernetes shapes the agent reads, as small frozen values (errors are in `agent.kube.errors`).
 
-Remediation logic never sees lightkube models or HTTP: the cluster port parses JSON into these values and turns
-HTTP failures into the `Api*` exceptions below (kopf's errors.py idea), so the logic is the same against the
-real API server, the test double and the in-memory simulated node.
+Remediation and network accounting never see lightkube models or HTTP: the cluster port parses JSON into these
+values, so their logic is the same against the real API server, the test double and the in-memory simulated
+cluster. `apply_patch` / `with_condition` are the server's merge rules for the node fields the agent writes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-# --- errors -----------------------------------------------------------------------------------------------------
-
-
-class ApiError(Exception):
-    """The API server refused or failed a request; `code` is the HTTP status (0 when there was no response)."""
-
-    def __init__(self, code: int, message: str = "", retry_after: float | None = None) -> None:
-        super().__init__(f"{code}: {message}" if message else str(code))
-        self.code = code
-        self.message = message
-        self.retry_after = retry_after
-
-
-class ApiNotFound(ApiError):
-    """404: the object does not exist (for an eviction: the pod is already gone)."""
-
-
-class ApiConflict(ApiError):
-    """409: a resourceVersion precondition failed or the object already exists; re-read and retry."""
-
-
-class ApiGone(ApiError):
-    """410: the watch resourceVersion is too old; re-read the object and watch from the new version."""
-
-
-class ApiTooManyRequests(ApiError):
-    """429: API priority-and-fairness throttling, or a PodDisruptionBudget refusing an eviction."""
-
-
-class ApiServerError(ApiError):
-    """5xx; for an eviction, 500 means misconfiguration such as several PDBs selecting the pod."""
-
-
-class ApiTimeout(ApiError):
-    """No answer within the request timeout."""
-
-    def __init__(self, message: str = "request timed out") -> None:
-        super().__init__(0, message)
-
-
-class ApiUnavailable(ApiError):
-    """No connection to the API server (refused, reset, DNS)."""
-
-    def __init__(self, message: str = "API server unreachable") -> None:
-        super().__init__(0, message)
-
-
-def error_for_status(code: int, message: str = "", retry_after: float | None = None) -> ApiError:
-    """The exception class for an HTTP status."""
-    kinds: dict[int, type[ApiError]] = {404: ApiNotFound, 409: ApiConflict, 410: ApiGone, 429: ApiTooManyRequests}
-    kind = kinds.get(code, ApiServerError if code >= 500 else ApiError)
-    return kind(code, message, retry_after)
-
+T = TypeVar("T")
 
 # --- time -------------------------------------------------------------------------------------------------------
 
@@ -163,7 +112,7 @@ class NodeView:
 
 @dataclass(frozen=True)
 class PodView:
-    """What drain needs of a Pod."""
+    """What drain and network accounting need of a Pod."""
 
     namespace: str
     name: str
@@ -171,16 +120,38 @@ class PodView:
     mirror: bool = False
     phase: str = "Running"
     terminating: bool = False
+    ips: tuple[str, ...] = ()  # status.podIPs (status.podIP when the list is absent), as the server spells them
+    host_network: bool = False
+    resource_version: str = ""
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(namespace, name)."""
+        return self.namespace, self.name
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PodView:
         """Parse a Pod as JSON (a dict)."""
         meta = data.get("metadata") or {}
+        spec = data.get("spec") or {}
+        status = data.get("status") or {}
         owners = tuple(o.get("kind", "") for o in meta.get("ownerReferences") or ())
+        ips = tuple(str(entry["ip"]) for entry in status.get("podIPs") or () if (entry or {}).get("ip"))
+        if not ips and status.get("podIP"):
+            ips = (str(status["podIP"]),)
         return cls(namespace=meta.get("namespace", ""), name=meta.get("name", ""), owner_kinds=owners,
                    mirror="kubernetes.io/config.mirror" in (meta.get("annotations") or {}),
-                   phase=(data.get("status") or {}).get("phase") or "Pending",
-                   terminating=bool(meta.get("deletionTimestamp")))
+                   phase=status.get("phase") or "Pending", terminating=bool(meta.get("deletionTimestamp")),
+                   ips=ips, host_network=bool(spec.get("hostNetwork")),
+                   resource_version=str(meta.get("resourceVersion") or ""))
+
+
+@dataclass(frozen=True)
+class PodList:
+    """A LIST of the node's pods and the resourceVersion to watch from."""
+
+    pods: tuple[PodView, ...]
+    resource_version: str
 
 
 @dataclass(frozen=True)
@@ -239,9 +210,35 @@ class EventRecord:
 
 
 @dataclass(frozen=True)
-class WatchEvent:
-    """One line of a Node watch: ADDED / MODIFIED / DELETED with the node, or BOOKMARK with only a version."""
+class WatchEvent(Generic[T]):
+    """One line of a watch: ADDED / MODIFIED / DELETED with the object, or BOOKMARK with only a version."""
 
     type: str
     resource_version: str
-    node: NodeView | None = None
+    object: T | None = None
+
+
+# --- server-side merge rules for what the agent writes -----------------------------------------------------------
+
+
+def apply_patch(node: NodeView, patch: Mapping[str, Any]) -> NodeView:
+    """A merge patch applied to a NodeView, for the fields remediation writes (dry-run and the simulation)."""
+    meta = patch.get("metadata") or {}
+    spec = patch.get("spec") or {}
+    annotations = dict(node.annotations)
+    for key, value in (meta.get("annotations") or {}).items():
+        if value is None:
+            annotations.pop(key, None)
+        else:
+            annotations[key] = value
+    changes: dict[str, Any] = {"annotations": annotations}
+    if "unschedulable" in spec:
+        changes["unschedulable"] = bool(spec["unschedulable"])
+    if "taints" in spec:
+        changes["taints"] = tuple(Taint(t["key"], t["effect"], t.get("value", "")) for t in spec["taints"] or ())
+    return dataclasses.replace(node, **changes)
+
+
+def with_condition(node: NodeView, condition: Condition) -> NodeView:
+    """The node with one condition replaced by type (what a strategic merge of nodes/status does)."""
+    return dataclasses.replace(node, conditions={**node.conditions, condition.type: condition})

@@ -1,0 +1,22 @@
+"""API-server request metrics, registered on the `CollectorRegistry` the caller passes in (never the global one).
+
+`gpu_node_agent_apiserver_requests_total{verb,code}` counts every request the cluster port makes (remediation's
+node and lease traffic and netacct's pod watch alike, through one shared client), so the fleet-wide API load of
+the DaemonSet can be read off one node and multiplied by the node count.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter
+
+
+class ApiRequestCounter:
+    """`gpu_node_agent_apiserver_requests_total{verb,code}`; code is the HTTP status, `timeout` or `error`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._counter = Counter("gpu_node_agent_apiserver_requests", "API server requests made by the agent",
+                                ("verb", "code"), registry=registry)
+
+    def count(self, verb: str, code: int | str) -> None:
+        """Count one request."""
+        self._counter.labels(verb=verb, code=str(code)).inc()

@@ -1,0 +1,70 @@
+"""This node's pods from the Kubernetes API, for network accounting: a `PodFeed` fed by the pod watch.
+
+`KubePodSource` runs `agent.kube.podwatch.NodePodWatch` on the shared cluster port (list, then watch with
+`fieldSelector=spec.nodeName=<node>` and bookmarks; re-list only on 410) and publishes the accountable pods on
+every change: pods with at least one IP in `status.podIPs`, not on the host network (their traffic is the
+node's, counted in the host scope), and not finished (a Succeeded or Failed pod's IPs go back to the pool and
+may already belong to a new pod). Until the first list succeeds the set stays unknown, so the engine keeps
+the set members it finds instead of emptying them while the API server is unreachable at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Iterable
+
+from agent.clock import Clock
+from agent.kube.model import PodView
+from agent.kube.podwatch import MAX_BACKOFF, WATCH_TIMEOUT, NodePodWatch
+from agent.kube.port import PodWatchApi
+from agent.netacct.pods import Pod, PodFeed, PodListError, make_pod
+
+log = logging.getLogger(__name__)
+
+FINISHED = ("Succeeded", "Failed")
+
+
+def accountable(pods: Iterable[PodView], warned: set[tuple[str, str]] | None = None) -> list[Pod]:
+    """The pods netacct counts, with validated IPs; a pod with a malformed IP is skipped (warned once)."""
+    out: list[Pod] = []
+    for view in pods:
+        if view.host_network or not view.ips or view.phase in FINISHED:
+            continue
+        try:
+            out.append(make_pod(view.namespace, view.name, view.ips))
+        except PodListError as exc:
+            if warned is None or view.key not in warned:
+                log.warning("netacct: not accounting pod %s/%s: %s", view.namespace, view.name, exc)
+                if warned is not None:
+                    warned.add(view.key)
+    return out
+
+
+class KubePodSource(PodFeed):
+    """`PodSource` over the cluster port's pod watch of this node."""
+
+    def __init__(self, api: PodWatchApi, *, clock: Clock | None = None, rng: random.Random | None = None,
+                 timeout_range: tuple[int, int] = WATCH_TIMEOUT, backoff_initial: float = 1.0,
+                 backoff_max: float = MAX_BACKOFF) -> None:
+        super().__init__()  # unknown until the first successful list
+        self._warned: set[tuple[str, str]] = set()
+        self.watch = NodePodWatch(api, self._changed, clock=clock, rng=rng, timeout_range=timeout_range,
+                                  backoff_initial=backoff_initial, backoff_max=backoff_max)
+
+    def _changed(self, pods: tuple[PodView, ...]) -> None:
+        self.publish(accountable(pods, self._warned))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """List and watch until `stop` is set; an unexpected failure is logged and the watch restarted, since the
+        service would not notice a dead source (it only ever sees the last published set)."""
+        log.info("netacct: following the pods of node %s through the Kubernetes API", self.watch.api.node_name)
+        delay = self.watch.backoff_initial
+        while not stop.is_set():
+            try:
+                await self.watch.run(stop)
+            except Exception:
+                log.exception("netacct: the pod watch failed unexpectedly; restarting it in %.0fs", delay)
+                await self.watch.clock.wait(stop, delay)
+                delay = min(delay * 2, self.watch.backoff_max)

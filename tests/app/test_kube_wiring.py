@@ -1,0 +1,112 @@
+"""Wiring of the cluster port in `agent.subsystems`: one client shared by remediation and netacct, the pod source
+netacct gets in each situation, and the client closed once at exit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from agent import subsystems
+from agent.app import Supervisor
+from agent.config.model import AgentConfig, TopologyConfig
+from agent.config.netacct import NetacctConfig
+from agent.config.remediation import RemediationConfig
+from agent.http import Readiness
+from agent.kube.cluster import LightkubeCluster
+from agent.kube.simulated import InMemoryCluster
+from agent.netacct.kubepods import KubePodSource
+from agent.netacct.pods import FilePodSource, PodFeed
+from tests.fakes.allowed import assert_only_allowed
+from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
+from tests.fakes.clock import FakeClock
+
+NODE = "gpu-node-3"
+
+
+def context(tmp_path: Path, *, node: str = NODE, kubeconfig: str | None = None, pods_file: str | None = None,
+            remediation: bool = True, simulate: str | None = None) -> subsystems.Context:
+    cfg = AgentConfig(node_name=node, topology=TopologyConfig(simulate=simulate),
+                      remediation=RemediationConfig(enabled=remediation, kubeconfig=kubeconfig, preflight_taint="",
+                                                    pod_namespace="gpu-system", api_timeout_seconds=2.0),
+                      netacct=NetacctConfig(enabled=True, pods_file=pods_file))
+    return subsystems.Context(cfg=cfg, hardware=None, registry=CollectorRegistry(),  # type: ignore[arg-type]
+                              readiness=Readiness(), rescan=asyncio.Event(), scratch=tmp_path)
+
+
+def install_both(ctx: subsystems.Context) -> tuple[Any, Any]:
+    supervisor = Supervisor(asyncio.Event(), ctx.registry)
+    remediation = subsystems.install_remediation(supervisor, ctx) if ctx.cfg.remediation.enabled else None
+    return remediation, subsystems.install_netacct(supervisor, ctx)
+
+
+async def test_remediation_and_netacct_share_one_client_and_one_request_counter(tmp_path: Path):
+    clock = FakeClock()
+    api = ApiServerDouble(clock, NODE)
+    await api.start()
+    api.add_pod("team", "trainer", ips=("10.1.0.5",))
+    ctx = context(tmp_path, kubeconfig=str(write_kubeconfig(tmp_path / "kc", api.url)))
+    remediation, netacct = install_both(ctx)  # a second request counter on one registry would raise here
+    assert isinstance(ctx.cluster, LightkubeCluster)
+    assert remediation.cluster is ctx.cluster
+    assert isinstance(netacct.pods, KubePodSource) and netacct.pods.watch.api is ctx.cluster
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(remediation.run(stop)), asyncio.create_task(netacct.pods.run(stop))]
+    try:
+        def requests(verb: str) -> float:
+            return ctx.registry.get_sample_value("gpu_node_agent_apiserver_requests_total",
+                                                 {"verb": verb, "code": "200"}) or 0.0
+
+        for _ in range(2000):  # a guard against hangs, not a timing assertion
+            if api.open_watches == 2 and requests("watch") == 2:
+                break
+            await asyncio.sleep(0.005)
+        assert api.open_watches == 2  # the node watch and the pod watch, on one client
+        assert requests("get") >= 1 and requests("list") == 1 and requests("watch") == 2  # on one counter
+        assert netacct.pods.snapshot()[1] is not None and len(netacct.pods.snapshot()[1]) == 1
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        netacct.close()
+        await ctx.aclose()
+        await api.stop()
+    assert ctx.cluster is None
+    assert_only_allowed(api.requests, NODE, "gpu-system")
+
+
+def test_the_pods_file_wins(tmp_path: Path):
+    ctx = context(tmp_path, kubeconfig=str(tmp_path / "missing"), pods_file=str(tmp_path / "pods.json"),
+                  remediation=False)
+    _, netacct = install_both(ctx)
+    assert isinstance(netacct.pods, FilePodSource) and ctx.cluster is None
+    netacct.close()
+
+
+@pytest.mark.parametrize(("node", "kubeconfig", "why"), [
+    ("", "kc", "no node name"),
+    (NODE, "missing", "--kubeconfig"),
+])
+def test_without_a_node_name_or_credentials_there_are_no_pods_and_the_log_says_why(tmp_path: Path, caplog, node,
+                                                                                   kubeconfig, why):
+    caplog.set_level(logging.WARNING)
+    write_kubeconfig(tmp_path / "kc", "http://127.0.0.1:9")
+    ctx = context(tmp_path, node=node, kubeconfig=str(tmp_path / kubeconfig), remediation=False)
+    _, netacct = install_both(ctx)
+    assert type(netacct.pods) is PodFeed and netacct.pods.snapshot()[1] == ()  # known and empty: node totals
+    assert ctx.cluster is None
+    assert caplog.text.count("netacct: no pods from the Kubernetes API") == 1 and why in caplog.text
+    netacct.close()
+
+
+async def test_simulate_mode_shares_the_in_memory_cluster(tmp_path: Path):
+    ctx = context(tmp_path, node="", simulate="dgx-h100")
+    remediation, netacct = install_both(ctx)
+    assert isinstance(ctx.cluster, InMemoryCluster) and remediation.cluster is ctx.cluster
+    assert isinstance(netacct.pods, KubePodSource) and netacct.pods.watch.api is ctx.cluster
+    assert remediation.node_name == ctx.cluster.node_name == "simulated-node"
+    netacct.close()
+    await ctx.aclose()

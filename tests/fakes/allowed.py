@@ -1,0 +1,33 @@
+"""The requests the cluster port may make (what deploy/rbac.yaml grants), checked against a double's record."""
+
+from __future__ import annotations
+
+import re
+
+from tests.fakes.httpdouble import Request
+
+
+def allowed(node: str, lease_namespace: str) -> list[tuple[str, str]]:
+    """(method, path regex) of every request `agent.kube.port` may send."""
+    return [
+        ("GET", rf"/api/v1/nodes/{node}"), ("PATCH", rf"/api/v1/nodes/{node}"),
+        ("PATCH", rf"/api/v1/nodes/{node}/status"),
+        ("GET", r"/api/v1/nodes"),  # watch only, checked below
+        ("GET", r"/api/v1/pods"), ("POST", r"/api/v1/namespaces/[^/]+/pods/[^/]+/eviction"),
+        ("POST", r"/api/v1/namespaces/default/events"), ("PATCH", r"/api/v1/namespaces/default/events/[^/]+"),
+        ("GET", rf"/apis/coordination.k8s.io/v1/namespaces/{lease_namespace}/leases"),
+        ("POST", rf"/apis/coordination.k8s.io/v1/namespaces/{lease_namespace}/leases"),
+        ("PUT", rf"/apis/coordination.k8s.io/v1/namespaces/{lease_namespace}/leases/[^/]+"),
+    ]
+
+
+def assert_only_allowed(requests: list[Request], node: str, lease_namespace: str) -> None:
+    """Every request is one the RBAC rules grant, and nothing lists or watches cluster-wide: node watches are
+    by name, and every pod list or watch carries `fieldSelector=spec.nodeName=<node>`."""
+    rules = allowed(node, lease_namespace)
+    for r in requests:
+        assert any(r.method == m and re.fullmatch(p, r.path) for m, p in rules), (r.method, r.path)
+        if r.path == "/api/v1/nodes":
+            assert r.watch and r.query.get("fieldSelector") == f"metadata.name={node}", r
+        if r.path == "/api/v1/pods":
+            assert r.query.get("fieldSelector") == f"spec.nodeName={node}", r

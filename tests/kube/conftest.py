@@ -9,25 +9,12 @@ from prometheus_client import CollectorRegistry
 
 from agent.kube.cluster import LightkubeCluster, connect
 from agent.kube.metrics import ApiRequestCounter
+from tests.fakes import fixtures
 from tests.fakes.allowed import assert_only_allowed
 from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
-from tests.fakes.clock import FakeClock
 
-NODE = "gpu-node-1"
+NODE = fixtures.NODE  # the node the shared API double serves
 AGENT_NS = "gpu-system"
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
-async def api(clock: FakeClock):
-    double = ApiServerDouble(clock, NODE)
-    await double.start()
-    yield double
-    await double.stop()
 
 
 @pytest.fixture

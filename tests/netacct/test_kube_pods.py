@@ -21,12 +21,13 @@ from agent.kube.simulated import demo_cluster
 from agent.netacct.kubepods import KubePodSource
 from agent.netacct.pods import make_pod
 from agent.netacct.service import NetacctService
+from tests.fakes import fixtures
 from tests.fakes.allowed import assert_only_allowed
 from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
 from tests.fakes.clock import FakeClock
 from tests.netacct.fakes import FakeHost
 
-NODE = "gpu-node-7"
+NODE = fixtures.NODE  # the node the shared API double serves
 
 
 async def until(predicate: Callable[[], bool], what: str = "condition") -> None:
@@ -39,19 +40,12 @@ async def until(predicate: Callable[[], bool], what: str = "condition") -> None:
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
-async def api(clock: FakeClock):
-    double = ApiServerDouble(clock, NODE)
-    await double.start()
-    yield double
-    await double.stop()
-    assert_only_allowed(double.requests, NODE, "unused")
-    assert double.pod_requests() and all(  # never a cluster-wide list or watch
-        r.query.get("fieldSelector") == f"spec.nodeName={NODE}" for r in double.pod_requests())
+async def api(api: ApiServerDouble):
+    """The shared API double, plus: only requests the agent's RBAC allows, all scoped to this node."""
+    yield api
+    assert_only_allowed(api.requests, NODE, "unused")
+    assert api.pod_requests() and all(  # never a cluster-wide list or watch
+        r.query.get("fieldSelector") == f"spec.nodeName={NODE}" for r in api.pod_requests())
 
 
 @pytest.fixture

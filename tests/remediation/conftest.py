@@ -18,11 +18,12 @@ from agent.kube.metrics import ApiRequestCounter
 from agent.remediation import RemediationService
 from agent.remediation.preflight import PreflightCheck
 from agent.remediation.verdicts import NodeVerdict
+from tests.fakes import fixtures
 from tests.fakes.allowed import assert_only_allowed as check_allowed
 from tests.fakes.apiserver import ApiServerDouble, Request, write_kubeconfig
 from tests.fakes.clock import FakeClock
 
-NODE = "gpu-node-1"
+NODE = fixtures.NODE  # the node the shared API double serves
 AGENT_NS = "gpu-system"
 AGENT_POD = "gpu-node-agent-abcde"
 
@@ -129,19 +130,6 @@ class Harness:
     def writes(self, since: int = 0) -> list[Request]:
         """Requests that change something, from request number `since` on (see `mark`)."""
         return [r for r in self.api.requests[since:] if r.method != "GET"]
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
-async def api(clock: FakeClock):
-    double = ApiServerDouble(clock, NODE)
-    await double.start()
-    yield double
-    await double.stop()
 
 
 @pytest.fixture

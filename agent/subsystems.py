@@ -122,9 +122,13 @@ async def run_rescans(ctx: Context, stop: asyncio.Event) -> None:
                 log.exception("a subsystem failed to take the rescanned topology")
 
 
-async def _show_sample_allocations(kubelet: LocalKubelet, resources: list[str]) -> None:
-    """Simulate mode: admit a few containers through the stand-in kubelet and log what they got."""
-    topology_note = "GPU+NIC" if len(resources) > 1 else "NIC only"
+async def _show_sample_allocations(kubelet: LocalKubelet, manager: DevicePluginManager,
+                                   topology: Topology) -> None:
+    """Simulate mode: admit a few containers through the stand-in kubelet and log what they got, and how close."""
+    from agent.deviceplugin.allocation import achieved_levels
+
+    resources = sorted(manager.resources)
+    gpu_resources = [r for r in resources if manager.plugin(r).pool.kind == "gpu"]
     for size in (1, 2, 4):
         request = dict.fromkeys(resources, size)
         try:
@@ -132,8 +136,17 @@ async def _show_sample_allocations(kubelet: LocalKubelet, resources: list[str]) 
         except Exception as exc:  # a demo must never take the agent down
             log.warning("sample allocation of %s failed: %s", request, exc)
             return
-        log.info("sample allocation (%s, %d each): %s", topology_note, size,
-                 {name: ids for name, ids in allocation.items()})
+        gpus = [i for r in gpu_resources for i in allocation.get(r, [])]
+        nics = [i for r in resources if r not in gpu_resources for i in allocation.get(r, [])]
+        hcas = [getattr(topology.find(i), "rdma", None) or i for i in nics]
+        if gpus:
+            indexes = [g.index for g in topology.gpus if g.uuid in gpus]
+            levels = [level.name for level in achieved_levels(topology, gpus, nics)]
+            log.info("sample allocation: %d GPU + %d NIC container got GPUs %s and HCAs %s; GPU-NIC levels %s",
+                     size, size, indexes, hcas, levels)
+        else:
+            log.info("sample allocation: %d-NIC container (GPUs served elsewhere) got HCAs %s on PFs %s", size,
+                     hcas, sorted({getattr(topology.find(i), "pf_bus_id", i) for i in nics}))
         kubelet.release(allocation)
 
 
@@ -170,7 +183,7 @@ def install_device_plugin(supervisor: Supervisor, ctx: Context) -> None:
                 registered = manager.registered.is_set()
                 ctx.readiness.set("device-plugin registered", registered)
                 if registered and kubelet is not None and samples is None:
-                    samples = asyncio.create_task(_show_sample_allocations(kubelet, sorted(manager.resources)))
+                    samples = asyncio.create_task(_show_sample_allocations(kubelet, manager, ctx.hardware.topology))
                 await _wait(stop, 0.5)
         finally:
             ctx.readiness.set("device-plugin registered", False)

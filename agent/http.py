@@ -8,6 +8,7 @@ says whether the agent does its job yet: plugins registered, first health pass d
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -27,18 +28,42 @@ class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
     allow_reuse_address = True
 
 
+class _DualStackWSGIServer(_ThreadingWSGIServer):
+    """Listens on `::` for IPv6 and IPv4 alike, so probes and scrapes work on single- and dual-stack nodes."""
+
+    address_family = socket.AF_INET6
+
+    def server_bind(self) -> None:
+        """Accept IPv4-mapped connections too."""
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("http: " + format, *args)
 
 
 def parse_address(address: str) -> tuple[str, int]:
-    """`:9400` -> ("0.0.0.0", 9400); `127.0.0.1:0`; `[::]:9400`. Raises ValueError naming the input."""
+    """`:9400` -> ("", 9400) meaning every address; `127.0.0.1:0`; `[::1]:9400`. ValueError names the input."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"not a host:port address: {address!r}")
-    host = host.strip("[]") or "0.0.0.0"  # noqa: S104 - a node agent's metrics are scraped from outside
-    return host, int(port)
+    return host.strip("[]"), int(port)
+
+
+def _bind(host: str, port: int, app: Callable[..., Iterable[bytes]]) -> WSGIServer:
+    """Every address: dual-stack `::`, or IPv4 only where the kernel has no IPv6. Else the given address."""
+    if host in ("", "::"):
+        try:
+            return make_server("::", port, app, _DualStackWSGIServer, handler_class=_QuietHandler)
+        except OSError as exc:
+            if host == "::":
+                raise
+            log.info("no IPv6 here (%s); serving on IPv4 only", exc)
+            host = "0.0.0.0"  # noqa: S104 - a node agent's metrics are scraped from outside the node
+    server_class = _DualStackWSGIServer if ":" in host else _ThreadingWSGIServer
+    return make_server(host, port, app, server_class, handler_class=_QuietHandler)
 
 
 class Readiness:
@@ -98,8 +123,7 @@ class MetricsServer:
 
     def __init__(self, address: str, registry: CollectorRegistry, readiness: Readiness) -> None:
         host, port = parse_address(address)
-        self._server = make_server(host, port, make_app(registry, readiness), _ThreadingWSGIServer,
-                                   handler_class=_QuietHandler)
+        self._server = _bind(host, port, make_app(registry, readiness))
         self.port = self._server.server_port
         self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
 

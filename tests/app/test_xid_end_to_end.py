@@ -7,6 +7,7 @@ checks is exactly what a kubelet would receive over the device-plugin API.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -61,6 +62,16 @@ async def test_xid_79_in_the_kernel_log_withdraws_the_gpu_from_the_kubelet():
         text = await asyncio.to_thread(_metrics, port)
         assert f'uuid="{uuid}",xid="79"}} 1.0' in text
         assert 'gpu_node_agent_node_verdict{verdict="drain"} 1.0' in text
+        # remediation (dry-run against the simulated node) decided to cordon and drain, and said so
+        log_path = directory / "agent.log"
+
+        def decisions() -> list[str]:
+            lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+            return [m["msg"] for m in lines if "dry-run" in m["msg"]]
+
+        await kubelet.wait_for(lambda: any("would cordon" in m for m in decisions())
+                               and any("Draining" in m for m in decisions()), timeout=30)
+        assert any("GpuXid79" in m for m in decisions())
     finally:
         agent.terminate()
         try:

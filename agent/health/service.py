@@ -143,8 +143,10 @@ class HealthService:
                 problem = f"{type(exc).__name__}: {exc}"
                 self.assessor.checks[name] = f"failed: {problem}"
                 if problem != last:  # the same failure again is not news: the check's state already says it
+                    # An OSError is the host saying no (no such file, EPERM on /dev/kmsg in an unprivileged
+                    # container): the message says it all. Anything else is a bug and gets its traceback.
                     log.error("health check %s failed (%s); retrying with backoff, the other checks go on", name,
-                              problem, exc_info=True)
+                              problem, exc_info=not isinstance(exc, OSError))
                 last = problem
                 ready.set()  # readiness must not hang on a broken producer; the gauge shows it
             with contextlib.suppress(TimeoutError):

@@ -72,9 +72,9 @@ class Context:
         if self.cluster is None:
             from agent.kube import open_cluster
 
-            api = self.cfg.remediation  # the API settings (--kubeconfig, timeout) live in that section
+            api = self.cfg.api_server
             self.cluster = open_cluster(self.cfg.node_name, self.registry, simulate=self.simulate,
-                                        kubeconfig=api.kubeconfig, timeout=api.api_timeout_seconds)
+                                        kubeconfig=api.kubeconfig, timeout=api.timeout_seconds)
         return self.cluster
 
     async def aclose(self) -> None:

@@ -97,6 +97,21 @@ class DevicePluginConfig:
 
 
 @dataclass
+class ApiServerConfig:
+    """How the agent reaches the Kubernetes API server (shared by remediation and network accounting)."""
+
+    kubeconfig: str | None = setting(None, flag="--kubeconfig", env="GPU_NODE_AGENT_KUBECONFIG",
+                                     help="kubeconfig file; the in-cluster service account when unset")
+    timeout_seconds: float = setting(10.0, flag="--api-timeout", env="GPU_NODE_AGENT_API_TIMEOUT",
+                                     help="timeout of one API server request")
+
+    def check(self) -> None:
+        """A request timeout must be positive."""
+        if self.timeout_seconds <= 0:
+            raise ValueError(f"timeoutSeconds: {self.timeout_seconds} must be positive")
+
+
+@dataclass
 class AgentConfig:
     """All settings of one agent process."""
 
@@ -114,6 +129,7 @@ class AgentConfig:
                                    help="host:port for /metrics, /healthz and /readyz (port 0 picks a free one)")
     topology: TopologyConfig = setting(factory=TopologyConfig, help="hardware model sources")
     device_plugin: DevicePluginConfig = setting(factory=DevicePluginConfig, help="kubelet device plugin")
+    api_server: ApiServerConfig = setting(factory=ApiServerConfig, help="Kubernetes API server access")
     health: HealthConfig = setting(factory=HealthConfig, help="GPU and NIC health checks")
     remediation: RemediationConfig = setting(factory=RemediationConfig, help="actions on this node's API objects")
     netacct: NetacctConfig = setting(factory=NetacctConfig, help="network traffic accounting")

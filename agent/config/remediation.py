@@ -22,8 +22,6 @@ class RemediationConfig:
 
     enabled: bool = setting(False, flag="--remediation", env="GPU_NODE_AGENT_REMEDIATION",
                             help="act on this node's API objects (cordon, condition, events, drain)")
-    kubeconfig: str | None = setting(None, flag="--kubeconfig", env="GPU_NODE_AGENT_KUBECONFIG",
-                                     help="kubeconfig file; the in-cluster service account when unset")
     dry_run: bool = setting(False, flag="--dry-run", env="GPU_NODE_AGENT_DRY_RUN",
                             help="decide, log and emit Events, but change nothing else on the cluster")
     prefix: str = setting(PROJECT_DOMAIN, flag="--remediation-prefix", env="GPU_NODE_AGENT_REMEDIATION_PREFIX",
@@ -97,8 +95,6 @@ class RemediationConfig:
     condition_heartbeat_seconds: float = setting(
         300.0, flag="--condition-heartbeat", env="GPU_NODE_AGENT_CONDITION_HEARTBEAT",
         help="seconds between unchanged condition heartbeats (at least 300)")
-    api_timeout_seconds: float = setting(10.0, flag="--api-timeout", env="GPU_NODE_AGENT_API_TIMEOUT",
-                                         help="timeout of one API server request")
 
     def check(self) -> None:
         """Reject settings that are unsafe at fleet scale; the message names the setting and the fix."""
@@ -111,7 +107,7 @@ class RemediationConfig:
         if unknown:
             raise ValueError(f"maintenanceClouds: {', '.join(unknown)} not one of {', '.join(CLOUDS)}")
         for name in ("slot_lease_seconds", "slot_retry_seconds", "maintenance_poll_seconds",
-                     "eviction_backoff_seconds", "api_timeout_seconds", "preflight_command_timeout_seconds"):
+                     "eviction_backoff_seconds", "preflight_command_timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.uncordon_policy not in UNCORDON_POLICIES:

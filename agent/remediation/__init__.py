@@ -26,14 +26,15 @@ if TYPE_CHECKING:
 __all__ = ["HEALTHY", "NodeVerdict", "RemediationService", "build_service", "connect_cluster", "simulated_cluster"]
 
 
-def connect_cluster(config: RemediationConfig, node_name: str, registry: CollectorRegistry) -> Cluster:
+def connect_cluster(node_name: str, registry: CollectorRegistry, kubeconfig: str | None = None,
+                    timeout: float = 10.0) -> Cluster:
     """The real cluster port (kubeconfig or in-cluster), counting requests on `registry`.
 
     Raises `agent.kube.errors.ClusterConfigError` (a usage error: exit 2) without credentials.
     """
     from agent.kube import connect
 
-    return connect(node_name, registry, config.kubeconfig, config.api_timeout_seconds)
+    return connect(node_name, registry, kubeconfig, timeout)
 
 
 def simulated_cluster(node_name: str, preflight_taint: str = "") -> InMemoryCluster:
@@ -53,6 +54,6 @@ def build_service(config: RemediationConfig, node_name: str, verdicts: asyncio.Q
     if simulate:
         node_name = node_name or "simulated-node"
     if cluster is None:
-        cluster = simulated_cluster(node_name) if simulate else connect_cluster(config, node_name, registry)
+        cluster = simulated_cluster(node_name) if simulate else connect_cluster(node_name, registry)
     return RemediationService(config, node_name, cluster, verdicts, registry, pod_name=config.pod_name,
                               pod_namespace=config.pod_namespace, preflight_checks=preflight_checks)

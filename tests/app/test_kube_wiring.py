@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from agent import subsystems
 from agent.app import Supervisor
-from agent.config.model import AgentConfig, TopologyConfig
+from agent.config.model import AgentConfig, ApiServerConfig, TopologyConfig
 from agent.config.netacct import NetacctConfig
 from agent.config.remediation import RemediationConfig
 from agent.http import Readiness
@@ -31,8 +31,9 @@ NODE = "gpu-node-3"
 def context(tmp_path: Path, *, node: str = NODE, kubeconfig: str | None = None, pods_file: str | None = None,
             remediation: bool = True, simulate: str | None = None) -> subsystems.Context:
     cfg = AgentConfig(node_name=node, topology=TopologyConfig(simulate=simulate),
-                      remediation=RemediationConfig(enabled=remediation, kubeconfig=kubeconfig, preflight_taint="",
-                                                    pod_namespace="gpu-system", api_timeout_seconds=2.0),
+                      api_server=ApiServerConfig(kubeconfig=kubeconfig, timeout_seconds=2.0),
+                      remediation=RemediationConfig(enabled=remediation, preflight_taint="",
+                                                    pod_namespace="gpu-system"),
                       netacct=NetacctConfig(enabled=True, pods_file=pods_file))
     return subsystems.Context(cfg=cfg, hardware=None, registry=CollectorRegistry(),  # type: ignore[arg-type]
                               readiness=Readiness(), rescan=asyncio.Event(), scratch=tmp_path)

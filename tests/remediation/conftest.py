@@ -28,9 +28,12 @@ AGENT_NS = "gpu-system"
 AGENT_POD = "gpu-node-agent-abcde"
 
 
+API_TIMEOUT = 2.0  # seconds; the API double answers at once unless a test scripts a hang
+
+
 def make_config(**overrides: Any) -> RemediationConfig:
     base = RemediationConfig(enabled=True, pod_name=AGENT_POD, pod_namespace=AGENT_NS, slots=2,
-                             healthy_window_seconds=600.0, api_timeout_seconds=2.0, preflight_taint="")
+                             healthy_window_seconds=600.0, preflight_taint="")
     return dataclasses.replace(base, **overrides)
 
 
@@ -55,9 +58,10 @@ class Harness:
         self._stop = asyncio.Event()
 
     async def start(self, config: RemediationConfig | None = None,
-                    checks: tuple[PreflightCheck, ...] = (), **kwargs: Any) -> RemediationService:
+                    checks: tuple[PreflightCheck, ...] = (), *, api_timeout: float = API_TIMEOUT,
+                    **kwargs: Any) -> RemediationService:
         config = config or make_config()
-        self.cluster = connect(NODE, self.requests, str(self.kubeconfig), timeout=config.api_timeout_seconds)
+        self.cluster = connect(NODE, self.requests, str(self.kubeconfig), timeout=api_timeout)
         self._stop = asyncio.Event()
         self.service = RemediationService(config, NODE, self.cluster, self.queue, self.registry, pod_name=AGENT_POD,
                                           pod_namespace=AGENT_NS, clock=self.clock, rng=random.Random(7),  # noqa: S311 - jitter

@@ -30,7 +30,7 @@ async def test_patch_errors_are_retried_with_backoff(harness: Harness):
 
 
 async def test_timeouts_are_retried(harness: Harness):
-    await harness.start(make_config(api_timeout_seconds=0.2))
+    await harness.start(make_config(), api_timeout=0.2)
     harness.api.fail("PATCH", f"/nodes/{NODE}/status", 200, delay=0.5)  # the client gives up first
     await harness.verdict(HEALTHY)
     await harness.until(lambda: harness.api_count("patch", "timeout") == 1, "a timed-out status patch")

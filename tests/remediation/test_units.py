@@ -126,9 +126,10 @@ def test_remediation_settings_from_flags_and_environment():
     args = parser.parse_args(["--remediation", "--dry-run", "--kubeconfig", "/etc/kc", "--remediation-slots", "5",
                               "--uncordon-allow-reason", "GpuXid79", "--uncordon-allow-reason", "GpuXid48",
                               "--maintenance-cloud", "azure"])
-    cfg = config.load(args, {"GPU_NODE_AGENT_HEALTHY_WINDOW": "900", "NODE_NAME": "n1",
-                             "GPU_NODE_AGENT_PREFLIGHT_COMMAND": "/usr/bin/check,--quick"}).remediation
-    assert (cfg.enabled, cfg.dry_run, cfg.kubeconfig, cfg.slots) == (True, True, "/etc/kc", 5)
+    loaded = config.load(args, {"GPU_NODE_AGENT_HEALTHY_WINDOW": "900", "NODE_NAME": "n1",
+                                "GPU_NODE_AGENT_PREFLIGHT_COMMAND": "/usr/bin/check,--quick"})
+    cfg = loaded.remediation
+    assert (cfg.enabled, cfg.dry_run, loaded.api_server.kubeconfig, cfg.slots) == (True, True, "/etc/kc", 5)
     assert cfg.uncordon_allow_reasons == ["GpuXid79", "GpuXid48"] and cfg.maintenance_clouds == ["azure"]
     assert cfg.healthy_window_seconds == 900.0 and cfg.preflight_command == ["/usr/bin/check", "--quick"]
 

@@ -54,14 +54,6 @@ class GpuRef:
     bus_id: str = ""  # canonical sysfs form 0000:1b:00.0, or the raw text of an unknown device
 
     @property
-    def nvml_bus_id(self) -> str:
-        """NVML's form `00000000:1B:00.0`, as dcgm-exporter labels it (raw text when not a bus id)."""
-        parts = self.bus_id.split(":")
-        if len(parts) == 3 and "." in parts[2]:
-            return f"{int(parts[0], 16):08X}:{parts[1].upper()}:{parts[2].upper()}"
-        return self.bus_id
-
-    @property
     def name(self) -> str:
         """Short human name for logs and reasons."""
         if self.index:

@@ -1,8 +1,9 @@
 """Prometheus metrics of the health checks, built fresh on every scrape from the assessor's current state.
 
 A custom collector rather than module-level Counter/Gauge objects: nothing global, registered on the
-`CollectorRegistry` the caller passes in, and labels come and go with the topology. GPU labels follow
-dcgm-exporter (`gpu` index, `uuid`, `pci_bus_id` in NVML's `00000000:1B:00.0` form) so dashboards can join.
+`CollectorRegistry` the caller passes in, and labels come and go with the topology. GPU labels are
+dcgm-exporter's names (`gpu` index, `uuid`, `pci_bus_id`); the bus id is the agent's canonical `0000:1b:00.0`
+form, like everywhere else in the agent (join with dcgm-exporter's NVML form on `uuid`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ ResourceOf = Callable[[str], str | None]
 
 
 def _gpu_labels(gpu: GpuRef) -> list[str]:
-    return [gpu.index, gpu.uuid, gpu.nvml_bus_id]
+    return [gpu.index, gpu.uuid, gpu.bus_id]
 
 
 class HealthCollector(Collector):

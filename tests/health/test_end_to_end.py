@@ -71,7 +71,7 @@ async def test_xid_79_in_kmsg_flips_listandwatch_and_recovery_flips_it_back(
         rdma = f"{config.resource_prefix}/sriov_rdma"
         await kubelet.wait_for(lambda: len(_listed(kubelet, rdma)) == 64, TIMEOUT)
         gpu = topology.gpus[2]
-        labels = {"gpu": "2", "uuid": gpu.uuid, "pci_bus_id": "00000000:52:00.0", "xid": "79"}
+        labels = {"gpu": "2", "uuid": gpu.uuid, "pci_bus_id": "0000:52:00.0", "xid": "79"}
         assert registry.get_sample_value("gpu_node_agent_xid_errors_total", labels) is None
 
         with kmsg_file.open("a") as log:

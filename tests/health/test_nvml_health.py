@@ -205,12 +205,12 @@ async def test_unsupported_calls_skip_their_checks_only(node: SimulatedNode, kms
     node.nvml.set_unsupported(gpus[0].uuid, "ecc", "remapped_rows", "events")
     running = await start_service(node, fast_config(kmsg_file))
     await wait_until(lambda: running.service.nvml_poll.polls >= 2)
-    labels = {"gpu": "0", "uuid": gpus[0].uuid, "pci_bus_id": "00000000:1B:00.0"}
+    labels = {"gpu": "0", "uuid": gpus[0].uuid, "pci_bus_id": "0000:1b:00.0"}
     get = running.registry.get_sample_value
     assert get("gpu_node_agent_row_remap_pending", labels) is None
     assert get("gpu_node_agent_retired_pages_pending", labels) == 0
     assert get("gpu_node_agent_row_remap_pending", {**labels, "gpu": "1", "uuid": gpus[1].uuid,
-                                                    "pci_bus_id": "00000000:43:00.0"}) == 0
+                                                    "pci_bus_id": "0000:43:00.0"}) == 0
     assert running.service.checks["nvml_poll"] == "ok" and running.service.verdict.verdict == "healthy"
     node.nvml.inject_xid(gpus[1].uuid, 48)  # the other GPUs' events still flow
     await wait_until(lambda: running.health().get(gpus[1].uuid) is False)
@@ -223,14 +223,14 @@ async def test_memory_findings(node: SimulatedNode, kmsg_file, start_service) ->
     node.nvml.set_memory(a, remap_pending=True)
     await wait_until(lambda: running.health().get(a) is False)
     assert running.service.verdict.verdict == "cordon"
-    labels = {"gpu": "3", "uuid": a, "pci_bus_id": "00000000:61:00.0"}
+    labels = {"gpu": "3", "uuid": a, "pci_bus_id": "0000:61:00.0"}
     assert running.registry.get_sample_value("gpu_node_agent_row_remap_pending", labels) == 1
     node.nvml.reset_gpu(a)  # applies the remap
     await wait_until(lambda: running.health().get(a) is True)
     node.nvml.inject_ecc(b, corrected=5)
     await wait_until(lambda: running.service.verdict.verdict == "degraded")
     assert b not in running.health()  # degraded is a node verdict, not device health
-    ecc = {"gpu": "4", "uuid": b, "pci_bus_id": "00000000:9D:00.0", "error_type": "corrected",
+    ecc = {"gpu": "4", "uuid": b, "pci_bus_id": "0000:9d:00.0", "error_type": "corrected",
            "counter_type": "aggregate"}
     await wait_until(lambda: running.registry.get_sample_value("gpu_node_agent_ecc_errors_total", ecc) == 5)
 

@@ -16,8 +16,7 @@ from tests.health.conftest import fast_config, wait_until, xid_record
 
 
 def _xid_total(running, gpu, code: int) -> float | None:
-    bus_id = "0000" + gpu.bus_id.upper()
-    labels = {"gpu": str(gpu.index), "uuid": gpu.uuid, "pci_bus_id": bus_id, "xid": str(code)}
+    labels = {"gpu": str(gpu.index), "uuid": gpu.uuid, "pci_bus_id": gpu.bus_id, "xid": str(code)}
     return running.registry.get_sample_value("gpu_node_agent_xid_errors_total", labels)
 
 
@@ -86,7 +85,7 @@ async def test_other_line_forms_reach_the_right_gpu(node: SimulatedNode, kmsg_fi
     await wait_until(lambda: running.health().get(gpus[7].uuid) is False)
     await wait_until(lambda: running.health().get(gpus[5].uuid) is False)
     assert _xid_total(running, gpus[4], 13) == 1 and gpus[4].uuid not in running.health()
-    stranger = {"gpu": "", "uuid": "", "pci_bus_id": "00000000:EE:00.0", "xid": "79"}
+    stranger = {"gpu": "", "uuid": "", "pci_bus_id": "0000:ee:00.0", "xid": "79"}
     assert running.registry.get_sample_value("gpu_node_agent_xid_errors_total", stranger) == 1
     assert running.service.verdict.verdict == "drain"
     assert running.registry.get_sample_value("gpu_node_agent_node_verdict", {"verdict": "drain"}) == 1

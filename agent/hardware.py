@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.config import TopologyConfig
-from agent.nvml import Nvml, RealNvml
+from agent.nvml import NvmlHealth, RealNvml
 from agent.simulate.node import SimulatedNode, build_simulated_node
 from agent.topology.load import load_topology
 from agent.topology.model import Topology
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 class Hardware:
     """Where the topology comes from, and the latest topology read from there."""
 
-    nvml: Nvml
+    nvml: NvmlHealth
     sysfs_root: Path
     topology_file: Path | None
     topology: Topology

@@ -25,6 +25,7 @@ from agent.topology.model import Topology
 
 if TYPE_CHECKING:
     from agent.deviceplugin.manager import DevicePluginManager
+    from agent.health.links import LinkPort
     from agent.kube.port import Cluster
     from agent.netacct.service import NetacctService
     from agent.remediation import RemediationService
@@ -51,6 +52,7 @@ class Context:
     verdicts: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     stop: asyncio.Event | None = None
     exit_code: int = 0
+    _link_port: LinkPort | None = None
     # the one Kubernetes API client of the process, shared by remediation and netacct (see `kube_cluster`)
     cluster: Cluster | None = None
 
@@ -65,6 +67,16 @@ class Context:
     def simulate(self) -> bool:
         """True when running on a simulated node."""
         return self.cfg.topology.simulate is not None
+
+    @property
+    def link_port(self) -> LinkPort:
+        """Where NIC link state comes from: netlink + sysfs on a host, the simulated tree's files otherwise."""
+        from agent.health.links import NetlinkLinkPort, SysfsLinkPort
+
+        if self._link_port is None:
+            root = self.hardware.sysfs_root
+            self._link_port = SysfsLinkPort(root) if self.simulate else NetlinkLinkPort(root)
+        return self._link_port
 
     def kube_cluster(self) -> Cluster:
         """The process's one cluster port (`agent.kube.open_cluster`), made on first use; `aclose()` releases it.
@@ -200,7 +212,6 @@ def install_device_plugin(supervisor: Supervisor, ctx: Context) -> None:
 def install_health(supervisor: Supervisor, ctx: Context) -> None:
     """GPU and NIC health: device health to the device plugin, node verdicts to remediation."""
     from agent.config.model import AgentConfig as _Defaults
-    from agent.health.links import NetlinkLinkPort, SysfsLinkPort
     from agent.health.service import HealthService, NvmlRequiredError
 
     cfg = ctx.cfg.health
@@ -212,7 +223,7 @@ def install_health(supervisor: Supervisor, ctx: Context) -> None:
             state_dir = ctx.scratch / "state"
     manager = ctx.device_plugin
     events = manager.health_events if manager is not None else asyncio.Queue()
-    link_port = SysfsLinkPort(ctx.hardware.sysfs_root) if ctx.simulate else NetlinkLinkPort(ctx.hardware.sysfs_root)
+    link_port = ctx.link_port
 
     def resource_of(device_id: str) -> str | None:
         if manager is None:
@@ -257,6 +268,22 @@ async def _discard(queue: asyncio.Queue[Any]) -> None:
         await queue.get()
 
 
+def _preflight_probes(ctx: Context) -> list[Any]:
+    """Active health probes for preflight, on the same NVML and link sources health watches."""
+    from agent.health import probes
+    from agent.remediation.preflight import probe_check
+
+    def topology() -> Topology:
+        return ctx.hardware.topology
+
+    nvml = ctx.hardware.nvml
+    return [
+        probe_check("NoPendingRowRemap", probes.no_pending_row_remap(nvml, topology)),
+        probe_check("NoUncorrectableEcc", probes.no_uncorrectable_ecc(nvml, topology)),
+        probe_check("NicLinksUp", probes.nic_links_up(ctx.link_port, topology)),
+    ]
+
+
 def install_remediation(supervisor: Supervisor, ctx: Context) -> RemediationService:
     """Act on this node's API objects; with --simulate, on an in-memory node and in dry-run."""
     from agent.config import ConfigError
@@ -271,7 +298,8 @@ def install_remediation(supervisor: Supervisor, ctx: Context) -> RemediationServ
         cfg = dataclasses.replace(cfg, dry_run=True)
     checks = build_checks(expected_gpus=cfg.preflight_gpu_count,
                           gpu_count=lambda: len(ctx.hardware.topology.gpus),
-                          command=cfg.preflight_command, command_timeout=cfg.preflight_command_timeout_seconds)
+                          command=cfg.preflight_command, command_timeout=cfg.preflight_command_timeout_seconds,
+                          extra=_preflight_probes(ctx))
     node_name = ctx.cfg.node_name or ("simulated-node" if simulate else "")
     try:
         service = build_service(cfg, node_name, ctx.verdicts, ctx.registry, simulate=simulate,

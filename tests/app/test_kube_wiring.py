@@ -16,6 +16,7 @@ from agent.app import Supervisor
 from agent.config.model import AgentConfig, ApiServerConfig, TopologyConfig
 from agent.config.netacct import NetacctConfig
 from agent.config.remediation import RemediationConfig
+from agent.hardware import open_hardware
 from agent.http import Readiness
 from agent.kube.cluster import LightkubeCluster
 from agent.kube.simulated import InMemoryCluster
@@ -35,7 +36,8 @@ def context(tmp_path: Path, *, node: str = NODE, kubeconfig: str | None = None, 
                       remediation=RemediationConfig(enabled=remediation, preflight_taint="",
                                                     pod_namespace="gpu-system"),
                       netacct=NetacctConfig(enabled=True, pods_file=pods_file))
-    return subsystems.Context(cfg=cfg, hardware=None, registry=CollectorRegistry(),  # type: ignore[arg-type]
+    hardware = open_hardware(TopologyConfig(simulate="pcie-pairs"), tmp_path / "sys")
+    return subsystems.Context(cfg=cfg, hardware=hardware, registry=CollectorRegistry(),
                               readiness=Readiness(), rescan=asyncio.Event(), scratch=tmp_path)
 
 
@@ -109,5 +111,19 @@ async def test_simulate_mode_shares_the_in_memory_cluster(tmp_path: Path):
     assert isinstance(ctx.cluster, InMemoryCluster) and remediation.cluster is ctx.cluster
     assert isinstance(netacct.pods, KubePodSource) and netacct.pods.watch.api is ctx.cluster
     assert remediation.node_name == ctx.cluster.node_name == "simulated-node"
+    netacct.close()
+    await ctx.aclose()
+
+
+async def test_preflight_runs_the_active_health_probes_on_the_nodes_own_sources(tmp_path: Path):
+    ctx = context(tmp_path, node="", simulate="pcie-pairs")
+    remediation, netacct = install_both(ctx)
+    results = [await check() for check in remediation._checks]
+    assert {r.name for r in results} >= {"NoPendingRowRemap", "NoUncorrectableEcc", "NicLinksUp"}
+    assert all(r.ok for r in results), results  # a healthy simulated node passes
+    sick = ctx.hardware.topology.gpus[0].uuid
+    ctx.hardware.nvml.set_memory(sick, remap_pending=True)
+    failed = [r for r in [await check() for check in remediation._checks] if not r.ok]
+    assert [r.name for r in failed] == ["NoPendingRowRemap"] and sick in failed[0].detail
     netacct.close()
     await ctx.aclose()

@@ -16,7 +16,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
@@ -28,18 +27,10 @@ from agent.deviceplugin.metrics import AllocationMetrics
 from agent.deviceplugin.pools import ResourcePool, build_pools, socket_name
 from agent.deviceplugin.preference import JointAllocator
 from agent.deviceplugin.server import DevicePlugin, PreferencePolicy
+from agent.events import DeviceHealthEvent
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DeviceHealthEvent:
-    """A health verdict for one device ID (a VF bus id or a GPU UUID) from any health producer."""
-
-    device_id: str
-    healthy: bool
-    reason: str = ""
 
 
 class DevicePluginManager:

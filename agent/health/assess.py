@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from agent.config.health import HealthConfig
-from agent.deviceplugin.manager import DeviceHealthEvent
+from agent.events import DeviceHealthEvent
 from agent.health.findings import HEALTHY, Clears, Finding, GpuRef, NodeVerdict, Severity
 from agent.health.nvrm import bus_key
 from agent.health.verdict import VerdictBook

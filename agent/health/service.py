@@ -21,7 +21,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from agent.config.health import HealthConfig
-from agent.deviceplugin.manager import DeviceHealthEvent
+from agent.events import DeviceHealthEvent
 from agent.health.assess import HealthAssessor, VerdictListener
 from agent.health.findings import NodeVerdict
 from agent.health.kmsg import read_boot_id

@@ -17,12 +17,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.deviceplugin.allocation import DeviceKind, achieved_levels
-from agent.deviceplugin.manager import DeviceHealthEvent, DevicePluginManager
+from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.metrics import LEVEL_LABELS, AllocationMetrics
 from agent.deviceplugin.pools import build_pools
 from agent.deviceplugin.preference import JointAllocator
 from agent.deviceplugin.server import DevicePlugin
 from agent.deviceplugin.v1beta1 import api_pb2
+from agent.events import DeviceHealthEvent
 from agent.simulate.kubelet import AdmissionError, LocalKubelet
 from agent.simulate.node import simulated_topology
 from agent.topology.model import Level, Topology

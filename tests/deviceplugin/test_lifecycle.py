@@ -11,8 +11,9 @@ import grpc
 import pytest
 
 from agent.config.model import PoolConfig, SelectorConfig
-from agent.deviceplugin.manager import DeviceHealthEvent, DevicePluginManager
+from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.v1beta1 import api_pb2
+from agent.events import DeviceHealthEvent
 from agent.simulate.kubelet import AdmissionError, LocalKubelet
 from tests.deviceplugin.conftest import FAST, GPU_UUIDS, dp_config, small_topology, without_nic
 

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.config.health import HealthConfig
-from agent.deviceplugin.manager import DeviceHealthEvent
+from agent.events import DeviceHealthEvent
 from agent.health.links import SysfsLinkPort
 from agent.health.service import HealthService
 from agent.nvml import SimulatedNvml

@@ -17,7 +17,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.config.model import DevicePluginConfig
-from agent.deviceplugin.manager import DeviceHealthEvent, DevicePluginManager
+from agent.deviceplugin.manager import DevicePluginManager
+from agent.events import DeviceHealthEvent
 from agent.health.links import SysfsLinkPort
 from agent.health.service import HealthService
 from agent.simulate.kubelet import LocalKubelet

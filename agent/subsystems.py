@@ -243,8 +243,8 @@ def install_health(supervisor: Supervisor, ctx: Context) -> None:
         # No verdict before the first full pass: an early "healthy" could uncordon a node with a real fault.
         await health.first_pass_done.wait()
         ctx.readiness.set("first health pass")
-        ctx.verdicts.put_nowait(health.verdict)
-        health.add_listener(ctx.verdicts.put_nowait)
+        ctx.verdicts.put_nowait(health.verdict.published())
+        health.add_listener(lambda verdict: ctx.verdicts.put_nowait(verdict.published()))
 
     async def run(stop: asyncio.Event) -> None:
         feeder = asyncio.create_task(feed_remediation())

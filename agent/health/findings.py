@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from agent import events
 from agent.config.health import VERDICTS, XID_ACTIONS
 
 
@@ -82,7 +83,7 @@ class NodeVerdict:
 
     `reasons`: every active finding's text, most severe first. `reason`, `devices` and `hardware` describe the
     findings at the verdict's own severity: the CamelCase code of the first, the devices they name, and
-    whether any is a hardware fault. These map one to one onto `agent.remediation.verdicts.NodeVerdict`.
+    whether any is a hardware fault. `published()` is what leaves the health subsystem.
     """
 
     verdict: str
@@ -100,6 +101,11 @@ class NodeVerdict:
     def message(self) -> str:
         """All reasons in one line."""
         return "; ".join(self.reasons) if self.reasons else "all GPU and NIC checks pass"
+
+    def published(self) -> events.NodeVerdict:
+        """The verdict as remediation receives it (`agent.events.NodeVerdict`)."""
+        return events.NodeVerdict(self.verdict, self.reason, self.message, self.devices,  # type: ignore[arg-type]
+                                  self.hardware)
 
 
 HEALTHY = NodeVerdict("healthy")

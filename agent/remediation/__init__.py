@@ -12,8 +12,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from agent.events import HEALTHY, NodeVerdict
 from agent.remediation.service import RemediationService
-from agent.remediation.verdicts import HEALTHY, NodeVerdict
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

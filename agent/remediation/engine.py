@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from agent.clock import Clock
 from agent.config.remediation import RemediationConfig
+from agent.events import NodeVerdict, worst
 from agent.kube.model import format_time
 from agent.remediation import state
 from agent.remediation.actions import NodeActions
@@ -30,7 +31,6 @@ from agent.remediation.metrics import ActionCounter
 from agent.remediation.preflight import PreflightState
 from agent.remediation.slots import Slots
 from agent.remediation.state import Keys, Recorded
-from agent.remediation.verdicts import NodeVerdict, worst
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from agent.clock import Clock
-from agent.remediation.verdicts import NodeVerdict
+from agent.events import NodeVerdict
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from agent.clock import Clock, SystemClock
 from agent.config.remediation import RemediationConfig
+from agent.events import NodeVerdict
 from agent.kube.errors import ApiConflict, ApiError, ApiGone
 from agent.kube.model import NodeView
 from agent.kube.port import Cluster
@@ -31,7 +32,6 @@ from agent.remediation.maintenance import Fetch, MaintenanceWatcher, urllib_fetc
 from agent.remediation.metrics import ActionCounter
 from agent.remediation.preflight import PreflightCheck, run_preflight
 from agent.remediation.slots import Slots
-from agent.remediation.verdicts import NodeVerdict
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,8 @@ def _newer(candidate: str, current: str) -> bool:
 class RemediationService:
     """Acts on this node's API objects from health verdicts (see `engine`).
 
-    `verdicts` carries `NodeVerdict`s or any object with the same attributes (`NodeVerdict.coerce`), such as the
-    health subsystem's own verdict type; only the latest queued one matters.
+    `verdicts` carries `agent.events.NodeVerdict`s, as the health subsystem publishes them; only the latest
+    queued one matters.
     """
 
     def __init__(self, config: RemediationConfig, node_name: str, cluster: Cluster,
@@ -158,10 +158,8 @@ class RemediationService:
             verdict = getter.result()
             while not self.verdicts.empty():  # only the latest verdict matters
                 verdict = self.verdicts.get_nowait()
-            try:
-                verdict = NodeVerdict.coerce(verdict)
-            except ValueError as exc:
-                log.error("ignoring a verdict: %s", exc)
+            if not isinstance(verdict, NodeVerdict):  # a wiring bug, not input: say so, keep the last verdict
+                log.error("ignoring %r on the verdict queue: not an agent.events.NodeVerdict", verdict)
                 continue
             if verdict != self.inputs.health:
                 log.info("verdict %s (%s): %s", verdict.verdict, verdict.reason, verdict.describe())

@@ -71,8 +71,9 @@ def test_gpu_ref_labels() -> None:
 
 
 def test_verdicts_convert_to_remediation_verdicts(dgx_root: Path) -> None:
-    """app.py hands verdicts to remediation field by field: every code the assessor uses must be valid there."""
-    from agent.remediation.verdicts import NodeVerdict as RemediationVerdict
+    """Health publishes `agent.events.NodeVerdict`s: every code the assessor uses must be valid there."""
+    from agent import events
+    from agent.events import NodeVerdict as RemediationVerdict
 
     topology = load_topology(dgx_root, SimulatedNvml(profiles.load_profile("dgx-h100").gpu_uuids))
     assessor = HealthAssessor(HealthConfig(), topology, asyncio.Queue(), clock=lambda: 0.0)
@@ -91,6 +92,9 @@ def test_verdicts_convert_to_remediation_verdicts(dgx_root: Path) -> None:
     for finding in assessor.book.findings():
         RemediationVerdict("drain", finding.code, finding.reason, finding.devices, finding.hardware)
     for verdict in (assessor.verdict, VerdictBook().verdict()):
-        RemediationVerdict(verdict.verdict, verdict.reason, verdict.message, verdict.devices, verdict.hardware)
+        published = verdict.published()
+        assert isinstance(published, events.NodeVerdict)
+        assert (published.verdict, published.reason, published.message, published.devices, published.hardware) == (
+            verdict.verdict, verdict.reason, verdict.message, verdict.devices, verdict.hardware)
     assert assessor.verdict.verdict == "drain" and assessor.verdict.hardware
     assert set(assessor.verdict.devices) == {a, b, c}  # the drain-level findings' devices

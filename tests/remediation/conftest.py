@@ -13,11 +13,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.config.remediation import RemediationConfig
+from agent.events import NodeVerdict
 from agent.kube.cluster import LightkubeCluster, connect
 from agent.kube.metrics import ApiRequestCounter
 from agent.remediation import RemediationService
 from agent.remediation.preflight import PreflightCheck
-from agent.remediation.verdicts import NodeVerdict
 from tests.fakes import fixtures
 from tests.fakes.allowed import assert_only_allowed as check_allowed
 from tests.fakes.apiserver import ApiServerDouble, Request, write_kubeconfig

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent.remediation.verdicts import NodeVerdict
+from agent.events import NodeVerdict
 from tests.remediation.conftest import AGENT_NS, NODE, Harness, make_config
 
 P = "gpunodeagent.io"

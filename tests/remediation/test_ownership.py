@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent.remediation.verdicts import NodeVerdict
+from agent.events import NodeVerdict
 from tests.remediation.conftest import AGENT_NS, NODE, Harness, make_config
 from tests.remediation.test_cordon import HEALTHY, XID13, XID79, our_taint
 

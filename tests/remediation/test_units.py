@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from agent import config
 from agent.config.remediation import RemediationConfig
+from agent.events import NodeVerdict, worst
 from agent.kube.errors import ApiNotFound
 from agent.kube.model import EventRecord, LeaseView, NodeView
 from agent.kube.simulated import InMemoryCluster
@@ -18,7 +19,6 @@ from agent.remediation import RemediationService, simulated_cluster
 from agent.remediation.events import EventRecorder
 from agent.remediation.metrics import ActionCounter
 from agent.remediation.slots import Slots
-from agent.remediation.verdicts import NodeVerdict, worst
 from tests.fakes.clock import FakeClock
 
 
@@ -33,25 +33,13 @@ def test_verdicts_validate_and_order():
     assert worst(None, None) is None
 
 
-def test_the_health_subsystems_verdict_type_is_accepted_as_is():
-    @dataclasses.dataclass(frozen=True)
-    class HealthVerdict:  # the shape of agent.health.findings.NodeVerdict, without importing it
-        verdict: str
-        reasons: tuple[str, ...] = ()
-        reason: str = "GpuHealthy"
-        devices: tuple[str, ...] = ()
-        hardware: bool = False
-
-        @property
-        def message(self) -> str:
-            return "; ".join(self.reasons)
-
-    coerced = NodeVerdict.coerce(HealthVerdict("drain", ("Xid 79 on GPU-1",), "GpuXid79", ("GPU-1",), True))
-    assert coerced == NodeVerdict("drain", "GpuXid79", "Xid 79 on GPU-1", ("GPU-1",), True)
-    with pytest.raises(ValueError, match="not a node verdict"):
-        NodeVerdict.coerce("cordon")
-    with pytest.raises(ValueError, match="CamelCase"):
-        NodeVerdict.coerce(HealthVerdict("cordon", reason="xid 79"))
+def test_the_verdict_contract_rejects_what_remediation_could_not_act_on():
+    assert NodeVerdict("drain", "GpuXid79", "Xid 79 on GPU-1", ("GPU-1",), True).describe() == \
+        "Xid 79 on GPU-1 (devices: GPU-1)"
+    with pytest.raises(ValueError, match="CamelCase"):  # it becomes a taint value and an Event reason
+        NodeVerdict("cordon", "xid 79")
+    with pytest.raises(ValueError, match="not one of"):
+        NodeVerdict("reboot", "GpuXid79")  # type: ignore[arg-type]
 
 
 class RecordingEvents:

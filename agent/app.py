@@ -25,7 +25,7 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
-from agent import __version__
+from agent import __version__, aio
 from agent.config import AgentConfig
 from agent.hardware import Hardware, open_hardware
 from agent.http import MetricsServer, Readiness
@@ -70,8 +70,7 @@ class Supervisor:
                               name, delay)
             self.failures[name] += 1
             self.up.labels(name).set(0)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), delay)
+            await aio.sleep_or_stop(self.stop, delay)
             delay = min(delay * 2, self._backoff_max)
 
     async def run(self) -> None:
@@ -88,8 +87,7 @@ class Supervisor:
 async def _heartbeat(readiness: Readiness, stop: asyncio.Event) -> None:
     while not stop.is_set():
         readiness.beat()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 1.0)
+        await aio.sleep_or_stop(stop, 1.0)
 
 
 def _resolve(cfg: AgentConfig) -> AgentConfig:

@@ -7,7 +7,6 @@ readiness) and nothing else, and data flows one way: hardware -> topology -> con
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
+from agent import aio
 from agent.app import Supervisor
 from agent.config import AgentConfig
 from agent.hardware import Hardware
@@ -96,26 +96,10 @@ class Context:
             await cluster.aclose()
 
 
-async def _wait(stop: asyncio.Event, seconds: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), seconds)
-
-
-async def wait_any(*events: asyncio.Event, timeout: float) -> None:
-    """Return when any event is set or after `timeout` seconds."""
-    waiters = [asyncio.create_task(event.wait()) for event in events]
-    try:
-        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for waiter in waiters:
-            waiter.cancel()
-        await asyncio.gather(*waiters, return_exceptions=True)
-
-
 async def run_rescans(ctx: Context, stop: asyncio.Event) -> None:
     """Rescan hardware on SIGHUP and on a slow timer; publish a changed topology to the listeners."""
     while not stop.is_set():
-        await wait_any(stop, ctx.rescan, timeout=ctx.cfg.topology.rescan_interval_seconds)
+        await aio.wait_any(stop, ctx.rescan, timeout=ctx.cfg.topology.rescan_interval_seconds)
         if stop.is_set():
             return
         requested = ctx.rescan.is_set()
@@ -196,7 +180,7 @@ def install_device_plugin(supervisor: Supervisor, ctx: Context) -> None:
                 ctx.readiness.set("device-plugin registered", registered)
                 if registered and kubelet is not None and samples is None:
                     samples = asyncio.create_task(_show_sample_allocations(kubelet, manager, ctx.hardware.topology))
-                await _wait(stop, 0.5)
+                await aio.sleep_or_stop(stop, 0.5)
         finally:
             ctx.readiness.set("device-plugin registered", False)
             if samples is not None:  # a demo must never hold up shutdown

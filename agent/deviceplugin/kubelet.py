@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 
+from agent import aio
 from agent.deviceplugin.server import DevicePlugin
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
@@ -167,9 +168,7 @@ class KubeletLink:
         """Stop the loop and every server (their sockets are removed)."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await aio.cancel_and_wait(task)
         async with self._lock:
             for entry in self._entries.values():
                 await entry.server.stop()

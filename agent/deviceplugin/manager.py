@@ -12,13 +12,13 @@ way round. Its metrics go to the `registry` handed in (the agent's /metrics regi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
+from agent import aio
 from agent.config.model import DevicePluginConfig
 from agent.deviceplugin.admission import DEFAULT_TTL_S
 from agent.deviceplugin.allocate import AllocateOptions
@@ -141,9 +141,7 @@ class DevicePluginManager:
         async with self._lock:
             task, self._health_task = self._health_task, None
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await aio.cancel_and_wait(task)
             await self._link.stop()
             self._started = False
 

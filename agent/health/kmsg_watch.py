@@ -9,10 +9,10 @@ one loop turn of being readable, which is what the one-second detection goal nee
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from pathlib import Path
 
+from agent import aio
 from agent.health.assess import HealthAssessor
 from agent.health.kmsg import KmsgCursor, KmsgReader, KmsgRecord
 from agent.health.nvrm import FallenOffBus, GpuUuidLine, XidLine, parse_nvrm
@@ -59,8 +59,7 @@ class KmsgWatcher:
                 if reader.is_device and reader.fileno is not None:
                     await _readable(reader.fileno, stop)
                 else:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), self.file_poll_interval)
+                    await aio.sleep_or_stop(stop, self.file_poll_interval)
         finally:
             reader.close()
 
@@ -77,8 +76,7 @@ class KmsgWatcher:
                     log.warning("kernel log %s does not exist; waiting for it", self.path)
                     said = True
                 self.first_pass.set()  # nothing to read yet is a finished first pass
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), MISSING_FILE_RETRY_SECONDS)
+                await aio.sleep_or_stop(stop, MISSING_FILE_RETRY_SECONDS)
         return False
 
     def _handle(self, record: KmsgRecord) -> None:
@@ -102,12 +100,6 @@ async def _readable(fd: int, stop: asyncio.Event) -> None:
     ready = asyncio.Event()
     loop.add_reader(fd, ready.set)
     try:
-        waiters = [asyncio.ensure_future(ready.wait()), asyncio.ensure_future(stop.wait())]
-        try:
-            await asyncio.wait(waiters, timeout=DEVICE_WAKE_SECONDS, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
-            await asyncio.gather(*waiters, return_exceptions=True)
+        await aio.wait_any(ready, stop, timeout=DEVICE_WAKE_SECONDS)
     finally:
         loop.remove_reader(fd)

@@ -10,12 +10,12 @@ sysfs tree, so tests and `run --simulate` flip links by writing files.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from agent import aio
 from agent.health.assess import HealthAssessor
 from agent.topology.model import Nic
 
@@ -142,8 +142,7 @@ class LinkWatcher:
             await self.check_once()
             self.assessor.checks["links"] = "ok"
             self.first_pass.set()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.interval)
+            await aio.sleep_or_stop(stop, self.interval)
 
     async def check_once(self) -> None:
         """One check of every RDMA NIC."""

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from agent import aio
 from agent.health.assess import HealthAssessor
 from agent.nvml import GpuLostError, NvmlError, NvmlEvent, NvmlHealth, NvmlUnavailableError
 
@@ -48,9 +49,7 @@ class NvmlEventWatcher:
             await asyncio.wait([worker, stopper], return_when=asyncio.FIRST_COMPLETED)
         finally:
             halt.set()
-            stopper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await stopper
+            await aio.cancel_and_wait(stopper)
             try:
                 await asyncio.shield(worker)  # the thread notices `halt` within one timeout
             finally:
@@ -120,8 +119,7 @@ class NvmlPoller:
                 return
             self.assessor.checks["nvml_poll"] = "ok"
             self.first_pass.set()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.interval)
+            await aio.sleep_or_stop(stop, self.interval)
 
     async def poll_once(self) -> None:
         """One pass over every GPU of the topology."""

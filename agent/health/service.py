@@ -11,7 +11,6 @@ subscribers (the remediation subsystem). `first_pass_done` is set once every pro
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from agent import aio
 from agent.config.health import HealthConfig
 from agent.events import DeviceHealthEvent
 from agent.health.assess import HealthAssessor, VerdictListener
@@ -127,9 +127,7 @@ class HealthService:
         try:
             await asyncio.gather(*tasks)
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await aio.cancel_and_wait(*tasks)
             await asyncio.to_thread(self._save, boot_id)
 
     async def _supervise(self, name: str, run: Producer, ready: asyncio.Event, stop: asyncio.Event) -> None:
@@ -149,8 +147,7 @@ class HealthService:
                               problem, exc_info=not isinstance(exc, OSError))
                 last = problem
                 ready.set()  # readiness must not hang on a broken producer; the gauge shows it
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
+            await aio.sleep_or_stop(stop, delay)
             delay = min(delay * 2, longest)
 
     async def _await_first_pass(self, ready: list[asyncio.Event], stop: asyncio.Event) -> None:
@@ -170,8 +167,7 @@ class HealthService:
     async def _housekeeping(self, stop: asyncio.Event, boot_id: str) -> None:
         """Expire held findings, end quiet Xid bursts, save state when it changed."""
         while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self._housekeeping_interval)
+            await aio.sleep_or_stop(stop, self._housekeeping_interval)
             try:
                 self.assessor.tick()
                 if self._dirty():

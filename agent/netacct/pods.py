@@ -20,6 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from agent import aio
+
 log = logging.getLogger(__name__)
 
 
@@ -171,5 +173,4 @@ class FilePodSource(PodFeed):
                 self.poll()
             except Exception:  # one bad read must not end the watch
                 log.exception("pods file %s: unexpected error while reading", self.path)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.poll_seconds)
+            await aio.sleep_or_stop(stop, self.poll_seconds)

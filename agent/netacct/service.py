@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
+from agent import aio
 from agent.config.netacct import NetacctConfig
 from agent.netacct.backend import Host
 from agent.netacct.collector import NetacctCollector
@@ -81,11 +82,9 @@ class NetacctService:
                     wait = self.config.sync_interval_seconds
                     self.synced.set()
                 if await self._wait(stop, version, wait):
-                    await self._sleep(stop, self.settle_seconds)
+                    await aio.sleep_or_stop(stop, self.settle_seconds)
         finally:
-            source.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await source
+            await aio.cancel_and_wait(source)
 
     async def _wait(self, stop: asyncio.Event, version: int, timeout: float) -> bool:
         """Wait for a pod change, `timeout` or stop; True when the pods changed."""
@@ -94,15 +93,8 @@ class NetacctService:
         try:
             await asyncio.wait({changed, stopped}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (changed, stopped):
-                task.cancel()
-            await asyncio.gather(changed, stopped, return_exceptions=True)
+            await aio.cancel_and_wait(changed, stopped)
         return self.pods.snapshot()[0] != version
-
-    @staticmethod
-    async def _sleep(stop: asyncio.Event, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), seconds)
 
     def close(self) -> None:
         """Unregister the collector and release sockets; rules and sets stay so counters survive a restart."""

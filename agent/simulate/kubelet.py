@@ -22,6 +22,7 @@ from pathlib import Path
 
 import grpc
 
+from agent import aio
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -134,9 +135,7 @@ class LocalKubelet(api_pb2_grpc.RegistrationServicer):
     async def _drop(self, view: PluginView) -> None:
         task, view.task = view.task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await aio.cancel_and_wait(task)
         await view.channel.close()
 
     async def Register(self, request: api_pb2.RegisterRequest,

@@ -18,6 +18,7 @@ import pytest
 
 from agent import config
 from agent.app import run_agent
+from tests.fakes.polling import until
 
 
 def _get(port: int, path: str) -> tuple[int, str]:
@@ -28,23 +29,15 @@ def _get(port: int, path: str) -> tuple[int, str]:
         return error.code, error.read().decode()
 
 
-async def _until(predicate, timeout: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
-
-
 async def test_simulated_agent_serves_health_readiness_and_metrics():
     cfg = config.load(None, {"GPU_NODE_AGENT_SIMULATE": "dgx-h100", "GPU_NODE_AGENT_METRICS_ADDRESS": "127.0.0.1:0"})
     stop = asyncio.Event()
     ports: list[int] = []
     agent = asyncio.create_task(run_agent(cfg, stop, on_ready=ports.append))
-    await _until(lambda: bool(ports) or agent.done())
+    await until(lambda: bool(ports) or agent.done())
     port = ports[0]
     assert (await asyncio.to_thread(_get, port, "/healthz"))[0] == 200
-    await _until(lambda: _get(port, "/readyz")[0] == 200)
+    await until(lambda: _get(port, "/readyz")[0] == 200)
     status, metrics = await asyncio.to_thread(_get, port, "/metrics")
     assert status == 200
     assert 'gpu_node_agent_subsystem_up{subsystem="device-plugin"} 1.0' in metrics

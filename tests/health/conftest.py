@@ -19,6 +19,7 @@ from agent.health.service import HealthService
 from agent.nvml import SimulatedNvml
 from agent.simulate import profiles
 from agent.simulate.node import SimulatedNode, build_simulated_node
+from tests.fakes.polling import until
 
 TIMEOUT = 10.0  # generous: "eventually" checks, never timing assertions
 
@@ -37,10 +38,8 @@ def xid_record(seq: int, bus: str, code: int, text: str = "pid=1, name=python3, 
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float = TIMEOUT) -> None:
-    """Poll `predicate` until it holds; TimeoutError after `timeout`."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.01)
+    """Poll `predicate` until it holds (the shared helper with this suite's timeout)."""
+    await until(predicate, timeout=timeout, interval=0.01)
 
 
 @pytest.fixture(scope="session")

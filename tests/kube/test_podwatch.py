@@ -8,7 +8,6 @@ import asyncio
 import itertools
 import logging
 import random
-from collections.abc import Callable
 
 import pytest
 
@@ -17,16 +16,8 @@ from agent.kube.model import PodView
 from agent.kube.podwatch import NodePodWatch
 from tests.fakes.apiserver import ApiServerDouble
 from tests.fakes.clock import FakeClock
+from tests.fakes.polling import until
 from tests.kube.conftest import NODE, count
-
-
-async def until(predicate: Callable[[], bool], what: str = "condition") -> None:
-    """Poll `predicate` (a guard against hangs, not a timing assertion)."""
-    for _ in range(2000):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"never happened: {what}")
 
 
 async def backoff_wait(clock: FakeClock) -> float:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,18 +24,10 @@ from tests.fakes import fixtures
 from tests.fakes.allowed import assert_only_allowed
 from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
 from tests.fakes.clock import FakeClock
+from tests.fakes.polling import until
 from tests.netacct.fakes import FakeHost
 
 NODE = fixtures.NODE  # the node the shared API double serves
-
-
-async def until(predicate: Callable[[], bool], what: str = "condition") -> None:
-    """Poll `predicate` (a guard against hangs, not a timing assertion)."""
-    for _ in range(2000):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"never happened: {what}")
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ def parse_xid_override(text: str) -> tuple[int, str]:
 
 @dataclass
 class HealthConfig:
-    """GPU and NIC health checks (NVML, kernel log, link state)."""
+    """GPU and NIC health checks (NVML, kernel log, link state, optionally dcgm-exporter)."""
 
     kmsg: str = setting("/dev/kmsg", flag="--kmsg", env="GPU_NODE_AGENT_KMSG",
                         help="kernel log to read Xid lines from: /dev/kmsg, or a plain file in its record format "
@@ -62,16 +62,46 @@ class HealthConfig:
         "degraded", flag="--link-down-action", env="GPU_NODE_AGENT_LINK_DOWN_ACTION", choices=VERDICTS,
         help="node verdict while an RDMA NIC link is down (its VFs are Unhealthy regardless)")
 
+    dcgm_exporter_url: str = setting(
+        "", flag="--dcgm-exporter-url", env="GPU_NODE_AGENT_DCGM_EXPORTER_URL",
+        help="a dcgm-exporter /metrics URL on this node to read Xid, ECC, row-remap, NVLink and PCIe replay signals "
+             "from, e.g. http://$(HOST_IP):9400/metrics; empty (the default) turns the DCGM check off")
+    dcgm_scrape_interval_seconds: float = setting(
+        15.0, flag="--dcgm-scrape-interval", env="GPU_NODE_AGENT_DCGM_SCRAPE_INTERVAL",
+        help="seconds between scrapes of dcgm-exporter")
+    dcgm_scrape_timeout_seconds: float = setting(
+        5.0, flag="--dcgm-scrape-timeout", env="GPU_NODE_AGENT_DCGM_SCRAPE_TIMEOUT",
+        help="longest wait for one dcgm-exporter scrape")
+    dcgm_xid_pairing_window_seconds: float = setting(
+        90.0, flag="--dcgm-xid-pairing-window", env="GPU_NODE_AGENT_DCGM_XID_PAIRING_WINDOW",
+        help="an Xid DCGM reports within this long of the same Xid on the same GPU from the kernel log or NVML is "
+             "the same occurrence (dcgm-exporter samples every 30 s by default, plus the scrape interval)")
+    dcgm_nvlink_errors_per_minute: float = setting(
+        0.0, flag="--dcgm-nvlink-errors-per-minute", env="GPU_NODE_AGENT_DCGM_NVLINK_ERRORS_PER_MINUTE",
+        help="NVLink CRC/replay/recovery errors per minute (the increase between scrapes, never the lifetime "
+             "total) above which a GPU's NVLink counts as faulty; 0 means any increase")
+    dcgm_pcie_replays_per_minute: float = setting(
+        8.0, flag="--dcgm-pcie-replays-per-minute", env="GPU_NODE_AGENT_DCGM_PCIE_REPLAYS_PER_MINUTE",
+        help="PCIe replays per minute (increase between scrapes) above which a GPU's PCIe link counts as faulty "
+             "(DCGM's own PCIe health watch uses 8)")
+    dcgm_link_error_action: str = setting(
+        "degraded", flag="--dcgm-link-error-action", env="GPU_NODE_AGENT_DCGM_LINK_ERROR_ACTION", choices=VERDICTS,
+        help="node verdict while a GPU's NVLink or PCIe error rate is over its threshold (held like other "
+             "'degraded' findings)")
+
     def check(self) -> None:
         """Reject values that can never work (the loader reports them with the field name)."""
         self.xid_action_overrides()
         for name in ("nvml_poll_interval_seconds", "nvml_event_timeout_seconds", "xid_burst_window_seconds",
-                     "degraded_hold_seconds"):
+                     "degraded_hold_seconds", "dcgm_scrape_interval_seconds", "dcgm_scrape_timeout_seconds",
+                     "dcgm_xid_pairing_window_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be greater than 0, got {getattr(self, name)}")
-        if self.link_check_interval_seconds < 0:
-            raise ValueError(f"link_check_interval_seconds must not be negative, got "
-                             f"{self.link_check_interval_seconds}")
+        for name in ("link_check_interval_seconds", "dcgm_nvlink_errors_per_minute", "dcgm_pcie_replays_per_minute"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.dcgm_exporter_url and not self.dcgm_exporter_url.startswith(("http://", "https://")):
+            raise ValueError(f"dcgm_exporter_url must be an http:// or https:// URL, got {self.dcgm_exporter_url!r}")
 
     def xid_action_overrides(self) -> dict[int, str]:
         """Xid code -> action from `xid_actions`; ValueError on a malformed entry."""

@@ -27,6 +27,18 @@ log = logging.getLogger(__name__)
 
 VerdictListener = Callable[[NodeVerdict], None]
 _LOST_XID = 79
+_PAIR_WINDOW = 5.0  # kernel log and NVML report one Xid within milliseconds of each other
+
+# Findings any source can raise about a GPU's memory, so one fault seen by NVML and DCGM is one finding.
+_ECC = {"sbe": ("GpuEccSbe", "single-bit ECC errors"), "dbe": ("GpuEccDbe", "uncorrectable ECC errors")}
+_MEMORY_FLAGS = {  # MemoryHealth attribute -> (key, code, hardware, text); all cordon while they last
+    "remap_pending": ("remap-pending", "GpuRowRemapPending", False, "row remap pending (reset the GPU when idle)"),
+    "remap_failure": ("remap-failure", "GpuRowRemapFailure", True, "row remapping failed"),
+    "retired_pages_pending": ("retire-pending", "GpuPageRetirementPending", False,
+                              "page retirement pending (reset the GPU when idle)"),
+}
+_LINK_ERRORS = {"nvlink": ("GpuNvlinkErrors", "NVLink errors growing"),
+                "pcie_replay": ("GpuPcieReplays", "PCIe replays growing")}
 
 
 @dataclass(frozen=True)
@@ -46,7 +58,10 @@ class HealthAssessor:
         self.config = config
         self.clock = clock
         self.policy = XidPolicy(config.xid_action_overrides())
-        self.xids = XidCounter(config.xid_burst_window_seconds)
+        # DCGM reports an Xid a scrape or an exporter sample later than the kernel log: pair over that lag.
+        pair_window = max(_PAIR_WINDOW, config.dcgm_xid_pairing_window_seconds) if config.dcgm_exporter_url \
+            else _PAIR_WINDOW
+        self.xids = XidCounter(config.xid_burst_window_seconds, pair_window)
         self.book = VerdictBook()
         self.memory: dict[str, MemoryHealth] = {}  # latest poll per GPU UUID
         self.links: dict[str, LinkStatus] = {}  # by PF bus id
@@ -59,6 +74,7 @@ class HealthAssessor:
         self._listeners: list[VerdictListener] = []
         self._nvml_lost: set[str] = set()
         self._learned_uuids: dict[str, str] = {}  # kernel device key -> UUID from NVRM map lines
+        self._asserted: dict[str, set[str]] = {}  # STATE finding key -> the sources that currently report it
         self.topology = topology
 
     # identity ------------------------------------------------------------------------------------------------
@@ -69,6 +85,7 @@ class HealthAssessor:
         for bus_id in [b for b in self.links if b not in present]:
             del self.links[bus_id]
             self.book.remove(f"link:{bus_id}")
+            self._asserted.pop(f"link:{bus_id}", None)
         self._publish()
 
     def gpu_uuids(self) -> tuple[str, ...]:
@@ -94,11 +111,11 @@ class HealthAssessor:
         self._learned_uuids[device] = uuid
 
     # observations --------------------------------------------------------------------------------------------
-    def on_xid(self, gpu: GpuRef, code: int, source: str, detail: str = "",
-               gpu_instance: int | None = None) -> None:
-        """An Xid from the kernel log ("kmsg") or NVML ("nvml")."""
+    def on_xid(self, gpu: GpuRef, code: int, source: str, detail: str = "", *,
+               gpu_instance: int | None = None, count: int = 1) -> None:
+        """`count` Xids from the kernel log ("kmsg"), NVML ("nvml") or DCGM ("dcgm")."""
         now = self.clock()
-        record = self.xids.record(gpu, code, source, now)
+        record = self.xids.record(gpu, code, source, now, count)
         if not record.counted:
             return
         action = self.policy.action(code)
@@ -151,14 +168,8 @@ class HealthAssessor:
             self.on_xid(gpu, event.xid, "nvml", gpu_instance=event.gpu_instance)
         elif event.kind == "lost":
             self.on_gpu_lost(gpu, "NVML: GPU is lost", from_nvml=True)
-        elif event.kind == "sbe":
-            self._add(self._hold(f"sbe:{event.uuid}", Severity.DEGRADED, f"single-bit ECC errors on {gpu.name}",
-                                 "GpuEccSbe", hardware=True))
-            self._publish()
-        elif event.kind == "dbe":
-            self._add(self._hold(f"dbe:{event.uuid}", Severity.DEGRADED, f"uncorrectable ECC errors on {gpu.name}",
-                                 "GpuEccDbe", hardware=True))
-            self._publish()
+        elif event.kind in _ECC:
+            self.on_ecc_growth(gpu, event.kind)
 
     def on_memory(self, health: MemoryHealth) -> None:
         """One NVML poll: ECC deltas, retired-page and row-remap flags."""
@@ -170,26 +181,49 @@ class HealthAssessor:
             before = None
         self.memory[uuid] = health
         if before is not None:
-            for key, kind, text, old, new in (
-                ("sbe", "GpuEccSbe", "single-bit ECC errors", before.ecc_corrected_volatile,
-                 health.ecc_corrected_volatile),
-                ("dbe", "GpuEccDbe", "uncorrectable ECC errors", before.ecc_uncorrected_volatile,
-                 health.ecc_uncorrected_volatile),
-            ):
+            for kind, old, new in (("sbe", before.ecc_corrected_volatile, health.ecc_corrected_volatile),
+                                   ("dbe", before.ecc_uncorrected_volatile, health.ecc_uncorrected_volatile)):
                 if old is not None and new is not None and new > old:
-                    log.info("%s: %s growing (+%d)", gpu.name, text, new - old, extra={"gpu_uuid": uuid})
-                    self._add(self._hold(f"{key}:{uuid}", Severity.DEGRADED, f"{text} on {gpu.name}", kind,
-                                         hardware=True))
-        for key, kind, hardware, active, text in (
-            ("remap-pending", "GpuRowRemapPending", False, health.remap_pending,
-             "row remap pending (reset the GPU when idle)"),
-            ("remap-failure", "GpuRowRemapFailure", True, health.remap_failure, "row remapping failed"),
-            ("retire-pending", "GpuPageRetirementPending", False, health.retired_pages_pending,
-             "page retirement pending (reset the GPU when idle)"),
-        ):
-            self._state(bool(active), Finding(f"{key}:{uuid}", Severity.CORDON, f"{gpu.name}: {text}", Clears.STATE,
-                                              (uuid,), code=kind, hardware=hardware))
+                    log.info("%s: %s growing (+%d)", gpu.name, _ECC[kind][1], new - old, extra={"gpu_uuid": uuid})
+                    self._ecc_growth(gpu, kind)
+        for flag in _MEMORY_FLAGS:
+            self._memory_flag(gpu, flag, bool(getattr(health, flag)), "nvml")
         self._publish()
+
+    def on_ecc_growth(self, gpu: GpuRef, kind: str) -> None:
+        """ECC errors of `kind` (`sbe`, `dbe`) grew on this GPU (NVML event, NVML poll or DCGM)."""
+        self._ecc_growth(gpu, kind)
+        self._publish()
+
+    def on_memory_flag(self, gpu: GpuRef, flag: str, active: bool, source: str) -> None:
+        """A memory state flag (`remap_pending`, `remap_failure`, `retired_pages_pending`) as `source` sees it.
+
+        The finding lasts while any source reports the flag, so a source that lags (DCGM) cannot flap it.
+        """
+        self._memory_flag(gpu, flag, active, source)
+        self._publish()
+
+    def on_gpu_link_errors(self, gpu: GpuRef, kind: str, detail: str) -> None:
+        """NVLink errors or PCIe replays (`nvlink`, `pcie_replay`) grow faster than their threshold."""
+        code, text = _LINK_ERRORS[kind]
+        key = f"{kind}:{gpu.uuid or gpu.bus_id}"
+        if key not in self.book:
+            log.warning("%s on %s: %s", text, gpu.name, detail, extra={"gpu_uuid": gpu.uuid, "kind": kind})
+        # The reason stays the same while the numbers change, so repeats extend the hold and publish nothing.
+        self._add(self._hold(key, Severity.parse(self.config.dcgm_link_error_action), f"{text} on {gpu.name}", code,
+                             hardware=True))
+        self._publish()
+
+    def _ecc_growth(self, gpu: GpuRef, kind: str) -> None:
+        code, text = _ECC[kind]
+        self._add(self._hold(f"{kind}:{gpu.uuid or gpu.bus_id}", Severity.DEGRADED, f"{text} on {gpu.name}", code,
+                             hardware=True))
+
+    def _memory_flag(self, gpu: GpuRef, flag: str, active: bool, source: str) -> None:
+        key, code, hardware, text = _MEMORY_FLAGS[flag]
+        self._state(active, Finding(f"{key}:{gpu.uuid or gpu.bus_id}", Severity.CORDON, f"{gpu.name}: {text}",
+                                    Clears.STATE, (gpu.uuid,) if gpu.uuid else (), code=code, hardware=hardware),
+                    source)
 
     def on_link(self, nic: Nic, up: bool, detail: str = "") -> None:
         """A link check of an RDMA PF: while it is down, it and its VFs are Unhealthy."""
@@ -203,7 +237,7 @@ class HealthAssessor:
         devices = (nic.bus_id, *(vf.bus_id for vf in nic.vfs))
         self._state(not up, Finding(f"link:{nic.bus_id}", Severity.parse(self.config.link_down_action),
                                     f"NIC {name} ({nic.bus_id}) link down: {detail}", Clears.STATE, devices,
-                                    code="NicLinkDown"))
+                                    code="NicLinkDown"), "links")
         self._publish()
 
     def tick(self) -> None:
@@ -241,11 +275,18 @@ class HealthAssessor:
         return Finding(f"lost:{gpu.uuid or gpu.bus_id}", severity, reason, Clears.RESET,
                        (gpu.uuid,) if gpu.uuid else (), gpu.uuid, code=code, hardware=True)
 
-    def _state(self, active: bool, finding: Finding) -> None:
-        """A STATE finding: raised while the condition is active, ended when a check says it is gone."""
+    def _state(self, active: bool, finding: Finding, source: str) -> None:
+        """A STATE finding: raised while any source reports the condition, ended when the last says it is gone."""
+        holders = self._asserted.setdefault(finding.key, set())
         if active:
+            holders.add(source)
+        else:
+            holders.discard(source)
+        if holders:
             self._add(finding)
-        elif self.book.remove(finding.key) is not None:
+            return
+        del self._asserted[finding.key]
+        if self.book.remove(finding.key) is not None:
             log.info("cleared: %s", finding.reason)
 
     def _add(self, finding: Finding) -> None:

@@ -86,7 +86,7 @@ class KmsgWatcher:
         if isinstance(line, XidLine):
             gpu = self.assessor.gpu_by_kernel_device(line.device, line.device_parsed)
             detail = line.detail if line.caused_by is None else f"caused by previous Xid {line.caused_by}"
-            self.assessor.on_xid(gpu, line.code, "kmsg", detail[:120], line.gpu_instance)
+            self.assessor.on_xid(gpu, line.code, "kmsg", detail[:120], gpu_instance=line.gpu_instance)
         elif isinstance(line, FallenOffBus):
             gpu = self.assessor.gpu_by_kernel_device(line.device)
             self.assessor.on_gpu_lost(gpu, "kernel log: fallen off the bus", from_nvml=False)

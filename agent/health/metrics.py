@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 from agent.config.health import VERDICTS
 from agent.health.assess import HealthAssessor
+from agent.health.dcgm_watch import DcgmWatcher
 from agent.health.findings import GpuRef
 
 PREFIX = "gpu_node_agent_"
@@ -30,15 +31,17 @@ class HealthCollector(Collector):
     """Xid counts, ECC and row-remap state, device health, node verdict and check availability."""
 
     def __init__(self, assessor: HealthAssessor, resource_of: ResourceOf | None = None,
-                 kmsg_lost: Callable[[], int] = lambda: 0) -> None:
+                 kmsg_lost: Callable[[], int] = lambda: 0, dcgm: DcgmWatcher | None = None) -> None:
         self.assessor = assessor
         self.resource_of = resource_of
         self.kmsg_lost = kmsg_lost
+        self.dcgm = dcgm
 
     def collect(self) -> Iterator[Metric]:
         """One consistent snapshot of the assessor."""
         a = self.assessor
-        xids = CounterMetricFamily(PREFIX + "xid_errors", "Xid errors reported by the driver (kernel log or NVML)",
+        xids = CounterMetricFamily(PREFIX + "xid_errors",
+                                   "Xid errors reported by the driver (kernel log, NVML or DCGM; a fault counts once)",
                                    labels=[*GPU_LABELS, "xid"])
         for (gpu, code), count in sorted(a.xids.totals.items(), key=lambda item: (item[0][0].bus_id, item[0][1])):
             xids.add_metric([*_gpu_labels(gpu), str(code)], count)
@@ -59,6 +62,20 @@ class HealthCollector(Collector):
         lost = CounterMetricFamily(PREFIX + "kmsg_records_lost", "kernel-log records overwritten before read")
         lost.add_metric([], self.kmsg_lost())
         yield lost
+        if self.dcgm is not None:
+            yield from self._dcgm(self.dcgm)
+
+    @staticmethod
+    def _dcgm(dcgm: DcgmWatcher) -> Iterator[Metric]:
+        scrapes = CounterMetricFamily(PREFIX + "dcgm_scrapes", "scrapes of dcgm-exporter by result (ok, unreachable, "
+                                      "timeout, http_error, too_large, malformed, no_gpus)", labels=["result"])
+        for result in sorted({"ok", *dcgm.results}):
+            scrapes.add_metric([result], dcgm.results[result])
+        yield scrapes
+        unknown = GaugeMetricFamily(PREFIX + "dcgm_unknown_gpus", "GPUs in the last good dcgm-exporter scrape that "
+                                    "are not on this node (their samples are ignored)")
+        unknown.add_metric([], len(dcgm.unknown_gpus))
+        yield unknown
 
     def _memory(self) -> Iterator[Metric]:
         a = self.assessor

@@ -1,6 +1,7 @@
 """The health subsystem as one object: every producer supervised, device health out, node verdicts out.
 
-`HealthService.run(stop)` starts the producers (kernel log, NVML events, NVML polls, NIC links) and a
+`HealthService.run(stop)` starts the producers (kernel log, NVML events, NVML polls, NIC links, and
+dcgm-exporter scrapes when a URL is configured) and a
 housekeeping loop, each under its own supervisor: a producer that raises is logged, shown as "failed" in
 `checks` and the `gpu_node_agent_health_check_up` gauge, and restarted with backoff, while the others carry
 on. Without NVML the NVML checks say "unavailable" and the rest runs, unless `require_nvml` asks for a hard
@@ -23,6 +24,7 @@ from agent import aio
 from agent.config.health import HealthConfig
 from agent.events import DeviceHealthEvent
 from agent.health.assess import HealthAssessor, VerdictListener
+from agent.health.dcgm_watch import DcgmExporterPort, DcgmWatcher, HttpDcgmExporter
 from agent.health.findings import NodeVerdict
 from agent.health.kmsg import read_boot_id
 from agent.health.kmsg_watch import KmsgWatcher
@@ -49,6 +51,7 @@ class HealthService:
     def __init__(self, config: HealthConfig, state_dir: str | os.PathLike[str], topology: Topology,  # noqa: PLR0917
                  nvml: NvmlHealth, device_events: asyncio.Queue[DeviceHealthEvent], registry: CollectorRegistry,
                  link_port: LinkPort | None = None, *, resource_of: ResourceOf | None = None,
+                 dcgm_port: DcgmExporterPort | None = None,
                  boot_id_path: str | os.PathLike[str] = BOOT_ID_PATH, clock: Callable[[], float] = time.monotonic,
                  kmsg_file_poll_interval: float = 0.05, housekeeping_interval: float = 1.0,
                  restart_backoff: tuple[float, float] = (1.0, 30.0)) -> None:
@@ -66,9 +69,15 @@ class HealthService:
         self.nvml_poll = NvmlPoller(nvml, self.assessor, config.nvml_poll_interval_seconds)
         self.links = LinkWatcher(link_port or NetlinkLinkPort("/sys"), self.assessor,
                                  config.link_check_interval_seconds)
+        if dcgm_port is None and config.dcgm_exporter_url:
+            dcgm_port = HttpDcgmExporter(config.dcgm_exporter_url, config.dcgm_scrape_timeout_seconds)
+        self.dcgm = DcgmWatcher(dcgm_port, self.assessor, topology, config.dcgm_scrape_interval_seconds,
+                                nvlink_errors_per_minute=config.dcgm_nvlink_errors_per_minute,
+                                pcie_replays_per_minute=config.dcgm_pcie_replays_per_minute) \
+            if dcgm_port is not None else None
         self._saved = SavedHealth()
         registry.register(HealthCollector(self.assessor, resource_of,
-                                          lambda: self.kmsg.lost_records if self.kmsg else 0))
+                                          lambda: self.kmsg.lost_records if self.kmsg else 0, self.dcgm))
 
     @property
     def verdict(self) -> NodeVerdict:
@@ -91,6 +100,8 @@ class HealthService:
     def update_topology(self, topology: Topology) -> None:
         """After a rescan: new GPUs and NICs are watched (the NVML event set re-registers)."""
         self.assessor.update_topology(topology)
+        if self.dcgm is not None:
+            self.dcgm.update_topology(topology)
 
     def gpu_reset_done(self, uuid: str) -> None:
         """The remediation subsystem reset this GPU: faults waiting for a reset clear."""
@@ -117,6 +128,8 @@ class HealthService:
             producers["kmsg"] = (self.kmsg.run, self.kmsg.first_pass)
         else:
             self.assessor.checks["kmsg"] = "off"
+        if self.dcgm is not None:  # no "off" entry without a URL: DCGM is an optional extra, not a missing check
+            producers["dcgm"] = (self.dcgm.run, self.dcgm.first_pass)
         for name in producers:
             self.assessor.checks.setdefault(name, "starting")
         tasks = [asyncio.create_task(self._supervise(name, run, ready, stop), name=f"health-{name}")

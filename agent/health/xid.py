@@ -145,26 +145,32 @@ class XidCounter:
         self.totals: dict[tuple[GpuRef, int], int] = {}
         self._bursts: dict[tuple[GpuRef, int], _Burst] = {}
 
-    def record(self, gpu: GpuRef, code: int, source: str, now: float) -> XidRecord:
-        """Count one report of Xid `code` on `gpu` from `source` ("kmsg" or "nvml") at monotonic `now`."""
+    def record(self, gpu: GpuRef, code: int, source: str, now: float, count: int = 1) -> XidRecord:
+        """Count `count` reports of Xid `code` on `gpu` from `source` ("kmsg", "nvml", "dcgm") at monotonic `now`.
+
+        Within the pairing window, reports from one source that do not outnumber another source's are that
+        source's view of occurrences already counted.
+        """
         key = (gpu, code)
         burst = self._bursts.get(key)
         if burst is not None and now - burst.last_at > self.burst_window:
             self._end(key, burst)
             burst = None
         if burst is None:
-            self._bursts[key] = _Burst(now, now, by_source={source: 1}, paired_at=now)
-            self.totals[key] = self.totals.get(key, 0) + 1
+            self._bursts[key] = _Burst(now, now, count, by_source={source: count}, paired_at=now)
+            self.totals[key] = self.totals.get(key, 0) + count
             return XidRecord(counted=True, first_of_burst=True)
         if now - burst.paired_at > self.pair_window:
             burst.by_source, burst.paired_at = {}, now
-        mine = burst.by_source.get(source, 0) + 1
-        burst.by_source[source] = mine
+        others = max((n for s, n in burst.by_source.items() if s != source), default=0)
+        before = burst.by_source.get(source, 0)
+        burst.by_source[source] = before + count
         burst.last_at = now
-        if mine <= max((n for s, n in burst.by_source.items() if s != source), default=0):
+        new = min(count, before + count - max(before, others))
+        if new <= 0:
             return XidRecord(counted=False, first_of_burst=False)  # the other source already told us
-        burst.count += 1
-        self.totals[key] = self.totals.get(key, 0) + 1
+        burst.count += new
+        self.totals[key] = self.totals.get(key, 0) + new
         return XidRecord(counted=True, first_of_burst=False)
 
     def sweep(self, now: float) -> None:

@@ -1,0 +1,292 @@
+"""dcgm-exporter's metrics as health observations: parse one scrape, compare it with the last, say what changed.
+
+Almost everything dcgm-exporter shows is a count since some moment the agent did not choose (exporter start, GPU
+reset, the GPU's life), so the interpreter judges change, never level:
+
+- Xids come from `DCGM_EXP_XID_ERRORS_TOTAL` (a counter per GPU and Xid code since the exporter started: exact)
+  when the scrape has it, else from `DCGM_EXP_XID_ERRORS_COUNT` (occurrences within a sliding window: its rise is
+  the new Xids; ones that age out while as many new ones arrive between two scrapes are missed), else from the
+  stock `DCGM_FI_DEV_XID_ERRORS` gauge, which holds only the *last* Xid's code: a changed value is one Xid of the
+  new code. Two Xids between scrapes look like one, and the same code again looks like none - which is why the
+  kernel log and NVML events stay the primary Xid sources and DCGM confirms or fills gaps.
+- ECC counters and uncorrectable remapped rows: any growth is the same finding an NVML poll would raise.
+- Row-remap pending/failure and retired-pages-pending are current state, judged as they stand.
+- NVLink CRC/replay/recovery and PCIe replay counters: the increase per minute between two scrapes against a
+  threshold; lifetime totals (which only a GPU reset zeroes) are never judged.
+- The first good scrape is a baseline: counts from before the agent looked are history, not news (the kernel
+  log's persisted cursor covers what happened while the agent was down). State flags are judged at once.
+
+GPUs are matched by UUID against this node's topology. A bus id alone matches only a topology GPU whose UUID is
+unknown, because bus ids repeat across nodes: an exporter URL that reaches another node must never fault this
+node's GPUs. Series that match no GPU here are reported as unknown, not acted on.
+
+Pure: text and a monotonic time in, a `Reading` out; the scraping loop lives in `agent.health.dcgm_watch`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.topology.model import BusIdError, Gpu, Topology, normalize_bus_id
+
+XID_TOTAL = "DCGM_EXP_XID_ERRORS_TOTAL"
+XID_COUNT = "DCGM_EXP_XID_ERRORS_COUNT"
+XID_LAST = "DCGM_FI_DEV_XID_ERRORS"
+PCIE_REPLAY = "DCGM_FI_DEV_PCIE_REPLAY_COUNTER"
+
+# Growth of these is an ECC finding of the kind named; an uncorrectable remapped row is an uncorrectable error.
+ECC_COUNTERS = {
+    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": "sbe", "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL": "sbe",
+    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": "dbe", "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL": "dbe",
+    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": "dbe",
+}
+# Current-state fields, named like the NVML poll's `MemoryHealth` attributes they mirror.
+FLAGS = {
+    "DCGM_FI_DEV_ROW_REMAP_PENDING": "remap_pending",
+    "DCGM_FI_DEV_ROW_REMAP_FAILURE": "remap_failure",
+    "DCGM_FI_DEV_RETIRED_PENDING": "retired_pages_pending",
+}
+_NVLINK = re.compile(r"DCGM_FI_DEV_NVLINK_(CRC_FLIT|CRC_DATA|REPLAY|RECOVERY)_ERROR_COUNT_(TOTAL|L\d{1,2})")
+_UUID_LABELS = ("UUID", "uuid", "gpu_uuid")  # default, the exporter's old namespace, link metrics
+_SERIES_LABELS = ("xid", "nvlink")  # labels that tell series of one GPU apart (besides the MIG instance)
+_CREDIT_SECONDS = 300.0  # how long a gauge-seen Xid waits to be matched by the counted metric's first report
+
+
+class MalformedScrapeError(ValueError):
+    """The exporter's answer is not Prometheus text the parser accepts."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sample of a GPU metric: which GPU (as the exporter names it), which series, what value."""
+
+    metric: str
+    uuid: str
+    bus_id: str  # canonical when it parses, the raw label otherwise
+    instance: str  # MIG GPU_I_ID, "" for the whole GPU
+    series: tuple[tuple[str, str], ...]  # the xid / nvlink labels
+    value: float
+
+    @property
+    def identity(self) -> str:
+        """How logs name the exporter's GPU."""
+        return f"{self.uuid or '?'} ({self.bus_id or 'no bus id'})"
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """What one scrape showed: the metric names present (samples or not) and the GPU samples."""
+
+    metrics: frozenset[str]
+    samples: tuple[Sample, ...]
+
+
+@dataclass(frozen=True)
+class XidSeen:
+    """`count` new Xids of `code` on `gpu`, as `metric` showed them."""
+
+    gpu: Gpu
+    code: int
+    count: int
+    metric: str
+    gpu_instance: int | None = None
+
+
+@dataclass(frozen=True)
+class Growth:
+    """A counter of `gpu` grew: kind `sbe`/`dbe` (any growth) or `nvlink`/`pcie_replay` (over the threshold)."""
+
+    gpu: Gpu
+    kind: str
+    increase: float
+    detail: str
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A current-state field of `gpu` (`remap_pending`, `remap_failure`, `retired_pages_pending`)."""
+
+    gpu: Gpu
+    name: str
+    active: bool
+
+
+@dataclass
+class Reading:
+    """What changed since the last good scrape."""
+
+    xids: list[XidSeen] = field(default_factory=list)
+    growth: list[Growth] = field(default_factory=list)
+    flags: list[Flag] = field(default_factory=list)
+    unknown: set[str] = field(default_factory=set)  # exporter GPUs that are not this node's
+    matched: set[int] = field(default_factory=set)  # indexes of this node's GPUs the scrape covered
+    xid_metric: str = ""  # where this scrape's Xids were read from
+    baseline: bool = False  # the first good scrape: counts were recorded, not judged
+
+
+def parse_scrape(text: str) -> Scrape:
+    """Prometheus text -> GPU samples (prometheus-client's parser); MalformedScrapeError when it is not."""
+    metrics: set[str] = set()
+    samples: list[Sample] = []
+    try:
+        for family in text_string_to_metric_families(text):
+            metrics.add(family.name)
+            for sample in family.samples:
+                labels = sample.labels
+                uuid = next((labels[k] for k in _UUID_LABELS if labels.get(k)), "")
+                raw_bus = labels.get("pci_bus_id", "")
+                if not uuid and not raw_bus:
+                    continue  # NVSwitch, CPU and other non-GPU entities
+                value = float(sample.value)
+                if math.isnan(value) or value < 0:
+                    continue  # a blank DCGM value: no information, not zero
+                samples.append(Sample(family.name, uuid, _canonical(raw_bus), labels.get("GPU_I_ID", ""),
+                                      tuple((k, labels[k]) for k in _SERIES_LABELS if k in labels), value))
+    except Exception as exc:  # the parser raises ValueError, IndexError, KeyError... on bad text
+        raise MalformedScrapeError(f"not Prometheus text ({type(exc).__name__}: {exc})") from exc
+    return Scrape(frozenset(metrics), tuple(samples))
+
+
+def _canonical(bus_id: str) -> str:
+    try:
+        return normalize_bus_id(bus_id) if bus_id else ""
+    except BusIdError:
+        return bus_id
+
+
+class DcgmInterpreter:
+    """Keeps the previous values of every series and turns each new scrape into a `Reading`."""
+
+    def __init__(self, topology: Topology, nvlink_errors_per_minute: float = 0.0,
+                 pcie_replays_per_minute: float = 8.0) -> None:
+        self.nvlink_errors_per_minute = nvlink_errors_per_minute
+        self.pcie_replays_per_minute = pcie_replays_per_minute
+        self._last: dict[tuple[str, str, str, tuple[tuple[str, str], ...]], float] = {}
+        self._last_time: float | None = None
+        self._gauge_credit: dict[tuple[str, int], float] = {}  # (GPU bus id, code) -> when the gauge showed it
+        self.update_topology(topology)
+
+    def update_topology(self, topology: Topology) -> None:
+        """Match against a rescanned topology from now on."""
+        self._by_uuid = {g.uuid: g for g in topology.gpus if g.uuid}
+        self._by_bus = {g.bus_id: g for g in topology.gpus}
+
+    def match(self, sample: Sample) -> Gpu | None:
+        """This node's GPU the sample is about, or None (see the module docstring for the rules)."""
+        if sample.uuid and sample.uuid in self._by_uuid:
+            return self._by_uuid[sample.uuid]
+        gpu = self._by_bus.get(sample.bus_id)
+        return gpu if gpu is not None and not gpu.uuid else None
+
+    def read(self, scrape: Scrape, now: float) -> Reading:
+        """Compare `scrape` (taken at monotonic `now`) with the previous one."""
+        reading = Reading(baseline=self._last_time is None)
+        elapsed = now - self._last_time if self._last_time is not None else 0.0
+        reading.xid_metric = XID_TOTAL if XID_TOTAL in scrape.metrics else \
+            XID_COUNT if XID_COUNT in scrape.metrics else XID_LAST
+        counted: dict[tuple[Gpu, str, int, str], float] = {}  # (GPU, metric, code, instance) -> new Xids
+        # A MIG GPU shows device-level fields once per instance: the same count, so instances are merged with max.
+        nvlink: dict[Gpu, dict[str, float]] = {}
+        pcie: dict[Gpu, float] = {}
+        ecc: dict[tuple[Gpu, str], tuple[float, str]] = {}
+        flags: dict[tuple[Gpu, str], bool] = {}
+        for sample in scrape.samples:
+            gpu = self.match(sample)
+            if gpu is None:
+                reading.unknown.add(sample.identity)
+                continue
+            reading.matched.add(gpu.index)
+            key = (sample.metric, gpu.bus_id, sample.instance, sample.series)
+            before = self._last.get(key)
+            self._last[key] = sample.value
+            if sample.metric in (XID_TOTAL, XID_COUNT):
+                code = _xid_label(sample)
+                if code is not None:
+                    grew = _xid_increase(sample.metric, before, sample.value)
+                    slot = (gpu, sample.metric, code, sample.instance)
+                    counted[slot] = counted.get(slot, 0.0) + grew
+            elif sample.metric == XID_LAST:
+                code = int(sample.value)
+                if code and before != sample.value and (before is not None or not reading.baseline):
+                    counted[(gpu, XID_LAST, code, sample.instance)] = 1.0
+            elif sample.metric in FLAGS:
+                slot_flag = (gpu, FLAGS[sample.metric])
+                flags[slot_flag] = flags.get(slot_flag, False) or sample.value > 0
+            else:
+                grew = _counter_increase(before, sample.value)
+                if sample.metric in ECC_COUNTERS:
+                    slot_ecc = (gpu, ECC_COUNTERS[sample.metric])
+                    if grew > ecc.get(slot_ecc, (0.0, ""))[0]:
+                        ecc[slot_ecc] = (grew, f"{sample.metric} +{grew:g}")
+                elif (lane := _NVLINK.fullmatch(sample.metric)) is not None:
+                    kinds = nvlink.setdefault(gpu, {})
+                    kind = _nvlink_key(lane, sample)
+                    kinds[kind] = max(kinds.get(kind, 0.0), grew)
+                elif sample.metric == PCIE_REPLAY:
+                    pcie[gpu] = max(pcie.get(gpu, 0.0), grew)
+        reading.flags = [Flag(gpu, name, active) for (gpu, name), active in flags.items()]
+        if not reading.baseline:
+            reading.growth = [Growth(gpu, kind, grew, detail) for (gpu, kind), (grew, detail) in ecc.items()]
+            self._xids(reading, counted, now)
+            self._rates(reading, nvlink, pcie, elapsed)
+        self._last_time = now
+        return reading
+
+    def _xids(self, reading: Reading, counted: dict[tuple[Gpu, str, int, str], float], now: float) -> None:
+        self._gauge_credit = {k: t for k, t in self._gauge_credit.items() if now - t < _CREDIT_SECONDS}
+        for (gpu, metric, code, instance), grew in sorted(counted.items(), key=lambda kv: (kv[0][0].index,
+                                                                                             kv[0][2])):
+            if metric != reading.xid_metric or grew <= 0:
+                continue
+            count = int(grew)
+            if metric == XID_LAST:
+                self._gauge_credit[(gpu.bus_id, code)] = now
+            elif self._gauge_credit.pop((gpu.bus_id, code), None) is not None:
+                count -= 1  # the gauge already reported this one while the counted metric had no series yet
+            if count > 0:
+                reading.xids.append(XidSeen(gpu, code, count, metric, int(instance) if instance.isdigit() else None))
+
+    def _rates(self, reading: Reading, nvlink: dict[Gpu, dict[str, float]], pcie: dict[Gpu, float],
+               elapsed: float) -> None:
+        minutes = max(elapsed, 1.0) / 60.0
+        for gpu, kinds in nvlink.items():
+            # Per-lane counters and their _TOTAL say the same thing: judge the totals where the scrape has them.
+            totals = {k: v for k, v in kinds.items() if ":total" in k}
+            chosen = totals or kinds
+            grew = sum(chosen.values())
+            if grew > 0 and grew / minutes > self.nvlink_errors_per_minute:
+                parts = ", ".join(f"+{v:g} {k.split(':')[0].lower()}" for k, v in sorted(chosen.items()) if v)
+                reading.growth.append(Growth(gpu, "nvlink", grew, f"{parts} in {elapsed:.0f} s"))
+        for gpu, grew in pcie.items():
+            if grew > 0 and grew / minutes > self.pcie_replays_per_minute:
+                reading.growth.append(Growth(gpu, "pcie_replay", grew, f"+{grew:g} PCIe replays in {elapsed:.0f} s"))
+
+
+def _xid_label(sample: Sample) -> int | None:
+    text = dict(sample.series).get("xid", "")
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+def _xid_increase(metric: str, before: float | None, value: float) -> float:
+    """New Xids: a series that appears counts from zero (it exists only once its GPU had that Xid)."""
+    if before is None:
+        return value
+    if value < before:  # the total restarts with the exporter; a window count falls as Xids age out
+        return value if metric == XID_TOTAL else 0.0
+    return value - before
+
+
+def _counter_increase(before: float | None, value: float) -> float:
+    """Growth of a hardware counter; a new series or a fall (GPU reset, driver reload) is a new baseline."""
+    return 0.0 if before is None or value < before else value - before
+
+
+def _nvlink_key(lane: re.Match[str], sample: Sample) -> str:
+    """`REPLAY:total`, or `REPLAY:L3` / `REPLAY:L3/link 3` for per-lane counters."""
+    where = "total" if lane.group(2) == "TOTAL" else lane.group(2)
+    link = dict(sample.series).get("nvlink", "")
+    return f"{lane.group(1)}:{where}" + (f"/link {link}" if link else "")

@@ -1,0 +1,181 @@
+"""The DCGM health source: scrape dcgm-exporter, interpret the change, feed the same assessor as NVML and kmsg.
+
+`HttpDcgmExporter` is the port (one GET of the exporter's /metrics, in a worker thread, with a timeout and a size
+cap); `DcgmWatcher` runs the scrape loop. What DCGM saw becomes the very observations the other sources make -
+`on_xid(..., "dcgm")`, `on_ecc_growth`, `on_memory_flag(..., "dcgm")` - so the Xid counter pairs a DCGM Xid with
+the kernel log's report of the same fault, and a finding keyed by GPU and kind is raised once whoever saw it.
+
+A failed scrape (endpoint down, timeout, HTTP error, text the parser rejects, nothing that matches this node's
+GPUs) changes no finding: it shows as the `dcgm` check's state, `gpu_node_agent_dcgm_scrapes_total{result}`
+and one log line per change of state. The next good scrape is compared with the last good one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import urllib.error
+import urllib.request
+from collections import Counter
+from typing import Protocol
+
+from agent import aio
+from agent.health.assess import HealthAssessor
+from agent.health.dcgm import XID_LAST, DcgmInterpreter, MalformedScrapeError, Reading, parse_scrape
+from agent.health.findings import GpuRef
+from agent.health.nvrm import bus_key
+from agent.topology.model import Gpu, Topology
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 16 << 20  # a dcgm-exporter page is tens of KiB; anything near this is not one
+CHECK = "dcgm"
+
+
+class DcgmScrapeError(Exception):
+    """One scrape failed; `result` is the metric label (unreachable, timeout, http_error, too_large, malformed)."""
+
+    def __init__(self, result: str, message: str) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class DcgmExporterPort(Protocol):
+    """Where dcgm-exporter's text comes from."""
+
+    url: str
+
+    async def fetch(self) -> str:
+        """The exporter's current /metrics text; DcgmScrapeError when it cannot be had."""
+
+
+class HttpDcgmExporter:
+    """GET the exporter's /metrics with the standard library, bypassing proxies (it is on this node)."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"dcgm-exporter URL must be http:// or https://, got {url!r}")
+        self.url = url
+        self.timeout = timeout
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    async def fetch(self) -> str:
+        """One scrape in a worker thread (urllib blocks)."""
+        return await asyncio.to_thread(self._fetch)
+
+    def _fetch(self) -> str:
+        request = urllib.request.Request(self.url, headers={"Accept": "text/plain"})  # noqa: S310 - scheme checked
+        try:
+            with self._opener.open(request, timeout=self.timeout) as response:
+                body = response.read(MAX_BODY + 1)
+        except urllib.error.HTTPError as exc:
+            raise DcgmScrapeError("http_error", f"HTTP {exc.code} {exc.reason}") from exc
+        except TimeoutError as exc:
+            raise DcgmScrapeError("timeout", f"no answer within {self.timeout:g} s") from exc
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, TimeoutError):
+                raise DcgmScrapeError("timeout", f"no answer within {self.timeout:g} s") from exc
+            raise DcgmScrapeError("unreachable", str(exc.reason)) from exc
+        except (OSError, ValueError) as exc:  # connection reset mid-body, bad URL parts, ...
+            raise DcgmScrapeError("unreachable", f"{type(exc).__name__}: {exc}") from exc
+        if len(body) > MAX_BODY:
+            raise DcgmScrapeError("too_large", f"answer larger than {MAX_BODY >> 20} MiB")
+        try:
+            return body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DcgmScrapeError("malformed", f"not UTF-8 text: {exc}") from exc
+
+
+class DcgmWatcher:
+    """Scrapes every `interval` seconds; each good scrape's changes go to the assessor."""
+
+    def __init__(self, port: DcgmExporterPort, assessor: HealthAssessor, topology: Topology, interval: float, *,
+                 nvlink_errors_per_minute: float = 0.0, pcie_replays_per_minute: float = 8.0) -> None:
+        self.port = port
+        self.assessor = assessor
+        self.interval = interval
+        self.interpreter = DcgmInterpreter(topology, nvlink_errors_per_minute, pcie_replays_per_minute)
+        self.first_pass = asyncio.Event()
+        self.results: Counter[str] = Counter()  # scrape result -> count (the metric)
+        self.unknown_gpus: set[str] = set()  # exporter GPUs in the last good scrape that are not this node's
+        self._state = ""  # last logged state, so a lasting failure is one log line
+
+    def update_topology(self, topology: Topology) -> None:
+        """GPUs found by a rescan are matched from the next scrape on."""
+        self.interpreter.update_topology(topology)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Scrape until `stop`."""
+        while not stop.is_set():
+            await self.scrape_once()
+            self.first_pass.set()
+            await aio.sleep_or_stop(stop, self.interval)
+
+    async def scrape_once(self) -> bool:
+        """One scrape; True when it was good and its changes were applied."""
+        try:
+            text = await self.port.fetch()
+            scrape = await asyncio.to_thread(parse_scrape, text)
+        except DcgmScrapeError as exc:
+            return self._failed(exc.result, str(exc))
+        except MalformedScrapeError as exc:
+            return self._failed("malformed", str(exc))
+        # Only a scrape that covers some GPU of this node is a reading; matching nothing means the URL reaches
+        # another node's exporter, or one that is not yet watching any GPU.
+        sample_count = len(scrape.samples)
+        matched = [s for s in scrape.samples if self.interpreter.match(s) is not None]
+        if not matched:
+            others = sorted({s.identity for s in scrape.samples})[:3]
+            why = f"none of the {sample_count} GPU samples is about this node's GPUs" + \
+                (f" (the exporter shows {', '.join(others)})" if others else "")
+            return self._failed("no_gpus", why)
+        reading = self.interpreter.read(scrape, self.assessor.clock())
+        self.results["ok"] += 1
+        self._unknown(reading.unknown)
+        self._ok(reading)
+        self._apply(reading)
+        return True
+
+    def _apply(self, reading: Reading) -> None:
+        a = self.assessor
+        for xid in reading.xids:
+            a.on_xid(self._ref(xid.gpu), xid.code, "dcgm", f"from {xid.metric}", gpu_instance=xid.gpu_instance,
+                     count=xid.count)
+        for growth in reading.growth:
+            gpu = self._ref(growth.gpu)
+            if growth.kind in ("sbe", "dbe"):
+                log.info("%s: ECC errors growing per DCGM (%s)", gpu.name, growth.detail,
+                         extra={"gpu_uuid": gpu.uuid})
+                a.on_ecc_growth(gpu, growth.kind)
+            else:
+                a.on_gpu_link_errors(gpu, growth.kind, growth.detail)
+        for flag in reading.flags:
+            a.on_memory_flag(self._ref(flag.gpu), flag.name, flag.active, CHECK)
+
+    def _ref(self, gpu: Gpu) -> GpuRef:
+        # The kernel log's way of naming the GPU, so a DCGM Xid pairs with the kmsg line of the same fault.
+        return self.assessor.gpu_by_kernel_device(bus_key(gpu.bus_id))
+
+    def _unknown(self, unknown: set[str]) -> None:
+        for identity in sorted(unknown - self.unknown_gpus):
+            log.warning("dcgm-exporter shows a GPU that is not on this node: %s; its samples are ignored", identity)
+        self.unknown_gpus = set(unknown)
+
+    def _ok(self, reading: Reading) -> None:
+        self.assessor.checks[CHECK] = "ok"
+        state = f"ok:{reading.xid_metric}"
+        if state != self._state:
+            log.info("dcgm-exporter %s: scrape ok, %d GPU(s) matched, Xids read from %s%s", self.port.url,
+                     len(reading.matched), reading.xid_metric,
+                     " (the last-Xid gauge: two Xids between scrapes look like one)"
+                     if reading.xid_metric == XID_LAST else "")
+            self._state = state
+
+    def _failed(self, result: str, message: str) -> bool:
+        self.results[result] += 1
+        self.assessor.checks[CHECK] = f"failed: {result}: {message}"
+        if result != self._state:
+            log.warning("dcgm-exporter %s: scrape failed (%s: %s); findings stay as they are, retrying every %g s",
+                        self.port.url, result, message, self.interval)
+            self._state = result
+        return False

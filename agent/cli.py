@@ -1,4 +1,4 @@
-"""Command line: `gpu-node-agent run | topology | simulate-node | config`.
+"""Command line: `gpu-node-agent run | topology | simulate-node | simulate-dcgm-exporter | config`.
 
 Flags and environment are parsed here, once, into an `AgentConfig` that is passed down; nothing below reads
 `os.environ`. Bad configuration or input exits with code 2 and a message naming what is wrong.
@@ -50,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--profile", help="profile name (see --list)")
     sim.add_argument("--out", type=Path, help="directory to write the sysfs tree into (it plays /sys)")
     sim.add_argument("--list", action="store_true", help="list the built-in profiles")
+
+    dcgm = sub.add_parser("simulate-dcgm-exporter", help="serve a simulated dcgm-exporter /metrics for a profile")
+    dcgm.add_argument("--profile", required=True, help="profile name (see simulate-node --list)")
+    dcgm.add_argument("--address", default="127.0.0.1:9410", help="HOST:PORT to listen on (default %(default)s)")
+    dcgm.add_argument("--xid-metrics", default="gauge",
+                      help="comma-separated Xid metrics to export: gauge, count, total (default %(default)s)")
+    dcgm.add_argument("--hostname", help="Hostname label (default: this host's name)")
 
     net = sub.add_parser("netacct", help="network accounting maintenance")
     net_sub = net.add_subparsers(dest="netacct_command", required=True, metavar="ACTION")
@@ -104,6 +111,39 @@ def _cmd_simulate_node(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_simulate_dcgm_exporter(args: argparse.Namespace) -> int:
+    import signal
+    import socket
+    import threading
+
+    from agent.http import parse_address
+    from agent.simulate.dcgm_exporter import DcgmExporterServer, SimulatedDcgmExporter
+
+    try:
+        host, port = parse_address(args.address)
+        exporter = SimulatedDcgmExporter.for_profile(args.profile, hostname=args.hostname or socket.gethostname(),
+                                                     xid_metrics=[m.strip() for m in args.xid_metrics.split(",")])
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    server = DcgmExporterServer(exporter, host, port)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            url = server.start()
+        except OSError as exc:
+            raise UsageError(f"cannot listen on {args.address}: {exc}") from exc
+        print(f"simulated dcgm-exporter for {args.profile!r} serving {url}")
+        print(f"inject an Xid: curl -X POST '{url.removesuffix('/metrics')}/inject?gpu=2&xid=79'", flush=True)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.stop()
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     print(yaml.safe_dump(config.to_mapping(_load_config(args)), sort_keys=False), end="")
     return 0
@@ -132,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "run":
         setup_logging("warning", "text")
     handlers = {"run": _cmd_run, "topology": _cmd_topology, "simulate-node": _cmd_simulate_node,
-                "config": _cmd_config, "netacct": _cmd_netacct}
+                "simulate-dcgm-exporter": _cmd_simulate_dcgm_exporter, "config": _cmd_config, "netacct": _cmd_netacct}
     try:
         return handlers[args.command](args)
     except (UsageError, config.ConfigError, UnknownProfileError, TopologyXmlError) as exc:

@@ -43,6 +43,8 @@ AGENT_METRICS: dict[str, str] = {
     "gpu_node_agent_node_verdict": "gauge {verdict}: 1 for the current verdict, 0 for the others",
     "gpu_node_agent_health_check_up": "gauge {check}",
     "gpu_node_agent_kmsg_records_lost_total": "counter",
+    "gpu_node_agent_dcgm_scrapes_total": "counter {result}",
+    "gpu_node_agent_dcgm_unknown_gpus": "gauge",
     "gpu_node_agent_allocations_total": "counter {resource,level}",
     "gpu_node_agent_preferred_allocation_failures_total": "counter {resource}",
     "gpu_node_agent_remediation_actions_total": "counter {action,result}",

@@ -24,7 +24,8 @@ PROMTOOL = binary("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason=PROMETHEUS_MISSING)
 
 REQUIRED_ALERTS = {"GpuXidNeedsAction", "GpuDeviceUnhealthy", "GpuNodeCordonedByAgent", "GpuNodeVerdictCordonOrDrain",
-                   "GpuNodeAgentDown", "GpuNodeAgentSubsystemDown", "GpuNodeAgentAccountingDown"}
+                   "GpuNodeAgentDown", "GpuNodeAgentSubsystemDown", "GpuNodeAgentAccountingDown",
+                   "GpuNodeAgentDcgmUnreadable"}
 
 
 def _write_rules(path: Path, *, annotations: bool = True) -> Path:
@@ -162,6 +163,15 @@ UNIT_TESTS: list[dict[str, Any]] = [
             *_alerts("GpuNodeAgentSubsystemDown",
                      ("5m", []), ("8m", [{**AGENT, "subsystem": "device-plugin", "severity": "warning"}])),
         ],
+    },
+    {   # the DCGM check fails at 5 min and recovers at 25; the kernel-log check is off (0) throughout: no alert
+        "input_series": [
+            _series("gpu_node_agent_health_check_up", "1x4 0x20 1x5", check="dcgm"),
+            _series("gpu_node_agent_health_check_up", "0x30", check="kmsg"),
+        ],
+        "alert_rule_test": _alerts("GpuNodeAgentDcgmUnreadable",
+                                   ("19m", []), ("20m", [{**AGENT, "check": "dcgm", "severity": "warning"}]),
+                                   ("26m", [])),
     },
 ]
 

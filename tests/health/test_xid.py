@@ -72,6 +72,17 @@ def test_nvml_event_and_kernel_line_of_one_xid_count_once() -> None:
     assert counter.totals[(GPU, 79)] == 3
 
 
+def test_dcgm_reports_many_at_once_and_late_and_only_the_excess_is_new() -> None:
+    counter = XidCounter(burst_window=180, pair_window=90)
+    for t in (0.0, 1.0, 2.0):  # three Xid 79s in the kernel log
+        counter.record(GPU, 79, "kmsg", now=t)
+    # DCGM's total rises by 4 one scrape (40 s) later: three of them are the kernel log's, one is new
+    assert counter.record(GPU, 79, "dcgm", now=40.0, count=4).counted
+    assert counter.totals[(GPU, 79)] == 4
+    assert not counter.record(GPU, 79, "kmsg", now=41.0).counted  # the kernel log catching up on the fourth
+    assert counter.totals[(GPU, 79)] == 4
+
+
 def test_other_gpus_and_codes_are_separate() -> None:
     counter = XidCounter(burst_window=180)
     other = GpuRef("1", "GPU-b", "0000:43:00.0")

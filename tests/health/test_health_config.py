@@ -41,10 +41,21 @@ def test_flags_and_env() -> None:
     (["--xid-action", "109=reboot"], "xid action override '109=reboot'"),
     (["--nvml-poll-interval", "0"], "nvml_poll_interval_seconds"),
     (["--link-down-action", "panic"], "linkDownAction"),
+    (["--dcgm-exporter-url", "localhost:9400/metrics"], "dcgm_exporter_url must be an http"),
+    (["--dcgm-scrape-interval", "0"], "dcgm_scrape_interval_seconds"),
+    (["--dcgm-pcie-replays-per-minute", "-1"], "dcgm_pcie_replays_per_minute must not be negative"),
+    (["--dcgm-link-error-action", "reboot"], "dcgmLinkErrorAction"),
 ])
 def test_bad_values_name_the_problem(argv: list[str], named: str) -> None:
     with pytest.raises(config.ConfigError, match=named):
         config.load(_parse(argv), {})
+
+
+def test_dcgm_source_is_off_by_default_and_set_from_env() -> None:
+    assert config.load(_parse([]), {}).health.dcgm_exporter_url == ""
+    env = {"GPU_NODE_AGENT_DCGM_EXPORTER_URL": "http://10.0.0.7:9400/metrics"}
+    health = config.load(_parse(["--dcgm-scrape-interval", "30"]), env).health
+    assert (health.dcgm_exporter_url, health.dcgm_scrape_interval_seconds) == ("http://10.0.0.7:9400/metrics", 30.0)
 
 
 def test_action_names_match_severities() -> None:

@@ -1,0 +1,273 @@
+"""The DCGM source end to end: a simulated dcgm-exporter serves real text over HTTP, the agent scrapes it.
+
+Each scrape is driven by hand (`scrape_once`) where the test is about what one scrape means; the running
+`HealthService` is used where it is about the whole path (device health, verdict, metrics, de-duplication).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.config.health import HealthConfig
+from agent.events import DeviceHealthEvent
+from agent.health.assess import HealthAssessor
+from agent.health.dcgm_watch import DcgmWatcher, HttpDcgmExporter
+from agent.nvml import MemoryHealth
+from agent.simulate.dcgm_exporter import DcgmExporterServer, ExporterGpu, SimulatedDcgmExporter
+from agent.simulate.node import SimulatedNode
+from agent.topology.model import Topology
+from tests.health.conftest import fast_config, wait_until, xid_record
+
+REPLAY = "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL"
+
+
+@pytest.fixture
+def exporter() -> Iterator[tuple[SimulatedDcgmExporter, str]]:
+    """A dgx-h100 exporter with the exact Xid total enabled, served on a free local port."""
+    sim = SimulatedDcgmExporter.for_profile("dgx-h100", xid_metrics=("gauge", "total"))
+    with DcgmExporterServer(sim) as server:
+        yield sim, server.url
+
+
+class Rig:
+    """An assessor and a watcher on one topology, scraped by hand."""
+
+    def __init__(self, topology: Topology, url: str, *, timeout: float = 2.0, **config: object) -> None:
+        self.topology = topology
+        self.now = 1000.0
+        self.events: asyncio.Queue[DeviceHealthEvent] = asyncio.Queue()
+        cfg = HealthConfig(kmsg="", dcgm_exporter_url=url, **config)  # type: ignore[arg-type]
+        self.assessor = HealthAssessor(cfg, topology, self.events, lambda: self.now)
+        self.watcher = DcgmWatcher(HttpDcgmExporter(url, timeout), self.assessor, topology, 15.0,
+                                   nvlink_errors_per_minute=cfg.dcgm_nvlink_errors_per_minute,
+                                   pcie_replays_per_minute=cfg.dcgm_pcie_replays_per_minute)
+
+    async def scrape(self, after: float = 15.0) -> bool:
+        self.now += after
+        return await self.watcher.scrape_once()
+
+    def keys(self) -> set[str]:
+        return {f.key for f in self.assessor.book.findings()}
+
+
+@pytest.fixture
+def topology(node: SimulatedNode) -> Topology:
+    return node.topology()
+
+
+async def test_an_xid_total_from_dcgm_withdraws_the_gpu_and_drains(exporter, topology: Topology) -> None:
+    sim, url = exporter
+    rig = Rig(topology, url)
+    assert await rig.scrape() and rig.assessor.checks["dcgm"] == "ok"
+    gpu = topology.gpus[3]
+    sim.inject_xid(gpu.uuid, 48)  # a double-bit ECC error: RESET_GPU-class, drain
+    assert await rig.scrape()
+    assert rig.assessor.verdict.verdict == "drain"
+    assert rig.assessor.verdict.reason == "GpuXid48"
+    assert rig.assessor.book.unhealthy_devices().keys() == {gpu.uuid}
+    assert rig.events.get_nowait() == DeviceHealthEvent(gpu.uuid, False, rig.assessor.book.unhealthy_devices()[
+        gpu.uuid])
+    assert sum(rig.assessor.xids.totals.values()) == 1
+    assert await rig.scrape()  # nothing new: nothing more
+    assert sum(rig.assessor.xids.totals.values()) == 1 and rig.events.empty()
+
+
+async def test_a_stock_exporter_shows_a_changed_last_xid_once(topology: Topology,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    sim = SimulatedDcgmExporter.for_profile("dgx-h100")  # stock counters: the last-Xid gauge only
+    with DcgmExporterServer(sim) as server:
+        rig = Rig(topology, server.url)
+        await rig.scrape()
+        uuid = topology.gpus[5].uuid
+        sim.inject_xid(uuid, 79)
+        sim.inject_xid(uuid, 79)  # two between scrapes: the gauge cannot tell
+        await rig.scrape()
+        assert [(g.uuid, code, n) for (g, code), n in rig.assessor.xids.totals.items()] == [(uuid, 79, 1)]
+        assert rig.assessor.verdict.verdict == "drain"
+    assert "two Xids between scrapes look like one" in caplog.text  # the operator is told of the blind spot
+
+
+async def test_one_xid_in_the_kernel_log_and_dcgm_is_one_count_and_one_action(
+        exporter, node: SimulatedNode, kmsg_file: Path, start_service) -> None:
+    sim, url = exporter
+    config = fast_config(kmsg_file, dcgm_exporter_url=url, dcgm_scrape_interval_seconds=0.05)
+    running = await start_service(node, config)
+    verdicts = running.service.subscribe()
+    assert verdicts.get_nowait().verdict == "healthy"
+    gpu = node.topology().gpus[2]
+    kmsg_file.write_text(xid_record(1, gpu.bus_id[:-2], 79, "GPU has fallen off the bus."))
+    await wait_until(lambda: running.health().get(gpu.uuid) is False)
+    scrapes = running.service.dcgm.results["ok"]  # type: ignore[union-attr]
+    sim.inject_xid(gpu.uuid, 79)  # DCGM saw the same fault, a scrape later
+    await wait_until(lambda: running.service.dcgm.results["ok"] >= scrapes + 3)  # type: ignore[union-attr]
+    labels = {"gpu": "2", "uuid": gpu.uuid, "pci_bus_id": gpu.bus_id, "xid": "79"}
+    assert running.registry.get_sample_value("gpu_node_agent_xid_errors_total", labels) == 1
+    assert [f.key for f in running.service.assessor.book.findings()] == [f"lost:{gpu.uuid}"]
+    assert [e.healthy for e in running.seen if e.device_id == gpu.uuid] == [False]  # withdrawn once
+    changes = []
+    while not verdicts.empty():
+        changes.append(verdicts.get_nowait().verdict)
+    assert changes == ["drain"]  # one action
+    assert running.registry.get_sample_value("gpu_node_agent_health_check_up", {"check": "dcgm"}) == 1
+
+
+async def test_dcgm_reporting_a_scrape_later_is_paired_with_the_kernel_log(exporter, topology: Topology) -> None:
+    sim, url = exporter
+    rig = Rig(topology, url)
+    await rig.scrape()
+    gpu = rig.assessor.gpu_by_kernel_device(topology.gpus[4].bus_id[:-2])
+    rig.assessor.on_xid(gpu, 48, "kmsg")
+    sim.inject_xid(topology.gpus[4].uuid, 48)
+    await rig.scrape(after=40)  # the exporter's sample interval plus the scrape interval later
+    assert rig.assessor.xids.totals == {(gpu, 48): 1}
+    sim.inject_xid(topology.gpus[4].uuid, 48)  # a second fault only DCGM saw (the kernel log is not read)
+    await rig.scrape(after=15)
+    assert rig.assessor.xids.totals == {(gpu, 48): 2}
+
+
+async def test_memory_flags_last_while_any_source_reports_them(exporter, topology: Topology) -> None:
+    sim, url = exporter
+    rig = Rig(topology, url)
+    uuid = topology.gpus[1].uuid
+    sim.set_field(uuid, "DCGM_FI_DEV_ROW_REMAP_PENDING", 1)
+    await rig.scrape()  # a flag is current state: judged on the first scrape
+    assert rig.assessor.verdict.verdict == "cordon" and rig.keys() == {f"remap-pending:{uuid}"}
+    # NVML's poll (lagging or not supporting the query) says no: DCGM still does, so nothing flaps
+    rig.assessor.on_memory(MemoryHealth(uuid, remap_pending=False))
+    assert rig.keys() == {f"remap-pending:{uuid}"}
+    rig.assessor.on_memory(MemoryHealth(uuid, remap_pending=True))
+    sim.set_field(uuid, "DCGM_FI_DEV_ROW_REMAP_PENDING", 0)
+    await rig.scrape()
+    assert rig.keys() == {f"remap-pending:{uuid}"}  # NVML still reports it
+    rig.assessor.on_memory(MemoryHealth(uuid, remap_pending=False))
+    assert rig.keys() == set() and rig.assessor.verdict.verdict == "healthy"
+
+
+async def test_ecc_growth_from_dcgm_and_nvml_is_one_finding(exporter, topology: Topology) -> None:
+    sim, url = exporter
+    rig = Rig(topology, url)
+    uuid = topology.gpus[6].uuid
+    sim.set_field(uuid, "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", 3)
+    await rig.scrape()
+    assert rig.keys() == set()  # remapped rows from before the agent looked are history
+    sim.add_to_field(uuid, "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", 1)
+    sim.set_field(uuid, "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", 1)
+    await rig.scrape()
+    rig.assessor.on_ecc_growth(rig.assessor.gpu_by_uuid(uuid), "dbe")  # NVML's event for the same error
+    assert rig.keys() == {f"dbe:{uuid}"}
+    assert rig.assessor.verdict.verdict == "degraded" and rig.assessor.verdict.reason == "GpuEccDbe"
+
+
+async def test_nvlink_errors_are_judged_by_increase_not_lifetime_total(exporter, topology: Topology) -> None:
+    sim, url = exporter
+    rig = Rig(topology, url)
+    uuid = topology.gpus[0].uuid
+    sim.set_field(uuid, REPLAY, 250_000)  # years of replays on a healthy link
+    await rig.scrape()
+    await rig.scrape(after=60)
+    assert rig.keys() == set()
+    sim.add_to_field(uuid, REPLAY, 4)
+    await rig.scrape(after=60)
+    assert rig.keys() == {f"nvlink:{uuid}"}
+    assert rig.assessor.verdict.reason == "GpuNvlinkErrors" and rig.assessor.verdict.verdict == "degraded"
+
+
+async def test_pcie_replays_over_the_rate_threshold(exporter, topology: Topology) -> None:
+    sim, url = exporter
+    rig = Rig(topology, url, dcgm_link_error_action="cordon")
+    uuid = topology.gpus[4].uuid
+    await rig.scrape()
+    sim.add_to_field(uuid, "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", 5)  # 5 a minute: under DCGM's 8
+    await rig.scrape(after=60)
+    assert rig.keys() == set()
+    sim.add_to_field(uuid, "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", 30)
+    await rig.scrape(after=60)
+    assert rig.keys() == {f"pcie_replay:{uuid}"} and rig.assessor.verdict.verdict == "cordon"
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize(("break_it", "result"), [
+    (lambda sim: setattr(sim, "malformed", True), "malformed"),
+    (lambda sim: setattr(sim, "status", 503), "http_error"),
+    (lambda sim: setattr(sim, "delay_seconds", 2.0), "timeout"),
+])
+async def test_a_bad_scrape_changes_nothing_and_the_next_good_one_catches_up(
+        exporter, topology: Topology, break_it, result: str) -> None:
+    sim, url = exporter
+    rig = Rig(topology, url, timeout=0.3)
+    uuid = topology.gpus[7].uuid
+    sim.inject_xid(uuid, 13)  # before the baseline: history
+    assert await rig.scrape()
+    break_it(sim)
+    sim.inject_xid(uuid, 79)
+    assert not await rig.scrape()
+    assert rig.watcher.results[result] == 1
+    assert rig.assessor.checks["dcgm"].startswith(f"failed: {result}")
+    assert rig.keys() == set() and rig.assessor.verdict.verdict == "healthy"
+    sim.malformed, sim.status, sim.delay_seconds = False, 200, 0.0
+    assert await rig.scrape()
+    assert rig.keys() == {f"lost:{uuid}"}  # the Xid that arrived while the exporter was unreadable is not lost
+    assert rig.assessor.checks["dcgm"] == "ok"
+
+
+async def test_an_exporter_that_is_down_is_a_metric_and_one_log_line(
+        topology: Topology, caplog: pytest.LogCaptureFixture) -> None:
+    rig = Rig(topology, f"http://127.0.0.1:{_closed_port()}/metrics")
+    rig.assessor.on_xid(rig.assessor.gpu_by_uuid(topology.gpus[0].uuid), 79, "kmsg")
+    for _ in range(3):
+        assert not await rig.scrape()
+    assert rig.watcher.results["unreachable"] == 3
+    assert rig.assessor.verdict.verdict == "drain"  # what the other sources found stays
+    assert sum("scrape failed" in r.message for r in caplog.records) == 1
+
+
+async def test_another_nodes_exporter_is_never_believed(topology: Topology) -> None:
+    stranger = SimulatedDcgmExporter(
+        [ExporterGpu(g.index, f"GPU-0000000{g.index}-aaaa-bbbb-cccc-dddddddddddd", g.bus_id) for g in topology.gpus],
+        xid_metrics=("gauge", "total"))
+    with DcgmExporterServer(stranger) as server:
+        rig = Rig(topology, server.url)
+        assert not await rig.scrape()
+        stranger.inject_xid(stranger.gpus[0].uuid, 79)
+        assert not await rig.scrape()
+    assert rig.watcher.results["no_gpus"] == 2
+    assert "none of the" in rig.assessor.checks["dcgm"]
+    assert rig.keys() == set()
+
+
+async def test_a_foreign_gpu_among_ours_is_counted_and_ignored(topology: Topology) -> None:
+    ours = [ExporterGpu(g.index, g.uuid, g.bus_id) for g in topology.gpus]
+    foreign = ExporterGpu(8, "GPU-ffffffff-0000-1111-2222-333333333333", "0000:f1:00.0")
+    sim = SimulatedDcgmExporter([*ours, foreign], xid_metrics=("gauge", "total"))
+    with DcgmExporterServer(sim) as server:
+        rig = Rig(topology, server.url)
+        await rig.scrape()
+        sim.inject_xid(foreign.uuid, 79)
+        assert await rig.scrape()
+    assert rig.watcher.unknown_gpus == {f"{foreign.uuid} ({foreign.bus_id})"}
+    assert rig.keys() == set()
+
+
+async def test_mig_instance_xids_reach_the_parent_gpu(topology: Topology) -> None:
+    gpus = [ExporterGpu(g.index, g.uuid, g.bus_id, mig=(("3g.40gb", 1), ("3g.40gb", 2)) if g.index == 2 else ())
+            for g in topology.gpus]
+    sim = SimulatedDcgmExporter(gpus, xid_metrics=("gauge", "total"))
+    with DcgmExporterServer(sim) as server:
+        rig = Rig(topology, server.url)
+        await rig.scrape()
+        sim.inject_xid(topology.gpus[2].uuid, 95, gpu_instance=2)
+        await rig.scrape()
+    assert rig.keys() == {f"xid:95:{topology.gpus[2].uuid}"}
+    assert rig.assessor.book.unhealthy_devices().keys() == {topology.gpus[2].uuid}

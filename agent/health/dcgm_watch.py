@@ -13,6 +13,7 @@ and one log line per change of state. The next good scrape is compared with the 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import logging
 import urllib.error
 import urllib.request
@@ -52,11 +53,12 @@ class DcgmExporterPort(Protocol):
 class HttpDcgmExporter:
     """GET the exporter's /metrics with the standard library, bypassing proxies (it is on this node)."""
 
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, max_body: int = MAX_BODY) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"dcgm-exporter URL must be http:// or https://, got {url!r}")
         self.url = url
         self.timeout = timeout
+        self.max_body = max_body
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     async def fetch(self) -> str:
@@ -67,7 +69,7 @@ class HttpDcgmExporter:
         request = urllib.request.Request(self.url, headers={"Accept": "text/plain"})  # noqa: S310 - scheme checked
         try:
             with self._opener.open(request, timeout=self.timeout) as response:
-                body = response.read(MAX_BODY + 1)
+                body = response.read(self.max_body + 1)
         except urllib.error.HTTPError as exc:
             raise DcgmScrapeError("http_error", f"HTTP {exc.code} {exc.reason}") from exc
         except TimeoutError as exc:
@@ -76,10 +78,12 @@ class HttpDcgmExporter:
             if isinstance(exc.reason, TimeoutError):
                 raise DcgmScrapeError("timeout", f"no answer within {self.timeout:g} s") from exc
             raise DcgmScrapeError("unreachable", str(exc.reason)) from exc
+        except http.client.HTTPException as exc:  # the body ended before its Content-Length or last chunk
+            raise DcgmScrapeError("malformed", f"incomplete answer ({type(exc).__name__}: {exc})") from exc
         except (OSError, ValueError) as exc:  # connection reset mid-body, bad URL parts, ...
             raise DcgmScrapeError("unreachable", f"{type(exc).__name__}: {exc}") from exc
-        if len(body) > MAX_BODY:
-            raise DcgmScrapeError("too_large", f"answer larger than {MAX_BODY >> 20} MiB")
+        if len(body) > self.max_body:
+            raise DcgmScrapeError("too_large", f"answer larger than {self.max_body} bytes")
         try:
             return body.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -139,7 +143,7 @@ class DcgmWatcher:
     def _apply(self, reading: Reading) -> None:
         a = self.assessor
         for xid in reading.xids:
-            a.on_xid(self._ref(xid.gpu), xid.code, "dcgm", f"from {xid.metric}", gpu_instance=xid.gpu_instance,
+            a.on_xid(self._ref(xid.gpu), xid.code, "dcgm", xid.metric, gpu_instance=xid.gpu_instance,
                      count=xid.count)
         for growth in reading.growth:
             gpu = self._ref(growth.gpu)

@@ -70,23 +70,33 @@ def test_parse_reads_gpu_identity_mig_and_series_labels(topology: Topology) -> N
                                  ("DCGM_FI_DEV_GPU_TEMP", 0, 41, {"pod": "train-0", "namespace": "ml"})])
     text += '# TYPE DCGM_FI_DEV_NVSWITCH_TEMPERATURE_CURRENT gauge\nDCGM_FI_DEV_NVSWITCH_TEMPERATURE_CURRENT' \
             '{nvswitch="0",Hostname="node-1"} 40\n'
+    text += '# TYPE DCGM_FI_DEV_ROW_REMAP_FAILURE gauge\nDCGM_FI_DEV_ROW_REMAP_FAILURE' \
+            '{gpu="9",pci_bus_id="00000000:F1:00.0"} 0\n'
     scrape = parse_scrape(text)
-    assert {XID_TOTAL, "DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_NVSWITCH_TEMPERATURE_CURRENT"} <= scrape.metrics
+    # Metrics the agent does not read (temperatures) are cut before parsing.
+    assert scrape.metrics == {XID_TOTAL, "DCGM_FI_DEV_ROW_REMAP_FAILURE"}
     by_metric = {s.metric: s for s in scrape.samples}
-    assert set(by_metric) == {XID_TOTAL, "DCGM_FI_DEV_GPU_TEMP"}  # the NVSwitch sample names no GPU
+    assert set(by_metric) == {XID_TOTAL, "DCGM_FI_DEV_ROW_REMAP_FAILURE"}
+    assert by_metric["DCGM_FI_DEV_ROW_REMAP_FAILURE"].bus_id == "0000:f1:00.0"  # no UUID label: bus id only
     xid = by_metric[XID_TOTAL]
     assert (xid.uuid, xid.bus_id, xid.instance, xid.series, xid.value) == (
         topology.gpus[2].uuid, topology.gpus[2].bus_id, "5", (("xid", "79"),), 3.0)
 
 
 @pytest.mark.parametrize("text", [
-    'DCGM_FI_DEV_GPU_TEMP{gpu="0",UUID="GPU-',
-    "DCGM_FI_DEV_GPU_TEMP{gpu=\"0\"} forty-one\n",
-    "# TYPE DCGM_FI_DEV_GPU_TEMP gauge\nDCGM_FI_DEV_GPU_TEMP{gpu=0} 1\n",
+    'DCGM_FI_DEV_GPU_TEMP{gpu="0",UUID="GPU-',  # cut short: whatever the metric
+    "DCGM_FI_DEV_XID_ERRORS{gpu=\"0\"} forty-one\n",
+    "# TYPE DCGM_EXP_XID_ERRORS_TOTAL counter\nDCGM_EXP_XID_ERRORS_TOTAL{gpu=0} 1\n",
+    "<html><body>404 page not found</body></html>\n",  # the wrong URL on a web server
 ])
 def test_malformed_text_is_one_clear_error(text: str) -> None:
     with pytest.raises(MalformedScrapeError, match="not Prometheus text"):
         parse_scrape(text)
+
+
+def test_a_broken_line_of_a_metric_the_agent_does_not_read_does_not_blind_it(topology: Topology) -> None:
+    text = exposition(topology, [(XID_LAST, 0, 0, {})]) + 'DCGM_FI_DEV_GPU_TEMP{gpu="0"} hot\n'
+    assert [s.metric for s in parse_scrape(text).samples] == [XID_LAST]
 
 
 def test_first_scrape_is_a_baseline_and_totals_count_what_is_new(topology: Topology) -> None:

@@ -233,6 +233,28 @@ async def test_an_exporter_that_is_down_is_a_metric_and_one_log_line(
     assert sum("scrape failed" in r.message for r in caplog.records) == 1
 
 
+async def test_an_answer_cut_short_or_too_large_is_refused_whole(exporter, topology: Topology) -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 5000\r\n\r\n# HELP DCGM_")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(cut, "127.0.0.1", 0)
+    try:
+        rig = Rig(topology, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/metrics")
+        assert not await rig.scrape()
+        assert rig.watcher.results["malformed"] == 1
+    finally:
+        server.close()
+        await server.wait_closed()
+    _, url = exporter
+    small = Rig(topology, url)
+    small.watcher.port = HttpDcgmExporter(url, 2.0, max_body=1000)
+    assert not await small.scrape()
+    assert small.watcher.results["too_large"] == 1
+
+
 async def test_another_nodes_exporter_is_never_believed(topology: Topology) -> None:
     stranger = SimulatedDcgmExporter(
         [ExporterGpu(g.index, f"GPU-0000000{g.index}-aaaa-bbbb-cccc-dddddddddddd", g.bus_id) for g in topology.gpus],

@@ -197,7 +197,24 @@ class DcgmInterpreter:
         self._last: dict[tuple[str, str, str, tuple[tuple[str, str], ...]], float] = {}
         self._last_time: float | None = None
         self._gauge_credit: dict[tuple[str, int], float] = {}  # (GPU bus id, code) -> when the gauge showed it
+        self._restored = False  # Xid totals from before an agent restart: judged at the first scrape too
         self.update_topology(topology)
+
+    def xid_totals(self) -> dict[str, float] | None:
+        """The exporter's Xid totals as last scraped (`bus id|instance|code` -> value); None before a scrape."""
+        if self._last_time is None and not self._restored:
+            return None
+        return {f"{bus}|{instance}|{dict(series).get('xid', '')}": value
+                for (metric, bus, instance, series), value in self._last.items() if metric == XID_TOTAL}
+
+    def restore_xid_totals(self, totals: dict[str, float]) -> None:
+        """Totals saved before an agent restart (same boot): the first scrape counts what grew since then."""
+        for key, value in totals.items():
+            bus, _, rest = key.partition("|")
+            instance, _, code = rest.partition("|")
+            if code.isdigit():
+                self._last[(XID_TOTAL, bus, instance, (("xid", code),))] = value
+        self._restored = True
 
     def update_topology(self, topology: Topology) -> None:
         """Match against a rescanned topology from now on."""
@@ -260,10 +277,16 @@ class DcgmInterpreter:
         reading.flags = [Flag(gpu, name, active) for (gpu, name), active in flags.items()]
         if not reading.baseline:
             reading.growth = [Growth(gpu, kind, grew, detail) for (gpu, kind), (grew, detail) in ecc.items()]
-            self._xids(reading, counted, now)
             self._rates(reading, nvlink, pcie, elapsed)
-        self._last_time = now
+        self._finish(reading, counted, now)
         return reading
+
+    def _finish(self, reading: Reading, counted: dict[tuple[Gpu, str, int, str], float], now: float) -> None:
+        # Xid totals saved before an agent restart are exact: what grew since is news even at the first scrape.
+        if not reading.baseline or (self._restored and reading.xid_metric == XID_TOTAL):
+            self._xids(reading, counted, now)
+        self._restored = False
+        self._last_time = now
 
     def _xids(self, reading: Reading, counted: dict[tuple[Gpu, str, int, str], float], now: float) -> None:
         self._gauge_credit = {k: t for k, t in self._gauge_credit.items() if now - t < _CREDIT_SECONDS}

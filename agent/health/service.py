@@ -117,6 +117,9 @@ class HealthService:
         boot_id = await asyncio.to_thread(read_boot_id, self._boot_id_path)
         self._saved = await asyncio.to_thread(self.store.load, boot_id)
         self.assessor.restore(self._saved.awaiting_reset)
+        if self.dcgm is not None and self._saved.dcgm_xid_totals is not None \
+                and self._saved.dcgm_url == self.config.dcgm_exporter_url:
+            self.dcgm.interpreter.restore_xid_totals(self._saved.dcgm_xid_totals)
         producers: dict[str, tuple[Producer, asyncio.Event]] = {
             "nvml_events": (self.nvml_events.run, self.nvml_events.first_pass),
             "nvml_poll": (self.nvml_poll.run, self.nvml_poll.first_pass),
@@ -190,12 +193,16 @@ class HealthService:
 
     def _dirty(self) -> bool:
         cursor = self.kmsg.cursor if self.kmsg else None
-        return self.assessor.awaiting_reset_changed or cursor != self._saved.cursor
+        return self.assessor.awaiting_reset_changed or cursor != self._saved.cursor or \
+            self._dcgm_totals() != self._saved.dcgm_xid_totals
+
+    def _dcgm_totals(self) -> dict[str, float] | None:
+        return self.dcgm.interpreter.xid_totals() if self.dcgm is not None else None
 
     def _save(self, boot_id: str) -> None:
         self.assessor.awaiting_reset_changed = False
         saved = SavedHealth(boot_id, self.config.kmsg, self.kmsg.cursor if self.kmsg else None,
-                            self.assessor.book.awaiting_reset())
+                            self.assessor.book.awaiting_reset(), self.config.dcgm_exporter_url, self._dcgm_totals())
         if not self.store.save(saved):
             self.assessor.awaiting_reset_changed = True  # try again at the next housekeeping turn
         self._saved = saved

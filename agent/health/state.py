@@ -2,7 +2,9 @@
 
 Two things must survive a restart within one boot: the kernel-log cursor (boot id + last sequence number, and
 for a plain file its inode and offset), so old Xids are not replayed into new actions; and the GPU faults still
-waiting for a reset, so a restarted agent does not report a broken GPU Healthy. A new boot id means the node
+waiting for a reset, so a restarted agent does not report a broken GPU Healthy. With a dcgm-exporter source,
+the exporter's per-GPU Xid totals as last scraped, so Xids it counted while the agent was down are acted on after
+the restart instead of vanishing into a new baseline. A new boot id means the node
 rebooted: the cursor belongs to the old buffer and every reset-class fault is cleared by the reboot.
 The file is replaced atomically (write, fsync, rename); a write error is logged once and retried later.
 """
@@ -34,6 +36,8 @@ class SavedHealth:
     kmsg_path: str = ""
     cursor: KmsgCursor | None = None
     awaiting_reset: list[Finding] = field(default_factory=list)
+    dcgm_url: str = ""
+    dcgm_xid_totals: dict[str, float] | None = None  # None: never scraped (the first scrape is a baseline)
 
 
 def _finding_to_json(finding: Finding) -> dict[str, Any]:
@@ -75,7 +79,11 @@ class StateStore:
             kmsg = data.get("kmsg") or {}
             cursor = KmsgCursor(boot_id, _int(kmsg.get("seq")), _int(kmsg.get("inode")), _int(kmsg.get("offset")))
             faults = [_finding_from_json(item) for item in data.get("awaiting_reset", [])]
-            return SavedHealth(boot_id, str(kmsg.get("path", "")), cursor, faults)
+            dcgm = data.get("dcgm") or {}
+            totals = dcgm.get("xid_totals")
+            xid_totals = {str(k): float(v) for k, v in totals.items()} if isinstance(totals, dict) else None
+            return SavedHealth(boot_id, str(kmsg.get("path", "")), cursor, faults, str(dcgm.get("url", "")),
+                               xid_totals)
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             log.warning("ignoring malformed health state %s (%s)", self.path, exc)
             return SavedHealth(boot_id)
@@ -86,6 +94,8 @@ class StateStore:
         data = {"version": STATE_VERSION, "boot_id": saved.boot_id,
                 "kmsg": {"path": saved.kmsg_path, "seq": cursor.seq, "inode": cursor.inode, "offset": cursor.offset},
                 "awaiting_reset": [_finding_to_json(f) for f in saved.awaiting_reset]}
+        if saved.dcgm_xid_totals is not None:
+            data["dcgm"] = {"url": saved.dcgm_url, "xid_totals": saved.dcgm_xid_totals}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".health-state.", dir=self.path.parent)

@@ -293,3 +293,29 @@ async def test_mig_instance_xids_reach_the_parent_gpu(topology: Topology) -> Non
         await rig.scrape()
     assert rig.keys() == {f"xid:95:{topology.gpus[2].uuid}"}
     assert rig.assessor.book.unhealthy_devices().keys() == {topology.gpus[2].uuid}
+
+
+async def test_xids_dcgm_counted_while_the_agent_was_down_are_acted_on_after_a_restart(
+        exporter, node: SimulatedNode, tmp_path: Path, boot_id_file: Path, start_service) -> None:
+    sim, url = exporter
+    config = fast_config("", dcgm_exporter_url=url, dcgm_scrape_interval_seconds=0.05)
+    gpu = node.topology().gpus[6]
+    sim.inject_xid(gpu.uuid, 13)  # before the agent ever looked: history
+    first = await start_service(node, config, state_dir=tmp_path / "state")
+    await first.halt()
+    assert first.service.verdict.verdict == "healthy"
+    sim.inject_xid(gpu.uuid, 48)  # while the agent is down (a rolling update, say)
+    second = await start_service(node, config, state_dir=tmp_path / "state")
+    await wait_until(lambda: second.health().get(gpu.uuid) is False)
+    assert second.service.verdict.reason == "GpuXid48"
+    labels = {"gpu": "6", "uuid": gpu.uuid, "pci_bus_id": gpu.bus_id}
+    assert second.registry.get_sample_value("gpu_node_agent_xid_errors_total", {**labels, "xid": "48"}) == 1
+    assert second.registry.get_sample_value("gpu_node_agent_xid_errors_total", {**labels, "xid": "13"}) is None
+    await second.halt()
+    # After a reboot the exporter's totals are another boot's: the first scrape is a baseline again.
+    boot_id_file.write_text("99999999-2222-3333-4444-555555555555\n")
+    sim.inject_xid(gpu.uuid, 79)
+    third = await start_service(node, config, state_dir=tmp_path / "state")
+    scrapes = third.service.dcgm.results["ok"]  # type: ignore[union-attr]
+    await wait_until(lambda: third.service.dcgm.results["ok"] >= scrapes + 2)  # type: ignore[union-attr]
+    assert third.service.verdict.verdict == "healthy"

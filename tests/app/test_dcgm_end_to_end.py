@@ -8,17 +8,13 @@ whole path - scrape, parse, interpret, finding, ListAndWatch, verdict, metrics, 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
 import tempfile
 import urllib.request
 from pathlib import Path
 
 from agent.simulate.dcgm_exporter import DcgmExporterServer, SimulatedDcgmExporter
 from agent.simulate.kubelet import LocalKubelet
-from tests.app.test_xid_end_to_end import GPU_RESOURCE, _free_port, _metrics
+from tests.app.agentproc import GPU_RESOURCE, AgentProcess
 
 
 def _post(url: str) -> int:
@@ -31,24 +27,16 @@ async def test_an_xid_from_dcgm_withdraws_the_gpu_and_is_counted_once():
     directory = Path(tempfile.mkdtemp(prefix="gna"))
     exporter = SimulatedDcgmExporter.for_profile("dgx-h100", xid_metrics=("gauge", "total"))
     gpu = exporter.gpus[3]
-    port = _free_port()
     kubelet = LocalKubelet(directory)
     await kubelet.start()
     with DcgmExporterServer(exporter) as server:
-        agent = subprocess.Popen(
-            [sys.executable, "-m", "agent", "run", "--simulate", "dgx-h100", "--device-plugin-dir", str(directory),
-             "--dcgm-exporter-url", server.url, "--dcgm-scrape-interval", "0.2",
-             "--metrics-address", f"127.0.0.1:{port}", "--log-format", "json"],
-            stdout=subprocess.DEVNULL, stderr=(directory / "agent.log").open("w"),
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        agent = AgentProcess(directory, "--dcgm-exporter-url", server.url, "--dcgm-scrape-interval", "0.2")
         try:
             await kubelet.wait_for(lambda: GPU_RESOURCE in kubelet.plugins
                                    and kubelet.plugins[GPU_RESOURCE].health().get(gpu.uuid) == "Healthy", timeout=60)
-
-            def scraped_ok() -> bool:
-                return 'gpu_node_agent_dcgm_scrapes_total{result="ok"}' in _metrics(port)
-
-            await kubelet.wait_for(scraped_ok, timeout=30)  # the baseline is taken before the fault
+            # the baseline scrape is taken before the fault
+            await kubelet.wait_for(lambda: 'gpu_node_agent_dcgm_scrapes_total{result="ok"}' in agent.metrics(),
+                                   timeout=30)
             base = server.url.rsplit("/", 1)[0]
             assert await asyncio.to_thread(_post, f"{base}/inject?gpu=3&xid=48") == 204
             await kubelet.wait_for(lambda: kubelet.plugins[GPU_RESOURCE].health().get(gpu.uuid) == "Unhealthy",
@@ -56,24 +44,13 @@ async def test_an_xid_from_dcgm_withdraws_the_gpu_and_is_counted_once():
             others = {k: v for k, v in kubelet.plugins[GPU_RESOURCE].health().items() if k != gpu.uuid}
             assert set(others.values()) == {"Healthy"}
             await asyncio.sleep(1.0)  # several more scrapes of the same total: still one Xid
-            text = await asyncio.to_thread(_metrics, port)
+            text = await asyncio.to_thread(agent.metrics)
             assert f'uuid="{gpu.uuid}",xid="48"}} 1.0' in text
             assert 'gpu_node_agent_node_verdict{verdict="drain"} 1.0' in text
             assert 'gpu_node_agent_health_check_up{check="dcgm"} 1.0' in text
-            log_path = directory / "agent.log"
-
-            def decisions() -> list[str]:
-                lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
-                return [m["msg"] for m in lines if "dry-run" in m["msg"]]
-
-            await kubelet.wait_for(lambda: any("would cordon" in m and "GpuXid48" in m for m in decisions()),
-                                   timeout=30)
+            await kubelet.wait_for(lambda: any("would cordon" in m and "GpuXid48" in m
+                                               for m in agent.dry_run_decisions()), timeout=30)
         finally:
-            agent.terminate()
-            try:
-                agent.wait(timeout=30)
-            finally:
-                if agent.poll() is None:
-                    agent.kill()
+            code = agent.stop()
             await kubelet.stop()
-    assert agent.returncode == 0, (directory / "agent.log").read_text()[-3000:]
+    assert code == 0, agent.log_tail()

@@ -7,30 +7,12 @@ checks is exactly what a kubelet would receive over the device-plugin API.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import socket
-import subprocess
-import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 
 from agent.simulate.kubelet import LocalKubelet
 from agent.simulate.profiles import load_profile
-
-GPU_RESOURCE = "nvidia.com/gpu"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _metrics(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        return response.read().decode()
+from tests.app.agentproc import GPU_RESOURCE, AgentProcess
 
 
 async def test_xid_79_in_the_kernel_log_withdraws_the_gpu_from_the_kubelet():
@@ -39,14 +21,9 @@ async def test_xid_79_in_the_kernel_log_withdraws_the_gpu_from_the_kubelet():
     kmsg.write_text("")
     profile = load_profile("dgx-h100")
     bus_id, uuid = sorted(profile.gpu_uuids.items())[0]
-    port = _free_port()
     kubelet = LocalKubelet(directory)
     await kubelet.start()
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "agent", "run", "--simulate", "dgx-h100", "--device-plugin-dir", str(directory),
-         "--kmsg", str(kmsg), "--metrics-address", f"127.0.0.1:{port}", "--log-format", "json"],
-        stdout=subprocess.DEVNULL, stderr=(directory / "agent.log").open("w"),
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    agent = AgentProcess(directory, "--kmsg", str(kmsg))
     try:
         await kubelet.wait_for(lambda: GPU_RESOURCE in kubelet.plugins
                                and kubelet.plugins[GPU_RESOURCE].health().get(uuid) == "Healthy", timeout=60)
@@ -59,25 +36,14 @@ async def test_xid_79_in_the_kernel_log_withdraws_the_gpu_from_the_kubelet():
         await kubelet.wait_for(lambda: kubelet.plugins[GPU_RESOURCE].health().get(uuid) == "Unhealthy", timeout=30)
         others = {k: v for k, v in kubelet.plugins[GPU_RESOURCE].health().items() if k != uuid}
         assert set(others.values()) == {"Healthy"}  # only the faulty GPU is withdrawn
-        text = await asyncio.to_thread(_metrics, port)
+        text = await asyncio.to_thread(agent.metrics)
         assert f'uuid="{uuid}",xid="79"}} 1.0' in text
         assert 'gpu_node_agent_node_verdict{verdict="drain"} 1.0' in text
         # remediation (dry-run against the simulated node) decided to cordon and drain, and said so
-        log_path = directory / "agent.log"
-
-        def decisions() -> list[str]:
-            lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
-            return [m["msg"] for m in lines if "dry-run" in m["msg"]]
-
-        await kubelet.wait_for(lambda: any("would cordon" in m for m in decisions())
-                               and any("Draining" in m for m in decisions()), timeout=30)
-        assert any("GpuXid79" in m for m in decisions())
+        await kubelet.wait_for(lambda: any("would cordon" in m for m in agent.dry_run_decisions())
+                               and any("Draining" in m for m in agent.dry_run_decisions()), timeout=30)
+        assert any("GpuXid79" in m for m in agent.dry_run_decisions())
     finally:
-        agent.terminate()
-        try:
-            agent.wait(timeout=30)
-        finally:
-            if agent.poll() is None:
-                agent.kill()
+        code = agent.stop()
         await kubelet.stop()
-    assert agent.returncode == 0, (directory / "agent.log").read_text()[-3000:]
+    assert code == 0, agent.log_tail()

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from tests.deploy.manifests import (
     rule_groups,
     substitute_grafana_variables,
 )
+from tests.fakes.ports import free_port
 
 PROMETHEUS = binary("prometheus")
 PROMTOOL = binary("promtool")
@@ -47,12 +47,6 @@ pytestmark = [
 
 START_TIMEOUT = 60.0  # generous: a busy 2-core CI machine; these bound waiting, they assert nothing about speed
 T = TypeVar("T")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
@@ -130,7 +124,7 @@ def stack() -> Iterator[Stack]:
     try:
         plugin_dir = workdir / "dp"
         plugin_dir.mkdir()
-        agent_port, prometheus_port = _free_port(), _free_port()
+        agent_port, prometheus_port = free_port(), free_port()
         agent_log, prometheus_log = workdir / "agent.log", workdir / "prometheus.log"
         with agent_log.open("w") as log:
             processes.append(subprocess.Popen(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from agent.nvml import MemoryHealth
 from agent.simulate.dcgm_exporter import DcgmExporterServer, ExporterGpu, SimulatedDcgmExporter
 from agent.simulate.node import SimulatedNode
 from agent.topology.model import Topology
+from tests.fakes.ports import free_port
 from tests.health.conftest import fast_config, wait_until, xid_record
 
 REPLAY = "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL"
@@ -192,12 +192,6 @@ async def test_pcie_replays_over_the_rate_threshold(exporter, topology: Topology
     assert rig.keys() == {f"pcie_replay:{uuid}"} and rig.assessor.verdict.verdict == "cordon"
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize(("break_it", "result"), [
     (lambda sim: setattr(sim, "malformed", True), "malformed"),
     (lambda sim: setattr(sim, "status", 503), "http_error"),
@@ -224,7 +218,7 @@ async def test_a_bad_scrape_changes_nothing_and_the_next_good_one_catches_up(
 
 async def test_an_exporter_that_is_down_is_a_metric_and_one_log_line(
         topology: Topology, caplog: pytest.LogCaptureFixture) -> None:
-    rig = Rig(topology, f"http://127.0.0.1:{_closed_port()}/metrics")
+    rig = Rig(topology, f"http://127.0.0.1:{free_port()}/metrics")
     rig.assessor.on_xid(rig.assessor.gpu_by_uuid(topology.gpus[0].uuid), 79, "kmsg")
     for _ in range(3):
         assert not await rig.scrape()

@@ -20,6 +20,7 @@ import pytest
 
 from agent.cli import main
 from agent.simulate.dcgm_exporter import CONTENT_TYPE, DcgmExporterServer, SimulatedDcgmExporter
+from tests.fakes.ports import free_port
 from tests.simulate.test_dcgm_exporter import GPUS, UUID0, families, line, samples
 
 REPO = Path(__file__).resolve().parents[2]
@@ -141,15 +142,9 @@ def test_the_server_stops_and_restarts(exporter: SimulatedDcgmExporter) -> None:
 # --- CLI ------------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
 def test_the_cli_serves_until_signalled(stop_signal: signal.Signals) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/metrics"
     proc = subprocess.Popen([sys.executable, "-m", "agent", "simulate-dcgm-exporter", "--profile", "dgx-h100",
                              "--address", f"127.0.0.1:{port}", "--xid-metrics", "gauge,total", "--hostname", "sim-1"],

@@ -1,0 +1,50 @@
+"""A real `gpu-node-agent run --simulate` process for end-to-end tests: start it, read it, stop it cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from tests.fakes.ports import free_port
+
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+class AgentProcess:
+    """`python -m agent run --simulate dgx-h100` against the test's kubelet directory, logging JSON to a file."""
+
+    def __init__(self, directory: Path, *args: str) -> None:
+        self.port = free_port()
+        self.log_path = directory / "agent.log"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "agent", "run", "--simulate", "dgx-h100", "--device-plugin-dir", str(directory),
+             "--metrics-address", f"127.0.0.1:{self.port}", "--log-format", "json", *args],
+            stdout=subprocess.DEVNULL, stderr=self.log_path.open("w"), env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def metrics(self) -> str:
+        """The agent's /metrics text (blocking: call it through asyncio.to_thread from async code)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as response:
+            return response.read().decode()
+
+    def dry_run_decisions(self) -> list[str]:
+        """What remediation decided in dry-run (against the simulated node), from the JSON log."""
+        lines = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
+        return [m["msg"] for m in lines if "dry-run" in m["msg"]]
+
+    def stop(self) -> int:
+        """SIGTERM, wait (kill if it hangs); the exit code."""
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+        return self.process.returncode
+
+    def log_tail(self) -> str:
+        """The end of the log, for assertion messages."""
+        return self.log_path.read_text()[-3000:]

@@ -124,13 +124,12 @@ class DcgmWatcher:
             return self._failed(exc.result, str(exc))
         except MalformedScrapeError as exc:
             return self._failed("malformed", str(exc))
-        # Only a scrape that covers some GPU of this node is a reading; matching nothing means the URL reaches
-        # another node's exporter, or one that is not yet watching any GPU.
-        sample_count = len(scrape.samples)
-        matched = [s for s in scrape.samples if self.interpreter.match(s) is not None]
-        if not matched:
+        # Only a scrape that covers some GPU of this node is a reading (checked before `read`, which would take a
+        # baseline from it); matching nothing means the URL reaches another node's exporter, or one not yet
+        # watching any GPU.
+        if not any(self.interpreter.match(s) is not None for s in scrape.samples):
             others = sorted({s.identity for s in scrape.samples})[:3]
-            why = f"none of the {sample_count} GPU samples is about this node's GPUs" + \
+            why = f"none of the {len(scrape.samples)} GPU samples is about this node's GPUs" + \
                 (f" (the exporter shows {', '.join(others)})" if others else "")
             return self._failed("no_gpus", why)
         reading = self.interpreter.read(scrape, self.assessor.clock())

@@ -21,6 +21,7 @@ from agent.app import Supervisor
 from agent.config import AgentConfig
 from agent.host.hardware import Hardware
 from agent.http import Readiness
+from agent.signals import DeviceHealth, Latest, NodeVerdict
 from agent.topology.model import Topology
 
 if TYPE_CHECKING:
@@ -47,8 +48,9 @@ class Context:
     scratch: Path
     topology_listeners: list[TopologyListener] = field(default_factory=list)
     device_plugin: DevicePluginManager | None = None
-    # node verdicts from health to remediation (only the latest one matters to remediation)
-    verdicts: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    # the health contracts (`agent.signals`): health writes them, the device plugin and remediation read them
+    verdicts: Latest[NodeVerdict] = field(default_factory=Latest)
+    device_health: DeviceHealth = field(default_factory=DeviceHealth)
     stop: asyncio.Event | None = None
     exit_code: int = 0
     # the one Kubernetes API client of the process, shared by remediation and netacct (see `kube_cluster`)
@@ -146,7 +148,7 @@ def install_device_plugin(supervisor: Supervisor, ctx: Context) -> None:
         directory = ctx.scratch / "dp"
         directory.mkdir()
         cfg = dataclasses.replace(cfg, device_plugin_dir=str(directory))
-    manager = DevicePluginManager(cfg, ctx.hardware.topology, registry=ctx.registry)
+    manager = DevicePluginManager(cfg, ctx.hardware.topology, device_health=ctx.device_health, registry=ctx.registry)
     ctx.device_plugin = manager
     ctx.readiness.require("device-plugin registered")
 
@@ -194,7 +196,6 @@ def install_health(supervisor: Supervisor, ctx: Context) -> None:
         if ctx.cfg.state_dir == _Defaults().state_dir:  # a newcomer's laptop: no root-owned state dir
             state_dir = ctx.scratch / "state"
     manager = ctx.device_plugin
-    events = manager.health_events if manager is not None else asyncio.Queue()
     link_port = ctx.hardware.links
 
     def resource_of(device_id: str) -> str | None:
@@ -202,8 +203,8 @@ def install_health(supervisor: Supervisor, ctx: Context) -> None:
             return None
         return next((name for name in manager.resources if device_id in manager.plugin(name).pool.ids), None)
 
-    health = HealthService(cfg, state_dir, ctx.hardware.topology, ctx.hardware.nvml, events, ctx.registry,
-                           link_port, resource_of=resource_of)
+    health = HealthService(cfg, state_dir, ctx.hardware.topology, ctx.hardware.nvml, ctx.device_health, ctx.registry,
+                           link_port, verdicts=ctx.verdicts, resource_of=resource_of)
     ctx.readiness.require("first health pass")
 
     async def on_topology(topology: Topology) -> None:
@@ -211,33 +212,21 @@ def install_health(supervisor: Supervisor, ctx: Context) -> None:
 
     ctx.topology_listeners.append(on_topology)
 
-    async def feed_remediation() -> None:
-        # No verdict before the first full pass: an early "healthy" could uncordon a node with a real fault.
-        await health.first_pass_done.wait()
+    async def ready_after_first_pass() -> None:
+        await health.first_pass_done.wait()  # health publishes the first verdict at this point too
         ctx.readiness.set("first health pass")
-        ctx.verdicts.put_nowait(health.verdict.published())
-        health.add_listener(lambda verdict: ctx.verdicts.put_nowait(verdict.published()))
 
     async def run(stop: asyncio.Event) -> None:
-        feeder = asyncio.create_task(feed_remediation())
-        drain = None if manager is not None else asyncio.create_task(_discard(events))
+        ready = asyncio.create_task(ready_after_first_pass())
         try:
             await health.run(stop)
         except NvmlRequiredError as exc:
             ctx.fatal(1, f"health: {exc}")
         finally:
-            for task in (feeder, drain):
-                if task is not None:
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
+            ready.cancel()
+            await asyncio.gather(ready, return_exceptions=True)
 
     supervisor.add("health", run)
-
-
-async def _discard(queue: asyncio.Queue[Any]) -> None:
-    """Device-health events nobody serves (device plugin off) are dropped, not queued forever."""
-    while True:
-        await queue.get()
 
 
 def _preflight_probes(ctx: Context) -> list[Any]:

@@ -11,7 +11,6 @@ from prometheus_client import CollectorRegistry
 
 from agent import config
 from agent.config.remediation import RemediationConfig
-from agent.events import NodeVerdict, worst
 from agent.kube.errors import ApiNotFound
 from agent.kube.model import EventRecord, LeaseView, NodeView
 from agent.kube.simulated import InMemoryCluster
@@ -19,25 +18,26 @@ from agent.remediation import RemediationService, simulated_cluster
 from agent.remediation.events import EventRecorder
 from agent.remediation.metrics import ActionCounter
 from agent.remediation.slots import Slots
+from agent.signals import Latest, NodeVerdict, Severity, worst
 from tests.fakes.clock import FakeClock
 
 
 def test_verdicts_validate_and_order():
     with pytest.raises(ValueError, match="CamelCase"):
-        NodeVerdict("cordon", "gpu xid 79")
+        NodeVerdict(Severity.CORDON, "gpu xid 79")
     with pytest.raises(ValueError, match="verdict"):
         NodeVerdict("reboot", "GpuXid79")  # type: ignore[arg-type]
-    cordon = NodeVerdict("cordon", "GpuXid79", "m", ("GPU-0", "GPU-1"), True)
+    cordon = NodeVerdict(Severity.CORDON, "GpuXid79", "m", ("GPU-0", "GPU-1"), True)
     assert cordon.describe() == "m (devices: GPU-0, GPU-1)"
-    assert worst(None, NodeVerdict("degraded", "A"), cordon) is cordon
+    assert worst(None, NodeVerdict(Severity.DEGRADED, "A"), cordon) is cordon
     assert worst(None, None) is None
 
 
 def test_the_verdict_contract_rejects_what_remediation_could_not_act_on():
-    assert NodeVerdict("drain", "GpuXid79", "Xid 79 on GPU-1", ("GPU-1",), True).describe() == \
+    assert NodeVerdict(Severity.DRAIN, "GpuXid79", "Xid 79 on GPU-1", ("GPU-1",), True).describe() == \
         "Xid 79 on GPU-1 (devices: GPU-1)"
     with pytest.raises(ValueError, match="CamelCase"):  # it becomes a taint value and an Event reason
-        NodeVerdict("cordon", "xid 79")
+        NodeVerdict(Severity.CORDON, "xid 79")
     with pytest.raises(ValueError, match="not one of"):
         NodeVerdict("reboot", "GpuXid79")  # type: ignore[arg-type]
 
@@ -144,12 +144,12 @@ def test_lease_namespace_falls_back_to_the_agents_namespace():
 async def test_simulated_dry_run_shows_the_decisions_without_a_cluster(caplog):
     caplog.set_level(logging.INFO)
     cluster = simulated_cluster("sim-node")
-    queue: asyncio.Queue[NodeVerdict] = asyncio.Queue()
+    queue: Latest[NodeVerdict] = Latest()
     cfg = RemediationConfig(enabled=True, dry_run=True, preflight_taint="")
     service = RemediationService(cfg, "sim-node", cluster, queue, CollectorRegistry())
     stop = asyncio.Event()
     task = asyncio.create_task(service.run(stop))
-    await queue.put(NodeVerdict("drain", "GpuXid79", "GPU has fallen off the bus", ("GPU-3",), hardware=True))
+    queue.set(NodeVerdict(Severity.DRAIN, "GpuXid79", "GPU has fallen off the bus", ("GPU-3",), hardware=True))
     for _ in range(200):
         if any(e.reason == "Cordoned" for e in cluster.events):
             break
@@ -166,12 +166,12 @@ async def test_simulated_dry_run_shows_the_decisions_without_a_cluster(caplog):
 
 async def test_the_simulation_also_applies_changes_without_dry_run():
     cluster = simulated_cluster("sim-node")
-    queue: asyncio.Queue[NodeVerdict] = asyncio.Queue()
+    queue: Latest[NodeVerdict] = Latest()
     service = RemediationService(RemediationConfig(enabled=True, preflight_taint=""), "sim-node", cluster, queue,
                                  CollectorRegistry())
     stop = asyncio.Event()
     task = asyncio.create_task(service.run(stop))
-    await queue.put(NodeVerdict("cordon", "GpuXid79", "fell off", hardware=True))
+    queue.set(NodeVerdict(Severity.CORDON, "GpuXid79", "fell off", hardware=True))
     for _ in range(200):
         if cluster.node.unschedulable:
             break

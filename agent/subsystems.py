@@ -148,7 +148,9 @@ async def _show_sample_allocations(kubelet: LocalKubelet, manager: DevicePluginM
 
 def install_device_plugin(supervisor: Supervisor, ctx: Context) -> None:
     """Serve the device-plugin resources; in simulate mode bring a stand-in kubelet when none is there."""
+    from agent.config import ConfigError
     from agent.deviceplugin.manager import DevicePluginManager
+    from agent.deviceplugin.pools import PoolConfigError
     from agent.simulate.kubelet import LocalKubelet
 
     cfg = ctx.cfg.device_plugin
@@ -158,7 +160,10 @@ def install_device_plugin(supervisor: Supervisor, ctx: Context) -> None:
         directory = ctx.scratch / "dp"
         directory.mkdir()
         cfg = dataclasses.replace(cfg, device_plugin_dir=str(directory))
-    manager = DevicePluginManager(cfg, ctx.hardware.topology, registry=ctx.registry)
+    try:
+        manager = DevicePluginManager(cfg, ctx.hardware.topology, registry=ctx.registry)
+    except PoolConfigError as exc:
+        raise ConfigError(f"devicePlugin: {exc}") from exc
     ctx.device_plugin = manager
     ctx.readiness.require("device-plugin registered")
 

@@ -59,6 +59,9 @@ class PoolConfig:
     resource_name: str = setting("", help="resource name without prefix, e.g. sriov_rdma")
     resource_prefix: str | None = setting(None, help="resource prefix; the device plugin's default when empty")
     selectors: SelectorConfig = setting(factory=SelectorConfig, help="which devices join this pool")
+    selector_list: list[SelectorConfig] = setting(
+        factory=list, help="more selector objects (SR-IOV device plugin's list form): a device also joins when "
+                           "it matches any of these")
     exclude_topology: bool = setting(False, help="do not report the devices' NUMA node to the kubelet "
                                                  "(SR-IOV device plugin's excludeTopology)")
 
@@ -87,6 +90,10 @@ class DevicePluginConfig:
                                      env="GPU_NODE_AGENT_GPU_RESOURCE_NAME",
                                      help="full resource name of the GPU pool")
     pools: list[PoolConfig] = setting(factory=_default_pools, help="NIC resource pools (first match wins)")
+    sriov_dp_config: str | None = setting(
+        None, flag="--sriov-dp-config", env="GPU_NODE_AGENT_SRIOV_DP_CONFIG",
+        help="the SR-IOV network device plugin's config.json; its resourceList replaces `pools` (no "
+             "resourcePrefix means intel.com, as there)")
     rdma_mad_devices: bool = setting(False, flag="--rdma-mad-devices", env="GPU_NODE_AGENT_RDMA_MAD_DEVICES",
                                      help="also pass /dev/infiniband/umad* and issm* to containers")
     gpu_cdi: bool = setting(False, flag="--gpu-cdi", env="GPU_NODE_AGENT_GPU_CDI",

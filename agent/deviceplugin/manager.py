@@ -27,6 +27,7 @@ from agent.deviceplugin.metrics import AllocationMetrics
 from agent.deviceplugin.pools import ResourcePool, build_pools, socket_name
 from agent.deviceplugin.preference import JointAllocator
 from agent.deviceplugin.server import DevicePlugin, PreferencePolicy
+from agent.deviceplugin.sriovdp import apply as apply_sriov_dp_config
 from agent.events import DeviceHealthEvent
 from agent.topology.model import Topology
 
@@ -47,6 +48,7 @@ class DevicePluginManager:
                  backoff_initial: float = 0.5, backoff_max: float = 30.0,
                  policy: PreferencePolicy | None = None, registry: CollectorRegistry | None = None,
                  admission_ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        config = apply_sriov_dp_config(config)  # SriovConfigError (a PoolConfigError) when it cannot be served
         self.config = config
         self.health_events: asyncio.Queue[DeviceHealthEvent] = health_events or asyncio.Queue()
         self._options = AllocateOptions.from_config(config)

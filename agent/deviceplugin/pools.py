@@ -216,7 +216,7 @@ def build_pools(topology: Topology, config: DevicePluginConfig) -> PoolScan:
     members: list[list[PoolDevice]] = [[] for _ in config.pools]
     for function, pf in _candidates(topology, skipped):
         for i, pool in enumerate(config.pools):
-            if matches(pool.selectors, function, pf):
+            if any(matches(selector, function, pf) for selector in (pool.selectors, *pool.selector_list)):
                 members[i].append(PoolDevice(id=function.bus_id, bus_id=function.bus_id, numa=pf.numa,
                                              function=function, pf=pf))
                 break

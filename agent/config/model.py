@@ -94,6 +94,10 @@ class DevicePluginConfig:
         None, flag="--sriov-dp-config", env="GPU_NODE_AGENT_SRIOV_DP_CONFIG",
         help="the SR-IOV network device plugin's config.json; its resourceList replaces `pools` (no "
              "resourcePrefix means intel.com, as there)")
+    device_info_dir: str = setting(
+        "/var/run/k8s.cni.cncf.io/devinfo/dp", flag="--device-info-dir", env="GPU_NODE_AGENT_DEVICE_INFO_DIR",
+        help="where Allocate writes Multus device-info files for NIC devices (device-info spec 1.1.0); empty "
+             "writes none")
     rdma_mad_devices: bool = setting(False, flag="--rdma-mad-devices", env="GPU_NODE_AGENT_RDMA_MAD_DEVICES",
                                      help="also pass /dev/infiniband/umad* and issm* to containers")
     gpu_cdi: bool = setting(False, flag="--gpu-cdi", env="GPU_NODE_AGENT_GPU_CDI",

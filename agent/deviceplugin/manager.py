@@ -22,6 +22,7 @@ from agent import aio
 from agent.config.model import DevicePluginConfig
 from agent.deviceplugin.admission import DEFAULT_TTL_S
 from agent.deviceplugin.allocate import AllocateOptions
+from agent.deviceplugin.devinfo import DeviceInfoWriter
 from agent.deviceplugin.kubelet import KubeletLink, check_socket_path
 from agent.deviceplugin.metrics import AllocationMetrics
 from agent.deviceplugin.pools import ResourcePool, build_pools, socket_name
@@ -52,6 +53,7 @@ class DevicePluginManager:
         self.config = config
         self.health_events: asyncio.Queue[DeviceHealthEvent] = health_events or asyncio.Queue()
         self._options = AllocateOptions.from_config(config)
+        self.device_info = DeviceInfoWriter(config.device_info_dir) if config.device_info_dir else None
         self._plugins: dict[str, DevicePlugin] = {}
         self.metrics = AllocationMetrics(registry)
         self.allocator = JointAllocator(self._plugins.values, metrics=self.metrics, ttl_s=admission_ttl_s,
@@ -108,7 +110,7 @@ class DevicePluginManager:
 
     def _new_plugin(self, pool: ResourcePool) -> DevicePlugin:
         plugin = DevicePlugin(pool, self._options, policy=self._policy, on_allocate=self.allocator.allocated,
-                              metrics=self.metrics)
+                              metrics=self.metrics, device_info=self.device_info)
         self.metrics.add_resource(pool.resource_name)
         for device_id, reason in self._unhealthy.items():
             plugin.set_health(device_id, False, reason)
@@ -145,6 +147,8 @@ class DevicePluginManager:
             if task is not None:
                 await aio.cancel_and_wait(task)
             await self._link.stop()
+            if self.device_info is not None:
+                self.device_info.remove_all()
             self._started = False
 
     async def update_topology(self, topology: Topology) -> None:
@@ -157,12 +161,16 @@ class DevicePluginManager:
             for name in [n for n in self._plugins if n not in pools]:
                 del self._plugins[name]
                 await self._link.remove(name)
+                if self.device_info is not None:
+                    self.device_info.retain(name, ())
             for name, pool in pools.items():
                 plugin = self._plugins.get(name)
                 if plugin is None:
                     self._add(pool)
                     continue
                 before = set(plugin.pool.ids)
+                if self.device_info is not None:
+                    self.device_info.retain(name, pool.ids)
                 if plugin.update_pool(pool):
                     after = set(pool.ids)
                     log.info("%s: devices changed: %d added, %d removed, %d now", name, len(after - before),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerate the committed kubelet device-plugin v1beta1 Python stubs.
+"""Regenerate the committed Python stubs of the kubelet APIs (device plugin v1beta1, plugin registration v1).
 
 Why this exists: the generated code in ``agent/deviceplugin/v1beta1`` is committed so that the
 agent installs without a protobuf compiler, and ``tests/test_proto.py`` regenerates it to catch
@@ -37,12 +37,22 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_SOURCE = REPO_ROOT / "proto" / "deviceplugin" / "v1beta1" / "api.proto"
 # Path of the proto inside the staged include root; it decides the generated module's package.
 PROTO_VIRTUAL_PATH = Path("agent", "deviceplugin", "v1beta1", "api.proto")
-GENERATED_DIR = PROTO_VIRTUAL_PATH.parent
-GENERATED_FILES: tuple[Path, ...] = (
-    GENERATED_DIR / "api_pb2.py",
-    GENERATED_DIR / "api_pb2.pyi",
-    GENERATED_DIR / "api_pb2_grpc.py",
+# Every proto the agent speaks: (source under proto/, staged path that decides the generated package).
+PROTOS: tuple[tuple[Path, Path], ...] = (
+    (PROTO_SOURCE, PROTO_VIRTUAL_PATH),
+    (REPO_ROOT / "proto" / "pluginregistration" / "v1" / "api.proto",
+     Path("agent", "deviceplugin", "pluginregistration", "v1", "api.proto")),
 )
+
+
+def _outputs(virtual: Path) -> tuple[Path, ...]:
+    stem = virtual.with_suffix("")
+    return (stem.with_name(stem.name + "_pb2.py"), stem.with_name(stem.name + "_pb2.pyi"),
+            stem.with_name(stem.name + "_pb2_grpc.py"))
+
+
+GENERATED_DIR = PROTO_VIRTUAL_PATH.parent
+GENERATED_FILES: tuple[Path, ...] = tuple(path for _, virtual in PROTOS for path in _outputs(virtual))
 TOOLS_DIST = "grpcio-tools"
 
 
@@ -79,9 +89,16 @@ def check_tools_version(pinned: str) -> str:
     return installed
 
 
-def generate(out_root: Path, proto: Path = PROTO_SOURCE) -> list[Path]:
-    """Run protoc on ``proto`` and write the stubs under ``out_root``; return the written paths."""
+def generate(out_root: Path) -> list[Path]:
+    """Run protoc on every proto in PROTOS and write the stubs under ``out_root``; return the written paths."""
     check_tools_version(pinned_tools_version())
+    written: list[Path] = []
+    for proto, virtual in PROTOS:
+        written.extend(_generate_one(out_root, proto, virtual))
+    return written
+
+
+def _generate_one(out_root: Path, proto: Path, virtual: Path) -> list[Path]:
     from grpc_tools import protoc  # imported after the version check so a wrong version fails clearly
 
     if not proto.is_file():
@@ -90,7 +107,7 @@ def generate(out_root: Path, proto: Path = PROTO_SOURCE) -> list[Path]:
     well_known = resources.files("grpc_tools") / "_proto"
     with tempfile.TemporaryDirectory(prefix="gen_proto_") as staging:
         include_root = Path(staging)
-        staged = include_root / PROTO_VIRTUAL_PATH
+        staged = include_root / virtual
         staged.parent.mkdir(parents=True)
         shutil.copyfile(proto, staged)
         argv = [
@@ -106,7 +123,7 @@ def generate(out_root: Path, proto: Path = PROTO_SOURCE) -> list[Path]:
         rc = protoc.main(argv)
     if rc != 0:
         raise GenerationError(f"protoc failed with exit status {rc} (see its messages above)")
-    written = [out_root / rel for rel in GENERATED_FILES]
+    written = [out_root / rel for rel in _outputs(virtual)]
     missing = [str(p) for p in written if not p.is_file()]
     if missing:
         raise GenerationError(f"protoc did not produce: {', '.join(missing)}")
@@ -120,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--out",
         type=Path,
         default=REPO_ROOT,
-        help="output root; files land in OUT/agent/deviceplugin/v1beta1/ (default: the repository)",
+        help="output root; files land in OUT/agent/... beside the committed ones (default: the repository)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log the protoc command line")
     args = parser.parse_args(argv)

@@ -33,6 +33,9 @@ GENERATED = (
     Path("agent/deviceplugin/v1beta1/api_pb2.py"),
     Path("agent/deviceplugin/v1beta1/api_pb2.pyi"),
     Path("agent/deviceplugin/v1beta1/api_pb2_grpc.py"),
+    Path("agent/deviceplugin/pluginregistration/v1/api_pb2.py"),
+    Path("agent/deviceplugin/pluginregistration/v1/api_pb2.pyi"),
+    Path("agent/deviceplugin/pluginregistration/v1/api_pb2_grpc.py"),
 )
 
 # --- (a) committed code matches the generator --------------------------------------------------

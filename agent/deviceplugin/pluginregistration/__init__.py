@@ -1,0 +1,1 @@
+"""Generated code for the kubelet plugin registration API (the plugin watcher's `pluginregistration`)."""

@@ -160,8 +160,9 @@ def install_device_plugin(supervisor: Supervisor, ctx: Context) -> None:
         directory = ctx.scratch / "dp"
         directory.mkdir()
         cfg = dataclasses.replace(cfg, device_plugin_dir=str(directory))
-    if stand_in:  # the demo's Allocates name simulated devices: keep their device-info files out of the host's
-        cfg = dataclasses.replace(cfg, device_info_dir=str(ctx.scratch / "devinfo"))
+    if stand_in:  # the stand-in kubelet's world: no device-info files or plugin-watcher sockets on the host
+        cfg = dataclasses.replace(cfg, device_info_dir=str(ctx.scratch / "devinfo"),
+                                  plugin_registry_dir=str(directory / "plugins_registry"))
     try:
         manager = DevicePluginManager(cfg, ctx.hardware.topology, registry=ctx.registry)
     except PoolConfigError as exc:

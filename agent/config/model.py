@@ -79,6 +79,14 @@ class DevicePluginConfig:
     device_plugin_dir: str = setting(
         "/var/lib/kubelet/device-plugins", flag="--device-plugin-dir", env="GPU_NODE_AGENT_DEVICE_PLUGIN_DIR",
         help="kubelet device-plugin directory (kubelet.sock and the plugin sockets)")
+    registration_mode: str = setting(
+        "auto", flag="--registration-mode", env="GPU_NODE_AGENT_REGISTRATION_MODE",
+        choices=("auto", "kubelet-sock", "plugin-watcher"),
+        help="how resources register: Register on kubelet.sock, a socket in the kubelet's plugin-watcher "
+             "directory, or auto (the watcher when --plugin-registry-dir exists, as SR-IOV DP does)")
+    plugin_registry_dir: str = setting(
+        "/var/lib/kubelet/plugins_registry", flag="--plugin-registry-dir",
+        env="GPU_NODE_AGENT_PLUGIN_REGISTRY_DIR", help="the kubelet plugin watcher's directory")
     resource_prefix: str = setting(DEFAULT_RESOURCE_PREFIX, flag="--resource-prefix",
                                    env="GPU_NODE_AGENT_RESOURCE_PREFIX",
                                    help="domain prefix of the NIC resources (<prefix>/sriov_rdma)")

@@ -25,6 +25,7 @@ from agent.deviceplugin.allocate import AllocateOptions
 from agent.deviceplugin.devinfo import DeviceInfoWriter
 from agent.deviceplugin.kubelet import KubeletLink, check_socket_path
 from agent.deviceplugin.metrics import AllocationMetrics
+from agent.deviceplugin.pluginwatcher import PLUGIN_WATCHER, PluginWatcherLink, resolve_mode
 from agent.deviceplugin.pools import ResourcePool, build_pools, socket_name
 from agent.deviceplugin.preference import JointAllocator
 from agent.deviceplugin.server import DevicePlugin, PreferencePolicy
@@ -60,9 +61,14 @@ class DevicePluginManager:
                                         clock=clock)
         self._policy = policy or self.allocator.prefer
         self._topology = topology
-        self._link = KubeletLink(config.device_plugin_dir, poll_interval=poll_interval,
-                                 register_timeout=register_timeout, backoff_initial=backoff_initial,
-                                 backoff_max=backoff_max)
+        self.registration_mode = resolve_mode(config.registration_mode, config.plugin_registry_dir)
+        self._link: KubeletLink | PluginWatcherLink
+        if self.registration_mode == PLUGIN_WATCHER:
+            self._link = PluginWatcherLink(config.plugin_registry_dir, poll_interval=poll_interval)
+        else:
+            self._link = KubeletLink(config.device_plugin_dir, poll_interval=poll_interval,
+                                     register_timeout=register_timeout, backoff_initial=backoff_initial,
+                                     backoff_max=backoff_max)
         self._unhealthy: dict[str, str] = {}  # device ID -> reason, across rescans and resources
         self._skipped: tuple[str, ...] = ()
         self._empty: tuple[str, ...] = ()
@@ -124,10 +130,11 @@ class DevicePluginManager:
         async with self._lock:
             if self._started:
                 return
+            directory = self._link.directory
             check_socket_path(f"{self.config.device_plugin_dir}/kubelet.sock")
             pools = self._scan(self._topology)
             for name in pools:
-                check_socket_path(f"{self.config.device_plugin_dir}/{socket_name(name)}")
+                check_socket_path(f"{directory}/{socket_name(name)}")
             for pool in pools.values():
                 self._add(pool)
             self._started = True

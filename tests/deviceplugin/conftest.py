@@ -99,7 +99,8 @@ async def kubelet(sockdir: str) -> AsyncIterator[LocalKubelet]:
 def dp_config(directory: str, **changes: object) -> DevicePluginConfig:
     """Device-plugin config for tests: GPUs served, sockets in `directory`."""
     config = DevicePluginConfig(device_plugin_dir=directory, serve_gpus=True,
-                                device_info_dir=f"{directory}/devinfo")
+                                device_info_dir=f"{directory}/devinfo",
+                                plugin_registry_dir=f"{directory}/plugins_registry")
     return replace(config, **changes)
 
 

@@ -193,16 +193,45 @@ def matches(selector: SelectorConfig, function: Vf | Nic, pf: Nic) -> bool:
     return all(checks)
 
 
+def not_ready(function: Vf | Nic, pf: Nic) -> str:
+    """Why a NIC function cannot be handed out yet, or "" when it can.
+
+    Advertising a VF before it is configured is a known production failure (OpenShift blocks the SR-IOV device
+    plugin until its config daemon is done; the RDMA shared plugin checks every char device). Ready means: bound
+    to a kernel driver; when it runs its PF's driver on an RDMA NIC, its RDMA device and uverbs node exist (the
+    RDMA driver may load later); an RDMA device always comes with its uverbs node; and the PF's link state is
+    known (its RDMA ports report a state, or it has a netdev).
+    """
+    kind = "VF" if isinstance(function, Vf) else "NIC"
+    if not function.pci.driver:
+        return f"{kind} {function.bus_id} is bound to no driver"
+    if function.rdma is None and pf.rdma is not None and function.pci.driver == pf.pci.driver:
+        return f"{kind} {function.bus_id} has no RDMA device yet ({pf.bus_id} is {pf.rdma})"
+    if function.rdma is not None and not function.chardevs.uverbs:
+        return f"{kind} {function.bus_id} ({function.rdma}) has no uverbs device"
+    if (pf.rdma is not None and not (pf.ports and all(port.state for port in pf.ports))) or \
+            (pf.rdma is None and not pf.netdevs):
+        return f"{kind} {function.bus_id}: link state of {pf.bus_id} is unknown"
+    return ""
+
+
 def _candidates(topology: Topology, skipped: list[str]) -> list[tuple[Vf | Nic, Nic]]:
-    """NIC functions that can be devices: every VF, and each PF that has none unless it is the node's uplink."""
+    """Ready NIC functions: every VF, and each PF that has none unless it is the node's uplink."""
     found: list[tuple[Vf | Nic, Nic]] = []
     for nic in sorted(topology.nics, key=lambda n: n.bus_id):
+        functions: list[Vf | Nic]
         if nic.vfs:
-            found.extend((vf, nic) for vf in sorted(nic.vfs, key=lambda v: v.bus_id))
+            functions = sorted(nic.vfs, key=lambda v: v.bus_id)
         elif uplinks := sorted(set(nic.netdevs) & topology.default_route_netdevs):
             skipped.append(f"NIC {nic.bus_id} carries the default route ({', '.join(uplinks)})")
+            continue
         else:
-            found.append((nic, nic))
+            functions = [nic]
+        for function in functions:
+            if reason := not_ready(function, nic):
+                skipped.append(reason)
+            else:
+                found.append((function, nic))
     return found
 
 

@@ -17,7 +17,7 @@ from agent.config.model import DevicePluginConfig, PoolConfig, SelectorConfig
 from agent.deviceplugin.pools import build_pools
 from agent.deviceplugin.sriovdp import SriovConfigError, apply, read_config
 from agent.simulate.kubelet import LocalKubelet
-from agent.topology.model import Location, Nic, PciInfo, RdmaCharDevices, Topology, Vf
+from agent.topology.model import Location, Nic, PciInfo, RdmaCharDevices, RdmaPort, Topology, Vf
 from tests.deviceplugin.conftest import dp_config, small_topology
 
 DATA = Path(__file__).parent / "data" / "sriovdp"
@@ -42,7 +42,8 @@ def _intel_pf() -> Nic:
     return Nic(pci=PciInfo(bus_id="0000:3b:00.0", vendor="0x8086", device="0x1592", pci_class="0x020000",
                            driver="ice"),
                location=Location(root="pci0000:3a", numa=0), rdma="irdma0", netdevs=("ens1f0",),
-               link_type="ether", sriov_totalvfs=8, vfs=vfs)
+               link_type="ether", sriov_totalvfs=8, vfs=vfs,
+               ports=(RdmaPort(number=1, state="ACTIVE", link_layer="Ethernet"),))
 
 
 def cx5_topology() -> Topology:

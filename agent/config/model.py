@@ -16,6 +16,8 @@ from agent.config.remediation import RemediationConfig
 
 CONFIG_VERSION = 1
 DEFAULT_RESOURCE_PREFIX = PROJECT_DOMAIN
+# NVIDIA k8s-device-plugin's deviceListStrategy values (api/config/v1/strategy.go)
+DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
 
 
 @dataclass
@@ -112,7 +114,39 @@ class DevicePluginConfig:
                             help="also name allocated GPUs as CDI devices (<gpuCdiKind>=<UUID>) in Allocate; "
                                  "needs the DevicePluginCDIDevices feature and a CDI spec on the node")
     gpu_cdi_kind: str = setting("nvidia.com/gpu", flag="--gpu-cdi-kind", env="GPU_NODE_AGENT_GPU_CDI_KIND",
-                                help="CDI vendor/class of GPU devices, used with --gpu-cdi")
+                                help="CDI kind (vendor/class) of a GPU spec already on the node, as `nvidia-ctk cdi "
+                                     "generate` writes it; names GPUs for the cdi-* strategies")
+    device_list_strategy: list[str] = setting(
+        factory=lambda: ["envvar"], flag="--device-list-strategy", env="GPU_NODE_AGENT_DEVICE_LIST_STRATEGY",
+        help="how Allocate passes GPUs, as NVIDIA's plugin: envvar, volume-mounts, cdi-annotations, cdi-cri "
+             "(comma-separated, several allowed)")
+    device_id_strategy: str = setting("uuid", flag="--device-id-strategy", env="GPU_NODE_AGENT_DEVICE_ID_STRATEGY",
+                                      choices=("uuid", "index"),
+                                      help="GPU IDs in NVIDIA_VISIBLE_DEVICES, mounts and CDI names: uuid or index")
+    pass_device_specs: bool = setting(
+        False, flag="--pass-device-specs", env="GPU_NODE_AGENT_PASS_DEVICE_SPECS",
+        help="also return the /dev/nvidia* nodes a container needs when no runtime hook adds them (NVIDIA's "
+             "passDeviceSpecs; the agent must see the host's /dev/nvidiactl etc.)")
+    cdi_annotation_prefix: str = setting(
+        "cdi.k8s.io/", flag="--cdi-annotation-prefix", env="GPU_NODE_AGENT_CDI_ANNOTATION_PREFIX",
+        help="prefix of the CDI annotation key of the cdi-annotations strategy (nvidia.cdi.k8s.io/ makes the "
+             "NVIDIA runtime inject instead of the CRI)")
+
+    rdma_cdi: bool = setting(False, flag="--rdma-cdi", env="GPU_NODE_AGENT_RDMA_CDI",
+                             help="write a CDI spec per NIC pool and name RDMA devices in Allocate by annotation "
+                                  "instead of device nodes (as SR-IOV DP's -use-cdi)")
+    cdi_spec_dir: str = setting("/var/run/cdi", flag="--cdi-spec-dir", env="GPU_NODE_AGENT_CDI_SPEC_DIR",
+                                help="where --rdma-cdi writes its specs (and GPU specs are looked for)")
+
+    def check(self) -> None:
+        """The GPU strategies must be NVIDIA's (an unknown one is refused at start, as there)."""
+        strategies = [s.strip() for s in self.device_list_strategy if s.strip()]
+        unknown = [s for s in strategies if s not in DEVICE_LIST_STRATEGIES]
+        if unknown or not strategies:
+            raise ValueError(f"deviceListStrategy: {', '.join(unknown) or 'empty'}: use one or more of "
+                             f"{', '.join(DEVICE_LIST_STRATEGIES)}")
+        if not self.cdi_annotation_prefix.endswith("/"):
+            raise ValueError(f"cdiAnnotationPrefix: {self.cdi_annotation_prefix!r} must end with '/'")
 
 
 @dataclass

@@ -19,7 +19,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from agent.deviceplugin.pools import PoolDevice, ResourcePool
-from agent.topology.model import Vf, is_bus_id
+from agent.host.busid import is_bus_id
+from agent.topology.model import Vf
 
 log = logging.getLogger(__name__)
 

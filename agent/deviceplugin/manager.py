@@ -16,12 +16,13 @@ import logging
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from agent import aio
 from agent.config.model import DevicePluginConfig
 from agent.deviceplugin.admission import DEFAULT_TTL_S
 from agent.deviceplugin.allocate import AllocateOptions
+from agent.deviceplugin.cdi import SPEC_DIRS, RdmaSpecWriter, find_spec
 from agent.deviceplugin.devinfo import DeviceInfoWriter
 from agent.deviceplugin.kubelet import KubeletLink, check_socket_path
 from agent.deviceplugin.metrics import AllocationMetrics
@@ -34,6 +35,8 @@ from agent.events import DeviceHealthEvent
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
+
+NOT_SERVED_REASONS = ("not_ready", "mig", "default_route", "no_uuid")
 
 
 class DevicePluginManager:
@@ -55,8 +58,15 @@ class DevicePluginManager:
         self.health_events: asyncio.Queue[DeviceHealthEvent] = health_events or asyncio.Queue()
         self._options = AllocateOptions.from_config(config)
         self.device_info = DeviceInfoWriter(config.device_info_dir) if config.device_info_dir else None
+        self.rdma_specs = RdmaSpecWriter(config.cdi_spec_dir, config.rdma_mad_devices) if config.rdma_cdi else None
         self._plugins: dict[str, DevicePlugin] = {}
         self.metrics = AllocationMetrics(registry)
+        self.not_served = Gauge("gpu_node_agent_devices_not_served",
+                                "Devices found but not advertised, by reason (not_ready: VF without driver, RDMA "
+                                "device or known link; mig: GPU in MIG mode; default_route; no_uuid)",
+                                ["reason"], registry=self.metrics.registry)
+        for reason in NOT_SERVED_REASONS:
+            self.not_served.labels(reason).set(0)
         self.allocator = JointAllocator(self._plugins.values, metrics=self.metrics, ttl_s=admission_ttl_s,
                                         clock=clock)
         self._policy = policy or self.allocator.prefer
@@ -102,6 +112,8 @@ class DevicePluginManager:
     def _scan(self, topology: Topology) -> dict[str, ResourcePool]:
         """Pools to serve: like SR-IOV DP, a pool without devices gets no server."""
         scan = build_pools(topology, self.config)
+        for reason in NOT_SERVED_REASONS:
+            self.not_served.labels(reason).set(scan.not_served.get(reason, 0))
         if scan.skipped != self._skipped:
             self._skipped = scan.skipped
             if scan.skipped:
@@ -135,13 +147,33 @@ class DevicePluginManager:
             pools = self._scan(self._topology)
             for name in pools:
                 check_socket_path(f"{directory}/{socket_name(name)}")
+            self._check_gpu_cdi(pools)
             for pool in pools.values():
                 self._add(pool)
             self._started = True
             self._health_task = asyncio.create_task(self._consume_health(), name="device-health")
             await self._link.start()
 
+    def _write_spec(self, pool: ResourcePool) -> None:
+        if self.rdma_specs is None:
+            return
+        try:
+            self.rdma_specs.write(pool)
+        except OSError as exc:  # the runtime will refuse containers naming these devices; say why
+            log.error("%s: cannot write CDI spec %s: %s", pool.resource_name, self.rdma_specs.path(pool),
+                      exc.strerror or exc)
+
+    def _check_gpu_cdi(self, pools: dict[str, ResourcePool]) -> None:
+        serving = self._options.gpu
+        if not serving.any_cdi or not any(p.kind == "gpu" for p in pools.values()):
+            return
+        if find_spec(serving.cdi_kind, (*SPEC_DIRS, self.config.cdi_spec_dir)) is None:
+            log.warning("no CDI spec of kind %s in %s: containers given GPUs by CDI name will not start; run "
+                        "`nvidia-ctk cdi generate` on the node or set --gpu-cdi-kind", serving.cdi_kind,
+                        ", ".join(dict.fromkeys((*SPEC_DIRS, self.config.cdi_spec_dir))))
+
     def _add(self, pool: ResourcePool) -> None:
+        self._write_spec(pool)
         plugin = self._new_plugin(pool)
         self._plugins[pool.resource_name] = plugin
         self._link.add(plugin, socket_name(pool.resource_name))
@@ -156,6 +188,8 @@ class DevicePluginManager:
             await self._link.stop()
             if self.device_info is not None:
                 self.device_info.remove_all()
+            if self.rdma_specs is not None:
+                self.rdma_specs.remove_all()
             self._started = False
 
     async def update_topology(self, topology: Topology) -> None:
@@ -170,6 +204,8 @@ class DevicePluginManager:
                 await self._link.remove(name)
                 if self.device_info is not None:
                     self.device_info.retain(name, ())
+                if self.rdma_specs is not None:
+                    self.rdma_specs.remove(name)
             for name, pool in pools.items():
                 plugin = self._plugins.get(name)
                 if plugin is None:
@@ -178,6 +214,8 @@ class DevicePluginManager:
                 before = set(plugin.pool.ids)
                 if self.device_info is not None:
                     self.device_info.retain(name, pool.ids)
+                if pool.devices != plugin.pool.devices:
+                    self._write_spec(pool)  # before the kubelet can allocate a new device by its CDI name
                 if plugin.update_pool(pool):
                     after = set(pool.ids)
                     log.info("%s: devices changed: %d added, %d removed, %d now", name, len(after - before),

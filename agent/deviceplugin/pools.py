@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 from agent.config.model import DevicePluginConfig, PoolConfig, SelectorConfig
@@ -82,6 +83,8 @@ class PoolScan:
 
     pools: tuple[ResourcePool, ...]
     skipped: tuple[str, ...] = ()
+    # devices left out, by reason: not_ready, default_route, no_uuid, mig (for the metric)
+    not_served: dict[str, int] = field(default_factory=dict, compare=False)
 
     def by_name(self) -> dict[str, ResourcePool]:
         """Pools keyed by full resource name."""
@@ -215,7 +218,7 @@ def not_ready(function: Vf | Nic, pf: Nic) -> str:
     return ""
 
 
-def _candidates(topology: Topology, skipped: list[str]) -> list[tuple[Vf | Nic, Nic]]:
+def _candidates(topology: Topology, skipped: list[str], counts: Counter[str]) -> list[tuple[Vf | Nic, Nic]]:
     """Ready NIC functions: every VF, and each PF that has none unless it is the node's uplink."""
     found: list[tuple[Vf | Nic, Nic]] = []
     for nic in sorted(topology.nics, key=lambda n: n.bus_id):
@@ -224,12 +227,14 @@ def _candidates(topology: Topology, skipped: list[str]) -> list[tuple[Vf | Nic, 
             functions = sorted(nic.vfs, key=lambda v: v.bus_id)
         elif uplinks := sorted(set(nic.netdevs) & topology.default_route_netdevs):
             skipped.append(f"NIC {nic.bus_id} carries the default route ({', '.join(uplinks)})")
+            counts["default_route"] += 1
             continue
         else:
             functions = [nic]
         for function in functions:
             if reason := not_ready(function, nic):
                 skipped.append(reason)
+                counts["not_ready"] += 1
             else:
                 found.append((function, nic))
     return found
@@ -242,8 +247,9 @@ def build_pools(topology: Topology, config: DevicePluginConfig) -> PoolScan:
     """
     check_config(config)
     skipped: list[str] = []
+    counts: Counter[str] = Counter()
     members: list[list[PoolDevice]] = [[] for _ in config.pools]
-    for function, pf in _candidates(topology, skipped):
+    for function, pf in _candidates(topology, skipped, counts):
         for i, pool in enumerate(config.pools):
             if any(matches(selector, function, pf) for selector in (pool.selectors, *pool.selector_list)):
                 members[i].append(PoolDevice(id=function.bus_id, bus_id=function.bus_id, numa=pf.numa,
@@ -256,9 +262,13 @@ def build_pools(topology: Topology, config: DevicePluginConfig) -> PoolScan:
         prefix, _, name = config.gpu_resource_name.rpartition("/")
         gpus = []
         for gpu in sorted(topology.gpus, key=lambda g: g.index):
-            if gpu.uuid:
+            if gpu.mig_enabled:
+                skipped.append(f"GPU {gpu.index} at {gpu.bus_id} is in MIG mode: not served as a whole GPU")
+                counts["mig"] += 1
+            elif gpu.uuid:
                 gpus.append(PoolDevice(id=gpu.uuid, bus_id=gpu.bus_id, numa=gpu.numa, gpu=gpu))
             else:
                 skipped.append(f"GPU {gpu.index} at {gpu.bus_id} has no UUID")
+                counts["no_uuid"] += 1
         pools.append(ResourcePool(prefix=prefix, name=name, kind="gpu", devices=tuple(gpus), topology=topology))
-    return PoolScan(pools=tuple(pools), skipped=tuple(skipped))
+    return PoolScan(pools=tuple(pools), skipped=tuple(skipped), not_served=dict(counts))

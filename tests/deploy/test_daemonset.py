@@ -91,6 +91,7 @@ EXPECTED_HOST_MOUNTS = [
     ("/var/lib/kubelet/pod-resources", "Directory", True),
     ("/var/lib/kubelet/plugins_registry", "Directory", False),
     ("/var/run/k8s.cni.cncf.io/devinfo/dp", "DirectoryOrCreate", False),
+    ("/var/run/cdi", "DirectoryOrCreate", False),
     ("/sys", "Directory", True),
     ("/dev/kmsg", "CharDevice", True),
     ("/run/xtables.lock", "FileOrCreate", False),

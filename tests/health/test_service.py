@@ -262,3 +262,13 @@ async def test_user_space_writes_and_dmesg_multiline_bus_loss(node: SimulatedNod
     await wait_until(lambda: running.health().get(gpus[6].uuid) is False)
     await wait_until(lambda: _skipped(running, "not_kernel") == 1)
     assert gpus[0].uuid not in running.health()
+
+
+async def test_a_deeply_nested_state_file_is_ignored_not_a_crash_loop(node: SimulatedNode, kmsg_file: Path,
+                                                                     start_service) -> None:
+    state = kmsg_file.parent / "state"
+    state.mkdir(exist_ok=True)
+    (state / "health-state.json").write_text("[" * 100_000 + "]" * 100_000)
+    kmsg_file.write_text(xid_record(1, "0000:1b:00", 13))
+    running = await start_service(node, fast_config(kmsg_file))
+    assert _xid_total(running, node.topology().gpus[0], 13) == 1 and running.service.checks["kmsg"] == "ok"

@@ -107,7 +107,7 @@ def _check_choices(f: dataclasses.Field, value: Any, where: str) -> None:
         raise ConfigError(f"{where}: {value!r} is not one of {', '.join(choices)}")
     timed = f.name.endswith("_seconds") and isinstance(value, (int, float)) and not isinstance(value, bool)
     if timed and (value < 0 or (value == 0 and not f.metadata.get("zero_ok"))):
-        allowed = "0 or more" if f.metadata.get("zero_ok") else "greater than 0"
+        allowed = "0 or more" if f.metadata.get("zero_ok") else "positive"
         raise ConfigError(f"{where}: must be {allowed}, got {value!r}")
 
 

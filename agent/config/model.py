@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from agent.config.fields import PROJECT_DOMAIN, setting
 from agent.config.health import HealthConfig
+from agent.config.names import check_node_name
 from agent.config.netacct import NetacctConfig
 from agent.config.remediation import RemediationConfig
 from agent.config.resources import resource_name_problem, vf_range_problem
@@ -173,7 +174,6 @@ class AgentConfig:
     def check(self) -> None:
         """Cross-field checks (the loader reports them as exit code 2)."""
         from agent.http import parse_address
-        from agent.kube.names import check_node_name
 
         if self.version != CONFIG_VERSION:
             raise ValueError(f"version: {self.version} is not a config version this agent reads "

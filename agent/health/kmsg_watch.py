@@ -14,8 +14,8 @@ from pathlib import Path
 
 from agent import aio
 from agent.health.assess import HealthAssessor
-from agent.health.kmsg import KERNEL_FACILITY, KmsgCursor, KmsgReader, KmsgRecord
 from agent.health.nvrm import FallenOffBus, GpuUuidLine, NvrmLine, XidLine, parse_nvrm_all
+from agent.host.kmsg import KERNEL_FACILITY, KmsgCursor, KmsgReader, KmsgRecord
 
 log = logging.getLogger(__name__)
 

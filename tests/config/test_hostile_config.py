@@ -15,9 +15,9 @@ from agent import cli
     # intervals: finite and positive (0 spun a core, nan broke asyncio's timer order, inf never fired)
     ("topology: {rescanIntervalSeconds: .nan}", ["topology.rescanIntervalSeconds", "finite"]),
     ("topology: {rescanIntervalSeconds: .inf}", ["topology.rescanIntervalSeconds", "finite"]),
-    ("topology: {rescanIntervalSeconds: 0}", ["topology.rescanIntervalSeconds", "greater than 0"]),
-    ("health: {nvmlPollIntervalSeconds: -5}", ["health.nvmlPollIntervalSeconds", "greater than 0"]),
-    ("remediation: {drainDeadlineSeconds: 0}", ["remediation.drainDeadlineSeconds", "greater than 0"]),
+    ("topology: {rescanIntervalSeconds: 0}", ["topology.rescanIntervalSeconds", "must be positive"]),
+    ("health: {nvmlPollIntervalSeconds: -5}", ["health.nvmlPollIntervalSeconds", "must be positive"]),
+    ("remediation: {drainDeadlineSeconds: 0}", ["remediation.drainDeadlineSeconds", "must be positive"]),
     ("health: {dcgmPcieReplaysPerMinute: .nan}", ["health.dcgmPcieReplaysPerMinute", "finite"]),
     ("health: {linkCheckIntervalSeconds: -1}", ["health.linkCheckIntervalSeconds", "0 or more"]),
     # a schema version this agent does not read

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.health.nvrm import FallenOffBus, GpuUuidLine, XidLine, bus_key, parse_nvrm, parse_nvrm_all
+from agent.health.nvrm import FallenOffBus, GpuUuidLine, XidLine, parse_nvrm, parse_nvrm_all
+from agent.host.busid import bus_key
 
 
 @pytest.mark.parametrize(("line", "expected"), [

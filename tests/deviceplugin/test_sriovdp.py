@@ -207,3 +207,16 @@ def test_resource_level_is_rdma_is_ignored_with_a_warning(tmp_path: Path) -> Non
     assert read.pools[0].selectors.is_rdma is None
     assert any("isRdma belongs inside selectors" in w for w in read.warnings)
     assert any("additionalInfo: not supported" in w for w in read.warnings)
+
+
+def test_config_command_shows_the_pools_and_names_problems(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from agent import cli
+
+    path = _config_json("docs-rdma-configMap.yaml", tmp_path)
+    assert cli.main(["config", "--sriov-dp-config", str(path)]) == 0
+    dumped = yaml.safe_load(capsys.readouterr().out)
+    assert [p["resourceName"] for p in dumped["devicePlugin"]["pools"]] == ["mlnx_rdma", "intel_rdma"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"resourceList": [{"resourceName": "a", "selectors": {"pKeys": ["0x1"]}}]}))
+    assert cli.main(["config", "--sriov-dp-config", str(bad)]) == 2
+    assert "selector pKeys is not supported" in capsys.readouterr().err

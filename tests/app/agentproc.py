@@ -22,7 +22,7 @@ class AgentProcess:
         self.log_path = directory / "agent.log"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "agent", "run", "--simulate", "dgx-h100", "--device-plugin-dir", str(directory),
-             "--metrics-address", f"127.0.0.1:{self.port}", "--log-format", "json", *args],
+             "--metrics-address", f"127.0.0.1:{self.port}", "--log-format", "json", "--dry-run", *args],
             stdout=subprocess.DEVNULL, stderr=self.log_path.open("w"), env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def metrics(self) -> str:

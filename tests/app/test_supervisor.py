@@ -1,18 +1,20 @@
-"""The supervisor: a failing subsystem is restarted and never takes the others down; stop ends everything."""
+"""The one supervisor: a failing child is restarted and never takes the others down; stop ends everything;
+a group-ending failure or a FatalError stops the siblings and is re-raised."""
 
 from __future__ import annotations
 
 import asyncio
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
-from agent.app import Supervisor
+from agent.supervisor import Supervisor
 
 
 async def test_a_failing_subsystem_restarts_while_the_others_keep_running():
     stop = asyncio.Event()
     registry = CollectorRegistry()
-    supervisor = Supervisor(stop, registry, backoff_initial=0.01, backoff_max=0.02, grace=1.0)
+    up = Gauge("gpu_node_agent_subsystem_up", "up", ["subsystem"], registry=registry)
+    supervisor = Supervisor(stop, up=up, initial=0.01, maximum=0.02, grace=1.0, restart_returned=True)
     ticks = {"healthy": 0}
     attempts = {"broken": 0}
 
@@ -43,7 +45,7 @@ async def test_a_failing_subsystem_restarts_while_the_others_keep_running():
 
 async def test_a_subsystem_that_ignores_stop_is_cancelled_after_the_grace_period():
     stop = asyncio.Event()
-    supervisor = Supervisor(stop, CollectorRegistry(), grace=0.05)
+    supervisor = Supervisor(stop, grace=0.05)
     cancelled = asyncio.Event()
     started = asyncio.Event()
 

@@ -22,14 +22,13 @@ from prometheus_client import CollectorRegistry
 from agent import aio
 from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config import AgentConfig
-from agent.hardware import Hardware
+from agent.host.hardware import Hardware
 from agent.http import Readiness
 from agent.supervisor import RunFn, StartupError
 from agent.topology.model import Topology
 
 if TYPE_CHECKING:
     from agent.deviceplugin.manager import DevicePluginManager
-    from agent.health.links import LinkPort
     from agent.kube.port import Cluster
     from agent.netacct.service import NetacctService
     from agent.remediation import RemediationService
@@ -95,14 +94,6 @@ class ClusterPort:
         cluster, self.opened = self.opened, None
         if cluster is not None:
             await cluster.aclose()
-
-
-def link_port(hardware: Hardware) -> LinkPort:
-    """Where NIC link state comes from: netlink + sysfs on a host, the simulated tree's files otherwise."""
-    from agent.health.links import NetlinkLinkPort, SysfsLinkPort
-
-    root = hardware.sysfs_root
-    return SysfsLinkPort(root) if hardware.simulated is not None else NetlinkLinkPort(root)
 
 
 def rescans(hardware: Hardware, rescan: asyncio.Event, interval: float,
@@ -204,7 +195,7 @@ def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegis
 
 
 def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, readiness: Readiness,
-           links: LinkPort, manager: DevicePluginManager | None, verdicts: asyncio.Queue[Any],
+           manager: DevicePluginManager | None, verdicts: asyncio.Queue[Any],
            scratch: Path) -> Subsystem:
     """GPU and NIC health: device health to the device plugin, node verdicts onto `verdicts` for remediation."""
     from agent.config.model import AgentConfig as _Defaults
@@ -224,7 +215,7 @@ def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *,
             return None
         return next((name for name in manager.resources if device_id in manager.plugin(name).pool.ids), None)
 
-    service = HealthService(hc, state_dir, hardware.topology, hardware.nvml, events, registry, links,
+    service = HealthService(hc, state_dir, hardware.topology, hardware.nvml, events, registry, hardware.links,
                             resource_of=resource_of)
     readiness.require("first health pass")
 
@@ -255,22 +246,14 @@ async def _discard(queue: asyncio.Queue[Any]) -> None:
         await queue.get()
 
 
-def _preflight_probes(hardware: Hardware, links: LinkPort) -> list[PreflightCheck]:
+def _preflight_probes(hardware: Hardware) -> list[PreflightCheck]:
     """Active health probes for preflight, on the same NVML and link sources health watches."""
-    from agent.health import probes
     from agent.remediation.preflight import probe_check
 
-    def topology() -> Topology:
-        return hardware.topology
-
-    return [
-        probe_check("NoPendingRowRemap", probes.no_pending_row_remap(hardware.nvml, topology)),
-        probe_check("NoUncorrectableEcc", probes.no_uncorrectable_ecc(hardware.nvml, topology)),
-        probe_check("NicLinksUp", probes.nic_links_up(links, topology)),
-    ]
+    return [probe_check(name, probe) for name, probe in hardware.preflight_probes().items()]
 
 
-def remediation(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, links: LinkPort,
+def remediation(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *,
                 verdicts: asyncio.Queue[Any], cluster: ClusterPort) -> RemediationService:
     """Act on this node's API objects (`cluster`: a real API server, or the in-memory node when no credentials
     are given); `--dry-run` only logs and records Events."""
@@ -281,7 +264,7 @@ def remediation(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistr
     rc = cfg.remediation
     checks = build_checks(expected_gpus=rc.preflight_gpu_count, gpu_count=lambda: len(hardware.topology.gpus),
                           command=rc.preflight_command, command_timeout=rc.preflight_command_timeout_seconds,
-                          extra=_preflight_probes(hardware, links))
+                          extra=_preflight_probes(hardware))
     try:
         return build_service(rc, cluster.node_name, verdicts, registry, cluster=cluster.get(),
                              preflight_checks=checks)
@@ -331,16 +314,14 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
           rescan: asyncio.Event, scratch: Path, cluster: ClusterPort | None = None) -> Wiring:
     """Every enabled subsystem, in the order data flows. Raises `StartupError` for a config that cannot run."""
     wiring = Wiring(cluster or ClusterPort(cfg, registry))
-    links = link_port(hardware)
     verdicts: asyncio.Queue[Any] = asyncio.Queue()  # node verdicts, health -> remediation
     if cfg.device_plugin.enabled:
         wiring.device_plugin, served = device_plugin(cfg, hardware, registry, readiness=readiness, scratch=scratch)
         wiring.subsystems.append(served)
-    wiring.subsystems.append(health(cfg, hardware, registry, readiness=readiness, links=links,
+    wiring.subsystems.append(health(cfg, hardware, registry, readiness=readiness,
                                     manager=wiring.device_plugin, verdicts=verdicts, scratch=scratch))
     if cfg.remediation.enabled or wiring.cluster.in_memory:  # the in-memory node: remediation is part of the demo
-        wiring.remediation = remediation(cfg, hardware, registry, links=links, verdicts=verdicts,
-                                         cluster=wiring.cluster)
+        wiring.remediation = remediation(cfg, hardware, registry, verdicts=verdicts, cluster=wiring.cluster)
         wiring.subsystems.append(Subsystem("remediation", wiring.remediation.run))
     if cfg.netacct.enabled:
         wiring.netacct = netacct(cfg, registry, wiring.cluster)

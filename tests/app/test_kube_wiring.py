@@ -16,7 +16,7 @@ from agent import wiring
 from agent.config.model import AgentConfig, ApiServerConfig, TopologyConfig
 from agent.config.netacct import NetacctConfig
 from agent.config.remediation import RemediationConfig
-from agent.hardware import Hardware, open_hardware
+from agent.host.hardware import Hardware, open_hardware
 from agent.kube.cluster import LightkubeCluster
 from agent.kube.simulated import InMemoryCluster
 from agent.netacct.kubepods import KubePodSource
@@ -58,8 +58,7 @@ class Ctx:
 
 
 def install_both(ctx: Ctx) -> tuple[Any, Any]:
-    links = wiring.link_port(ctx.hardware)
-    remediation = wiring.remediation(ctx.cfg, ctx.hardware, ctx.registry, links=links, verdicts=asyncio.Queue(),
+    remediation = wiring.remediation(ctx.cfg, ctx.hardware, ctx.registry, verdicts=asyncio.Queue(),
                                      cluster=ctx.port) if ctx.cfg.remediation.enabled else None
     return remediation, wiring.netacct(ctx.cfg, ctx.registry, ctx.port)
 

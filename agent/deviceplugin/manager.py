@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Gauge
 
 from agent import aio
+from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config.model import DevicePluginConfig
 from agent.deviceplugin.admission import DEFAULT_TTL_S
 from agent.deviceplugin.allocate import AllocateOptions
@@ -52,7 +51,7 @@ class DevicePluginManager:
                  poll_interval: float = 1.0, register_timeout: float = 10.0,
                  backoff_initial: float = 0.5, backoff_max: float = 30.0,
                  policy: PreferencePolicy | None = None, registry: CollectorRegistry | None = None,
-                 admission_ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 admission_ttl_s: float = DEFAULT_TTL_S, clock: Clock = SYSTEM_CLOCK) -> None:
         config = apply_sriov_dp_config(config)  # SriovConfigError (a PoolConfigError) when it cannot be served
         self.config = config
         self.health_events: asyncio.Queue[DeviceHealthEvent] = health_events or asyncio.Queue()
@@ -68,17 +67,17 @@ class DevicePluginManager:
         for reason in NOT_SERVED_REASONS:
             self.not_served.labels(reason).set(0)
         self.allocator = JointAllocator(self._plugins.values, metrics=self.metrics, ttl_s=admission_ttl_s,
-                                        clock=clock)
+                                        clock=clock.monotonic)
         self._policy = policy or self.allocator.prefer
         self._topology = topology
         self.registration_mode = resolve_mode(config.registration_mode, config.plugin_registry_dir)
         self._link: KubeletLink | PluginWatcherLink
         if self.registration_mode == PLUGIN_WATCHER:
-            self._link = PluginWatcherLink(config.plugin_registry_dir, poll_interval=poll_interval)
+            self._link = PluginWatcherLink(config.plugin_registry_dir, poll_interval=poll_interval, clock=clock)
         else:
             self._link = KubeletLink(config.device_plugin_dir, poll_interval=poll_interval,
                                      register_timeout=register_timeout, backoff_initial=backoff_initial,
-                                     backoff_max=backoff_max)
+                                     backoff_max=backoff_max, clock=clock)
         self._unhealthy: dict[str, str] = {}  # device ID -> reason, across rescans and resources
         self._skipped: tuple[str, ...] = ()
         self._empty: tuple[str, ...] = ()

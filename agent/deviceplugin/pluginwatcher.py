@@ -16,15 +16,16 @@ directory at start, so a plugin only has to keep serving; a socket that disappea
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from agent import aio
+from agent.clock import SYSTEM_CLOCK, Clock
 from agent.deviceplugin.kubelet import PluginServer, check_socket_path
 from agent.deviceplugin.pluginregistration.v1 import api_pb2 as reg_pb2
 from agent.deviceplugin.pluginregistration.v1 import api_pb2_grpc as reg_grpc
@@ -52,12 +53,12 @@ def resolve_mode(mode: str, registry_dir: str) -> str:
 class RegistrationServicer(reg_grpc.RegistrationServicer):
     """`pluginregistration.Registration` for one resource: who we are, and the kubelet's verdict."""
 
-    def __init__(self, resource_name: str, endpoint: str) -> None:
+    def __init__(self, resource_name: str, endpoint: str, on_status: Callable[[], None] = lambda: None) -> None:
         self.resource_name = resource_name
         self.endpoint = endpoint  # the full socket path: the kubelet dials it for the DevicePlugin service
         self.status: bool | None = None  # the kubelet's last verdict since the socket was (re)started
         self.error = ""
-        self.changed = asyncio.Event()
+        self._on_status = on_status
 
     async def GetInfo(self, request: reg_pb2.InfoRequest,
                       context: grpc.aio.ServicerContext) -> reg_pb2.PluginInfo:
@@ -69,7 +70,7 @@ class RegistrationServicer(reg_grpc.RegistrationServicer):
                                        context: grpc.aio.ServicerContext) -> reg_pb2.RegistrationStatusResponse:
         """Remember the verdict; the link acts on it."""
         self.status, self.error = request.plugin_registered, request.error
-        self.changed.set()
+        self._on_status()
         return reg_pb2.RegistrationStatusResponse()
 
 
@@ -84,8 +85,9 @@ class _Entry:
 class PluginWatcherLink:
     """Keeps a changing set of resources served in the plugin-watcher directory (same interface as KubeletLink)."""
 
-    def __init__(self, directory: str, *, poll_interval: float = 1.0) -> None:
+    def __init__(self, directory: str, *, poll_interval: float = 1.0, clock: Clock = SYSTEM_CLOCK) -> None:
         self.directory = directory
+        self.clock = clock
         self.poll_interval = poll_interval
         self.registered = asyncio.Event()  # every resource acknowledged by the kubelet on its current socket
         self.registrations = 0  # NotifyRegistrationStatus(plugin_registered=true) received
@@ -101,7 +103,7 @@ class PluginWatcherLink:
         if name in self._entries:
             raise ValueError(f"{name} is already served")
         path = check_socket_path(Path(self.directory) / endpoint)
-        registration = RegistrationServicer(name, path)
+        registration = RegistrationServicer(name, path, on_status=self._wake.set)
         server = PluginServer(servicer, self.directory, endpoint,
                               also_serve=lambda s: reg_grpc.add_RegistrationServicer_to_server(registration, s))
         self._entries[name] = _Entry(server, registration)
@@ -135,6 +137,7 @@ class PluginWatcherLink:
 
     async def _run(self) -> None:
         while True:
+            self._wake.clear()  # before the pass: a verdict that arrives during it wakes the next one
             try:
                 async with self._lock:
                     await self.step()
@@ -142,22 +145,12 @@ class PluginWatcherLink:
                 raise
             except Exception:
                 log.exception("device-plugin registration loop failed; retrying")
-            self._wake.clear()
-            waits = [asyncio.ensure_future(e.registration.changed.wait()) for e in self._entries.values()]
-            waits.append(asyncio.ensure_future(self._wake.wait()))
-            try:
-                await asyncio.wait(waits, timeout=self.poll_interval, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for waiter in waits:
-                    waiter.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.gather(*waits, return_exceptions=True)
+            await self.clock.wait(self._wake, self.poll_interval)
 
     async def step(self) -> None:
         """One pass: act on the kubelet's verdicts, serve every socket that is not served."""
         for name, entry in self._entries.items():
             registration = entry.registration
-            registration.changed.clear()
             if registration.status is True and entry.acknowledged == 0:
                 entry.acknowledged += 1
                 self.registrations += 1

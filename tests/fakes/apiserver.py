@@ -5,7 +5,8 @@ not emulate: merge patch with the resourceVersion precondition (409), strategic 
 type, the `spec.nodeName` field selector on pod lists and watches, watches of the Node and of pods with
 resourceVersion / bookmarks / timeoutSeconds / 410 after compaction, one resourceVersion counter for every
 object (as etcd has), the Eviction subresource, Events with generateName, Leases with create-409 and
-replace-409, and resource.k8s.io/v1 ResourceSlices and ResourceClaims (`tests.fakes.apidra`). Everything else answers 404 and is recorded, so tests can assert the agent made no other request.
+replace-409, and resource.k8s.io/v1 ResourceSlices and ResourceClaims (`tests.fakes.apidra`). Everything
+else answers 404 and is recorded, so tests can assert the agent made no other request.
 Faults (status codes, delays for client timeouts) are scripted per method and path. Watch timeouts follow the
 injected clock.
 """

@@ -121,7 +121,7 @@ def allocate(claim: Mapping[str, Any], classes: Mapping[str, Mapping[str, Any]],
     def search(index: int, left: int) -> bool:
         if index == len(options):
             return True
-        name, count, fits = options[index]
+        name, _, fits = options[index]
         if left == 0:
             return search(index + 1, options[index + 1][1] if index + 1 < len(options) else 0)
         for device in fits:

@@ -37,32 +37,37 @@ class ClaimPreparer:
     """The driver's side of NodePrepareResources / NodeUnprepareResources, independent of the gRPC version."""
 
     def __init__(self, claims: ResourceClaimApi, *, driver: str, pool: str, store: PreparedStore, cdi: CdiSpecs,
-                 devices: Callable[[], Mapping[str, DraDevice]]) -> None:
+                 devices: Callable[[], Mapping[str, DraDevice]],
+                 observe: Callable[[str, bool], None] = lambda call, ok: None) -> None:
         self._claims = claims
         self.driver = driver
         self.pool = pool
         self.store = store
         self.cdi = cdi
         self._devices = devices  # the current pool by device name (rescans replace it)
+        self._observe = observe  # (call, ok) per claim, for the metrics
         self._lock = asyncio.Lock()
-        self.prepared_total = 0
-        self.refused_total = 0
 
     async def prepare(self, refs: list[ClaimRef]) -> dict[str, Outcome]:
         """One outcome per claim UID; never raises for a bad claim."""
         async with self._lock:
-            return {ref.uid: await self._guard(self._prepare_one, ref) for ref in refs}
+            outcomes = {ref.uid: await self._guard(self._prepare_one, ref) for ref in refs}
+        for outcome in outcomes.values():
+            self._observe("prepare", not outcome.error)
+        return outcomes
 
     async def unprepare(self, refs: list[ClaimRef]) -> dict[str, Outcome]:
         """One outcome per claim UID; unknown claims succeed (the kubelet retries after restarts)."""
         async with self._lock:
-            return {ref.uid: await self._guard(self._unprepare_one, ref) for ref in refs}
+            outcomes = {ref.uid: await self._guard(self._unprepare_one, ref) for ref in refs}
+        for outcome in outcomes.values():
+            self._observe("unprepare", not outcome.error)
+        return outcomes
 
     async def _guard(self, call: Callable[[ClaimRef], Awaitable[Outcome]], ref: ClaimRef) -> Outcome:
         try:
             return await call(ref)
         except (ClaimError, CdiError) as exc:
-            self.refused_total += 1
             log.warning("DRA: claim %s/%s (%s) refused: %s", ref.namespace, ref.name, ref.uid, exc)
             return Outcome(error=str(exc))
         except ApiError as exc:
@@ -93,7 +98,6 @@ class ClaimPreparer:
         prepared = tuple(PreparedDevice((r.base_request,), r.pool, r.device, (cdi_id,))
                          for r, cdi_id in zip(results, ids, strict=True))
         self.store.put(ref.uid, PreparedClaim(ref.namespace, ref.name, prepared))
-        self.prepared_total += 1
         log.info("DRA: prepared claim %s/%s: %s", ref.namespace, ref.name, ", ".join(r.device for r in results))
         return Outcome(prepared)
 

@@ -19,12 +19,14 @@ from prometheus_client import CollectorRegistry
 from agent import aio
 from agent.app import Supervisor
 from agent.config import AgentConfig
+from agent.events import DeviceHealthEvent
 from agent.host.hardware import Hardware
 from agent.http import Readiness
 from agent.topology.model import Topology
 
 if TYPE_CHECKING:
     from agent.deviceplugin.manager import DevicePluginManager
+    from agent.dra.service import DraService
     from agent.kube.port import Cluster
     from agent.netacct.service import NetacctService
     from agent.remediation import RemediationService
@@ -47,6 +49,7 @@ class Context:
     scratch: Path
     topology_listeners: list[TopologyListener] = field(default_factory=list)
     device_plugin: DevicePluginManager | None = None
+    dra: DraService | None = None
     # node verdicts from health to remediation (only the latest one matters to remediation)
     verdicts: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     stop: asyncio.Event | None = None
@@ -181,6 +184,50 @@ def install_device_plugin(supervisor: Supervisor, ctx: Context) -> None:
     supervisor.add("device-plugin", run)
 
 
+def install_dra(supervisor: Supervisor, ctx: Context) -> None:
+    """The DRA driver: ResourceSlices of this node and the kubelet DRA plugin. In simulate mode, where no kubelet
+    directories exist, the sockets and CDI specs go to the scratch directory."""
+    from agent.config import ConfigError
+    from agent.config.model import AgentConfig as _Defaults
+    from agent.dra.service import DraService
+    from agent.kube.errors import ClusterConfigError
+
+    cfg = ctx.cfg.dra
+    state_dir = Path(ctx.cfg.state_dir)
+    if ctx.simulate:
+        if not Path(cfg.plugin_registry_dir).is_dir():
+            cfg = dataclasses.replace(cfg, plugin_registry_dir=str(ctx.scratch / "plugins_registry"),
+                                      plugin_dir=str(ctx.scratch / "dra"), cdi_spec_dir=str(ctx.scratch / "cdi"))
+        if ctx.cfg.state_dir == _Defaults().state_dir:
+            state_dir = ctx.scratch / "state"
+    try:
+        service = DraService(cfg, ctx.kube_cluster(), ctx.hardware.topology, state_dir, ctx.registry)
+    except (ValueError, ClusterConfigError) as exc:
+        raise ConfigError(f"dra: {exc}") from exc
+    ctx.dra = service
+
+    async def on_topology(topology: Topology) -> None:
+        service.update_topology(topology)
+
+    ctx.topology_listeners.append(on_topology)
+    supervisor.add("dra", service.run)
+
+
+def device_plugin_beside_dra(cfg: AgentConfig) -> AgentConfig:
+    """With --dra the device plugin serves only what DRA does not (two APIs for one device over-commit it)."""
+    dp, dra = cfg.device_plugin, cfg.dra
+    if not dra.enabled or not dp.enabled:
+        return cfg
+    serve_gpus = bool(dp.serve_gpus) and not dra.gpus
+    pools = [] if dra.rdma else dp.pools
+    if not serve_gpus and not pools:
+        log.info("DRA serves GPUs and RDMA functions; the device plugin is off")
+        return dataclasses.replace(cfg, device_plugin=dataclasses.replace(dp, enabled=False))
+    log.info("DRA serves %s; the device plugin serves the rest", " and ".join(
+        k for k, on in (("GPUs", dra.gpus), ("RDMA functions", dra.rdma)) if on))
+    return dataclasses.replace(cfg, device_plugin=dataclasses.replace(dp, serve_gpus=serve_gpus, pools=pools))
+
+
 def install_health(supervisor: Supervisor, ctx: Context) -> None:
     """GPU and NIC health: device health to the device plugin, node verdicts to remediation."""
     from agent.config.model import AgentConfig as _Defaults
@@ -194,7 +241,7 @@ def install_health(supervisor: Supervisor, ctx: Context) -> None:
         if ctx.cfg.state_dir == _Defaults().state_dir:  # a newcomer's laptop: no root-owned state dir
             state_dir = ctx.scratch / "state"
     manager = ctx.device_plugin
-    events = manager.health_events if manager is not None else asyncio.Queue()
+    events: asyncio.Queue[DeviceHealthEvent] = asyncio.Queue()
     link_port = ctx.hardware.links
 
     def resource_of(device_id: str) -> str | None:
@@ -220,7 +267,7 @@ def install_health(supervisor: Supervisor, ctx: Context) -> None:
 
     async def run(stop: asyncio.Event) -> None:
         feeder = asyncio.create_task(feed_remediation())
-        drain = None if manager is not None else asyncio.create_task(_discard(events))
+        drain = asyncio.create_task(_deliver(events, manager, ctx.dra))
         try:
             await health.run(stop)
         except NvmlRequiredError as exc:
@@ -234,10 +281,16 @@ def install_health(supervisor: Supervisor, ctx: Context) -> None:
     supervisor.add("health", run)
 
 
-async def _discard(queue: asyncio.Queue[Any]) -> None:
-    """Device-health events nobody serves (device plugin off) are dropped, not queued forever."""
+async def _deliver(queue: asyncio.Queue[DeviceHealthEvent], manager: DevicePluginManager | None,
+                   dra: DraService | None) -> None:
+    """Device-health events to whoever serves devices: the device plugin, the DRA driver, both or none (dropped,
+    not queued forever)."""
     while True:
-        await queue.get()
+        event = await queue.get()
+        if manager is not None:
+            manager.health_events.put_nowait(event)
+        if dra is not None:
+            dra.set_device_health(event.device_id, event.healthy, event.reason)
 
 
 def _preflight_probes(ctx: Context) -> list[Any]:
@@ -293,9 +346,11 @@ def install_netacct(supervisor: Supervisor, ctx: Context) -> NetacctService:
 
 def install(supervisor: Supervisor, ctx: Context) -> Context:
     """Add every enabled subsystem to the supervisor."""
-    cfg = ctx.cfg
+    ctx.cfg = cfg = device_plugin_beside_dra(ctx.cfg)
     if cfg.device_plugin.enabled:
         install_device_plugin(supervisor, ctx)
+    if cfg.dra.enabled:
+        install_dra(supervisor, ctx)
     install_health(supervisor, ctx)
     if cfg.remediation.enabled or ctx.simulate:
         install_remediation(supervisor, ctx)

@@ -225,7 +225,7 @@ async def test_unhealthy_gpu_is_tainted_in_the_slice_and_on_the_health_stream(no
     def taints() -> list[dict[str, Any]]:
         return [t for s in node.api.resource_slices.values() for d in s["spec"]["devices"] for t in d.get("taints", [])]
 
-    await until(lambda: taints(), "a taint in the slice")
+    await until(taints, "a taint in the slice")
     assert [(t["key"], t["value"], t["effect"]) for t in taints()] == [("gpunodeagent.io/unhealthy", "GpuXid79",
                                                                        "NoSchedule")]
     (current,) = await plugin.health_updates(1)

@@ -36,14 +36,18 @@ from agent.topology.model import Topology
 log = logging.getLogger(__name__)
 
 NOT_SERVED_REASONS = ("not_ready", "mig", "default_route", "no_uuid")
+# node paths shared with the DRA driver; set by --plugin-registry-dir and --cdi-spec-dir (config section `dra`)
+DEFAULT_PLUGIN_REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
+DEFAULT_CDI_SPEC_DIR = "/var/run/cdi"
 
 
 class DevicePluginManager:
     """Owns the per-resource DevicePlugin servers and their kubelet registration.
 
-    `policy`: None for the PCIe-aware joint policy (`self.allocator.prefer`); another policy replaces it,
-    while Allocates are still recorded and counted. `registry`: where the allocation metrics go (a private
-    registry when None). `admission_ttl_s` and `clock`: the admission context's time-out and time source.
+    `plugin_registry_dir`, `cdi_spec_dir`: the kubelet plugin watcher's and the runtime's CDI directories (node
+    paths the DRA driver shares). `policy`: None for the PCIe-aware joint policy (`self.allocator.prefer`);
+    another policy replaces it, while Allocates are still recorded and counted. `registry`: where the allocation
+    metrics go (a private registry when None). `admission_ttl_s` and `clock`: the admission context's time-out and time source.
     """
 
     def __init__(self, config: DevicePluginConfig, topology: Topology, *,
@@ -51,13 +55,16 @@ class DevicePluginManager:
                  poll_interval: float = 1.0, register_timeout: float = 10.0,
                  backoff_initial: float = 0.5, backoff_max: float = 30.0,
                  policy: PreferencePolicy | None = None, registry: CollectorRegistry | None = None,
-                 admission_ttl_s: float = DEFAULT_TTL_S, clock: Clock = SYSTEM_CLOCK) -> None:
+                 admission_ttl_s: float = DEFAULT_TTL_S, clock: Clock = SYSTEM_CLOCK,
+                 plugin_registry_dir: str = DEFAULT_PLUGIN_REGISTRY_DIR,
+                 cdi_spec_dir: str = DEFAULT_CDI_SPEC_DIR) -> None:
         config = apply_sriov_dp_config(config)  # SriovConfigError (a PoolConfigError) when it cannot be served
         self.config = config
         self.health_events: asyncio.Queue[DeviceHealthEvent] = health_events or asyncio.Queue()
         self._options = AllocateOptions.from_config(config)
         self.device_info = DeviceInfoWriter(config.device_info_dir) if config.device_info_dir else None
-        self.rdma_specs = RdmaSpecWriter(config.cdi_spec_dir, config.rdma_mad_devices) if config.rdma_cdi else None
+        self.cdi_spec_dir = cdi_spec_dir
+        self.rdma_specs = RdmaSpecWriter(cdi_spec_dir, config.rdma_mad_devices) if config.rdma_cdi else None
         self._plugins: dict[str, DevicePlugin] = {}
         self.metrics = AllocationMetrics(registry)
         self.not_served = Gauge("gpu_node_agent_devices_not_served",
@@ -70,10 +77,10 @@ class DevicePluginManager:
                                         clock=clock.monotonic)
         self._policy = policy or self.allocator.prefer
         self._topology = topology
-        self.registration_mode = resolve_mode(config.registration_mode, config.plugin_registry_dir)
+        self.registration_mode = resolve_mode(config.registration_mode, plugin_registry_dir)
         self._link: KubeletLink | PluginWatcherLink
         if self.registration_mode == PLUGIN_WATCHER:
-            self._link = PluginWatcherLink(config.plugin_registry_dir, poll_interval=poll_interval, clock=clock)
+            self._link = PluginWatcherLink(plugin_registry_dir, poll_interval=poll_interval, clock=clock)
         else:
             self._link = KubeletLink(config.device_plugin_dir, poll_interval=poll_interval,
                                      register_timeout=register_timeout, backoff_initial=backoff_initial,
@@ -166,10 +173,10 @@ class DevicePluginManager:
         serving = self._options.gpu
         if not serving.any_cdi or not any(p.kind == "gpu" for p in pools.values()):
             return
-        if find_spec(serving.cdi_kind, (*SPEC_DIRS, self.config.cdi_spec_dir)) is None:
+        if find_spec(serving.cdi_kind, (*SPEC_DIRS, self.cdi_spec_dir)) is None:
             log.warning("no CDI spec of kind %s in %s: containers given GPUs by CDI name will not start; run "
                         "`nvidia-ctk cdi generate` on the node or set --gpu-cdi-kind", serving.cdi_kind,
-                        ", ".join(dict.fromkeys((*SPEC_DIRS, self.config.cdi_spec_dir))))
+                        ", ".join(dict.fromkeys((*SPEC_DIRS, self.cdi_spec_dir))))
 
     def _add(self, pool: ResourcePool) -> None:
         self._write_spec(pool)

@@ -30,9 +30,9 @@ from pathlib import Path
 import grpc
 
 from agent import aio
-from agent.deviceplugin.pluginregistration.v1 import api_pb2 as reg_pb2
-from agent.deviceplugin.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.pluginregistration.v1 import api_pb2 as reg_pb2
+from agent.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 
 log = logging.getLogger(__name__)
 

@@ -67,4 +67,4 @@ def test_daemonset_mounts_the_sriov_config_and_sets_the_dropin_settings(rendered
     assert [f"{p.resource_prefix}/{p.resource_name}" for p in pools] == ["mellanox.com/mlnx_rdma",
                                                                          "intel.com/intel_rdma"]
     mounted = {m["mountPath"] for m in container["volumeMounts"]}
-    assert {plugin.plugin_registry_dir, plugin.device_info_dir, plugin.device_plugin_dir} <= mounted
+    assert {cfg.dra.plugin_registry_dir, plugin.device_info_dir, plugin.device_plugin_dir} <= mounted

@@ -172,12 +172,12 @@ async def test_mig_gpus_are_not_served_and_counted(sockdir: str, kubelet: LocalK
 async def test_missing_gpu_cdi_spec_is_one_warning(sockdir: str, kubelet: LocalKubelet, make_manager: MakeManager,
                                                    caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     with caplog.at_level(logging.WARNING):
-        await make_manager(dp_config(sockdir, device_list_strategy=["cdi-cri"], cdi_spec_dir=str(tmp_path)))
+        await make_manager(dp_config(sockdir, device_list_strategy=["cdi-cri"]), cdi_spec_dir=str(tmp_path))
     assert caplog.text.count("no CDI spec of kind nvidia.com/gpu") == 1
     caplog.clear()
     # the head of a spec as `nvidia-ctk cdi generate` writes it (NVIDIA container toolkit docs, "CDI support")
     (tmp_path / "nvidia.yaml").write_text('cdiVersion: 0.5.0\nkind: nvidia.com/gpu\ndevices:\n- name: "0"\n'
                                           '  containerEdits:\n    deviceNodes:\n    - path: /dev/nvidia0\n')
     with caplog.at_level(logging.WARNING):
-        await make_manager(dp_config(sockdir + "/b", device_list_strategy=["cdi-cri"], cdi_spec_dir=str(tmp_path)))
+        await make_manager(dp_config(sockdir + "/b", device_list_strategy=["cdi-cri"]), cdi_spec_dir=str(tmp_path))
     assert "no CDI spec" not in caplog.text

@@ -11,10 +11,10 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 from agent.deviceplugin.manager import DevicePluginManager
-from agent.deviceplugin.pluginregistration.v1 import api_pb2 as reg_pb2
-from agent.deviceplugin.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from agent.deviceplugin.pluginwatcher import KUBELET_SOCK, PLUGIN_WATCHER, resolve_mode
 from agent.deviceplugin.pools import socket_name
+from agent.pluginregistration.v1 import api_pb2 as reg_pb2
+from agent.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from agent.simulate.kubelet import LocalKubelet
 from tests.deviceplugin.conftest import dp_config
 

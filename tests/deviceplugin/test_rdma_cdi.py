@@ -23,8 +23,8 @@ _DEVICE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*[A-Za-z0-9]$")
 
 async def test_spec_annotation_and_cleanup(sockdir: str, kubelet: LocalKubelet, make_manager: MakeManager,
                                            tmp_path: Path) -> None:
-    config = dp_config(sockdir, serve_gpus=False, rdma_cdi=True, cdi_spec_dir=str(tmp_path))
-    manager = await make_manager(config)
+    config = dp_config(sockdir, serve_gpus=False, rdma_cdi=True)
+    manager = await make_manager(config, cdi_spec_dir=str(tmp_path))
     spec = json.loads((tmp_path / SPEC).read_text())
     assert spec["cdiVersion"] == "0.5.0" and spec["kind"] == RDMA and _KIND.match(spec["kind"])
     names = [d["name"] for d in spec["devices"]]
@@ -52,7 +52,7 @@ async def test_spec_annotation_and_cleanup(sockdir: str, kubelet: LocalKubelet, 
 
 async def test_off_by_default(sockdir: str, kubelet: LocalKubelet, make_manager: MakeManager,
                               tmp_path: Path) -> None:
-    await make_manager(dp_config(sockdir, serve_gpus=False, cdi_spec_dir=str(tmp_path)))
+    await make_manager(dp_config(sockdir, serve_gpus=False), cdi_spec_dir=str(tmp_path))
     await kubelet.wait_for(lambda: RDMA in kubelet.plugins and kubelet.plugins[RDMA].lists > 0)
     await kubelet.admit({RDMA: 1})
     reply = kubelet.responses[RDMA]

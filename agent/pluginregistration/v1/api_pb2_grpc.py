@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from agent.deviceplugin.pluginregistration.v1 import api_pb2 as agent_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2
+from agent.pluginregistration.v1 import api_pb2 as agent_dot_pluginregistration_dot_v1_dot_api__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in agent/deviceplugin/pluginregistration/v1/api_pb2_grpc.py depends on'
+        + ' but the generated code in agent/pluginregistration/v1/api_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -26,8 +26,7 @@ if _version_not_supported:
 
 
 class RegistrationStub:
-    """Registration is the service advertised by the plugins.
-    """
+    """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
         """Constructor.
@@ -37,19 +36,18 @@ class RegistrationStub:
         """
         self.GetInfo = channel.unary_unary(
                 '/pluginregistration.Registration/GetInfo',
-                request_serializer=agent_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.InfoRequest.SerializeToString,
-                response_deserializer=agent_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.PluginInfo.FromString,
+                request_serializer=agent_dot_pluginregistration_dot_v1_dot_api__pb2.InfoRequest.SerializeToString,
+                response_deserializer=agent_dot_pluginregistration_dot_v1_dot_api__pb2.PluginInfo.FromString,
                 _registered_method=True)
         self.NotifyRegistrationStatus = channel.unary_unary(
                 '/pluginregistration.Registration/NotifyRegistrationStatus',
-                request_serializer=agent_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatus.SerializeToString,
-                response_deserializer=agent_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatusResponse.FromString,
+                request_serializer=agent_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatus.SerializeToString,
+                response_deserializer=agent_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatusResponse.FromString,
                 _registered_method=True)
 
 
 class RegistrationServicer:
-    """Registration is the service advertised by the plugins.
-    """
+    """Missing associated documentation comment in .proto file."""
 
     def GetInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -68,13 +66,13 @@ def add_RegistrationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
-                    request_deserializer=agent_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.InfoRequest.FromString,
-                    response_serializer=agent_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.PluginInfo.SerializeToString,
+                    request_deserializer=agent_dot_pluginregistration_dot_v1_dot_api__pb2.InfoRequest.FromString,
+                    response_serializer=agent_dot_pluginregistration_dot_v1_dot_api__pb2.PluginInfo.SerializeToString,
             ),
             'NotifyRegistrationStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.NotifyRegistrationStatus,
-                    request_deserializer=agent_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatus.FromString,
-                    response_serializer=agent_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatusResponse.SerializeToString,
+                    request_deserializer=agent_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatus.FromString,
+                    response_serializer=agent_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -85,8 +83,7 @@ def add_RegistrationServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Registration:
-    """Registration is the service advertised by the plugins.
-    """
+    """Missing associated documentation comment in .proto file."""
 
     @staticmethod
     def GetInfo(request,
@@ -103,8 +100,8 @@ class Registration:
             request,
             target,
             '/pluginregistration.Registration/GetInfo',
-            agent_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.InfoRequest.SerializeToString,
-            agent_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.PluginInfo.FromString,
+            agent_dot_pluginregistration_dot_v1_dot_api__pb2.InfoRequest.SerializeToString,
+            agent_dot_pluginregistration_dot_v1_dot_api__pb2.PluginInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -130,8 +127,8 @@ class Registration:
             request,
             target,
             '/pluginregistration.Registration/NotifyRegistrationStatus',
-            agent_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatus.SerializeToString,
-            agent_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatusResponse.FromString,
+            agent_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatus.SerializeToString,
+            agent_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

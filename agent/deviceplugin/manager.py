@@ -47,7 +47,8 @@ class DevicePluginManager:
     `plugin_registry_dir`, `cdi_spec_dir`: the kubelet plugin watcher's and the runtime's CDI directories (node
     paths the DRA driver shares). `policy`: None for the PCIe-aware joint policy (`self.allocator.prefer`);
     another policy replaces it, while Allocates are still recorded and counted. `registry`: where the allocation
-    metrics go (a private registry when None). `admission_ttl_s` and `clock`: the admission context's time-out and time source.
+    metrics go (a private registry when None). `admission_ttl_s` and `clock`: the admission context's time-out
+    and time source.
     """
 
     def __init__(self, config: DevicePluginConfig, topology: Topology, *,

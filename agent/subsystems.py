@@ -121,7 +121,7 @@ async def run_rescans(ctx: Context, stop: asyncio.Event) -> None:
 async def _show_sample_allocations(kubelet: LocalKubelet, manager: DevicePluginManager,
                                    topology: Topology) -> None:
     """Simulate mode: admit a few containers through the stand-in kubelet and log what they got, and how close."""
-    from agent.deviceplugin.allocation import achieved_levels
+    from agent.placement.policy import achieved_levels
 
     resources = sorted(manager.resources)
     gpu_resources = [r for r in resources if manager.plugin(r).pool.kind == "gpu"]

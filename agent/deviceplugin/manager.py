@@ -20,12 +20,12 @@ from prometheus_client import CollectorRegistry
 
 from agent import aio
 from agent.config.model import DevicePluginConfig
-from agent.deviceplugin.admission import DEFAULT_TTL_S
-from agent.deviceplugin.allocate import AllocateOptions
-from agent.deviceplugin.kubelet import KubeletLink, check_socket_path
+from agent.placement.admission import DEFAULT_TTL_S
+from agent.deviceplugin.payload import AllocateOptions
+from agent.deviceplugin.registration import KubeletLink, check_socket_path
 from agent.deviceplugin.metrics import AllocationMetrics
 from agent.deviceplugin.pools import ResourcePool, build_pools, socket_name
-from agent.deviceplugin.preference import JointAllocator
+from agent.placement.joint import JointAllocator
 from agent.deviceplugin.server import DevicePlugin, PreferencePolicy
 from agent.events import DeviceHealthEvent
 from agent.topology.model import Topology

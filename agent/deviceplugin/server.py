@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
-from agent.deviceplugin.allocate import AllocateOptions, Contributor, build_container_payload
+from agent.deviceplugin.payload import AllocateOptions, Contributor, build_container_payload
 from agent.deviceplugin.metrics import AllocationMetrics
 from agent.deviceplugin.pools import ResourcePool
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent.deviceplugin.allocation import DeviceKind, achieved_levels
+from agent.placement.policy import DeviceKind, achieved_levels
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.metrics import LEVEL_LABELS, AllocationMetrics
 from agent.deviceplugin.pools import build_pools
-from agent.deviceplugin.preference import JointAllocator
+from agent.placement.joint import JointAllocator
 from agent.deviceplugin.server import DevicePlugin
 from agent.deviceplugin.v1beta1 import api_pb2
 from agent.events import DeviceHealthEvent

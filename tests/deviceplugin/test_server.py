@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.config.model import DevicePluginConfig
-from agent.deviceplugin.allocate import AllocateOptions
-from agent.deviceplugin.kubelet import PluginServer, SocketPathError, check_socket_path
+from agent.deviceplugin.payload import AllocateOptions
+from agent.deviceplugin.registration import PluginServer, SocketPathError, check_socket_path
 from agent.deviceplugin.pools import build_pools
 from agent.deviceplugin.server import DevicePlugin, check_preference_request, simple_policy
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc

@@ -1,7 +1,7 @@
 """The score the preferred-allocation policy maximises, one definition per admission situation.
 
 A score is a tuple of non-negative counts compared lexicographically, larger is better. Every count is a sum
-over PCIe groups (see `allocation_tree`) of a function of how many chosen devices fall in the group, which
+over PCIe groups (see `tree`) of a function of how many chosen devices fall in the group, which
 is what lets the search find the exact optimum by dynamic programming over counts.
 
 Terms, for the chosen set S of the requested kind ("units" are NIC VFs, or VF-less PFs):
@@ -37,7 +37,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agent.deviceplugin.allocation_tree import NO_PF, PcieTree
+from agent.placement.tree import NO_PF, PcieTree
 from agent.topology.model import Level
 
 

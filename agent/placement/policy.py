@@ -15,7 +15,7 @@ the container's GPUs (or VFs) and aligns with them; without it, it chooses so th
   hand, lets NCCL find the NIC under each GPU's switch whichever GPUs the other plugin picks.
 - GPU after NIC: the GPUs nearest to those VFs' PFs, then the best locality among themselves.
 
-The exact score is in `allocation_score`; `allocation_search` finds its optimum exactly by reasoning over
+The exact score is in `score`; `search` finds its optimum exactly by reasoning over
 counts per PCIe group (VFs of one PF, and GPUs at one location, are interchangeable) rather than subsets.
 
 Contract: exactly `size` IDs, all from `available`, every `must_include` among them, the same answer for equal
@@ -30,9 +30,9 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from agent.deviceplugin.allocation_score import Mode, node_values_function
-from agent.deviceplugin.allocation_search import best_counts
-from agent.deviceplugin.allocation_tree import PcieTree, matched_levels, subtree_counts, tree_for
+from agent.placement.score import Mode, node_values_function
+from agent.placement.search import best_counts
+from agent.placement.tree import PcieTree, matched_levels, subtree_counts, tree_for
 from agent.topology.model import Level, Topology
 
 log = logging.getLogger(__name__)

@@ -40,8 +40,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from agent.deviceplugin.admission import DEFAULT_TTL_S, AdmissionContext
-from agent.deviceplugin.allocation import AllocationRequest, DeviceKind, achieved_levels, preferred_allocation
+from agent.placement.admission import DEFAULT_TTL_S, AdmissionContext
+from agent.placement.policy import AllocationRequest, DeviceKind, achieved_levels, preferred_allocation
 from agent.deviceplugin.metrics import NO_PAIR, AllocationMetrics, level_label
 from agent.deviceplugin.pools import ResourcePool
 from agent.deviceplugin.server import simple_policy

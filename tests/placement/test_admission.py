@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from agent.deviceplugin.admission import AdmissionContext
-from agent.deviceplugin.allocation import DeviceKind
+from agent.placement.admission import AdmissionContext
+from agent.placement.policy import DeviceKind
 
 GPU, NIC = DeviceKind.GPU, DeviceKind.NIC
 

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from agent.deviceplugin.allocation import DeviceKind
+from agent.placement.policy import DeviceKind
 
 DEFAULT_TTL_S = 5.0
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from agent.deviceplugin.admission import AdmissionContext
-from agent.deviceplugin.allocation import AllocationRequest, DeviceKind, achieved_levels, preferred_allocation
+from agent.placement.admission import AdmissionContext
+from agent.placement.policy import AllocationRequest, DeviceKind, achieved_levels, preferred_allocation
 from agent.topology.model import Level, Topology
 from bench._nodes import gpu_ids, nic_ids
 

@@ -29,9 +29,9 @@ from prometheus_client import CollectorRegistry
 
 import agent.placement.joint as preference_module
 from agent.config.model import DevicePluginConfig
-from agent.placement.policy import AllocationRequest, preferred_allocation
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.v1beta1 import api_pb2
+from agent.placement.policy import AllocationRequest, preferred_allocation
 from agent.simulate.kubelet import LocalKubelet
 from agent.simulate.node import simulated_topology
 

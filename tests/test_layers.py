@@ -54,7 +54,7 @@ def test_subprocesses_run_only_in_the_iptables_port_and_the_preflight_command():
 
 
 SOURCES = ("agent.topology", "agent.nvml", "agent.simulate.profiles", "agent.simulate.sysfs_writer",
-           "agent.simulate.sysfs_tree", "agent.config", "agent.events")
+           "agent.simulate.sysfs_tree", "agent.config", "agent.events", "agent.placement")
 CONSUMERS = ("agent.deviceplugin", "agent.health", "agent.remediation", "agent.netacct", "agent.kube", "agent.app",
              "agent.subsystems", "agent.cli")
 
@@ -80,6 +80,15 @@ def test_consumers_stay_apart(package, forbidden):
     for module, imports in MODULES.items():
         if module.startswith(package + "."):
             bad = {name for name in imports for other in forbidden if name == other or name.startswith(other + ".")}
+            assert not bad, f"{module} imports {bad}"
+
+
+def test_placement_is_pure_policy_over_the_topology():
+    """deviceplugin -> placement -> topology, never back: the servicer hands plain data in."""
+    for module, imports in MODULES.items():
+        if module.startswith("agent.placement."):
+            ours = {name for name in imports if name == "agent" or name.startswith("agent.")}
+            bad = {name for name in ours if not name.startswith(("agent.placement.", "agent.topology."))}
             assert not bad, f"{module} imports {bad}"
 
 

@@ -83,7 +83,7 @@ def test_dgx_mixed_containers_with_departures(dgx: Topology, plan: list[tuple[in
             node.release(running.pop(0))
 
 
-def test_free_estimate_misses_departures(dgx: Topology) -> None:
+def test_believed_free_misses_departures(dgx: Topology) -> None:
     """The documented limit: a NIC-first container right after a departure may miss PIX for one GPU."""
     estimated, exact = SimulatedAdmission(dgx), SimulatedAdmission(dgx, exact_free=True)
     for node in (estimated, exact):

@@ -23,7 +23,8 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from agent.topology.model import BusIdError, Level, Location, Topology, normalize_bus_id
+from agent.host.busid import BusIdError, normalize_bus_id
+from agent.topology.model import Level, Location, Topology
 
 log = logging.getLogger(__name__)
 

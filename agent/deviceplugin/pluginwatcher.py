@@ -26,7 +26,7 @@ import grpc
 
 from agent import aio
 from agent.clock import SYSTEM_CLOCK, Clock
-from agent.deviceplugin.kubelet import PluginServer, check_socket_path
+from agent.deviceplugin.registration import PluginServer, check_socket_path
 from agent.deviceplugin.server import DevicePlugin
 from agent.pluginregistration.v1 import api_pb2 as reg_pb2
 from agent.pluginregistration.v1 import api_pb2_grpc as reg_grpc

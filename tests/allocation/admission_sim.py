@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from agent.deviceplugin.admission import AdmissionContext
 from agent.deviceplugin.allocation import AllocationRequest, DeviceKind, achieved_levels, preferred_allocation
 from agent.topology.model import Level, Topology
-from bench._nodes import gpu_ids, nic_ids
+from tests.fakes.nodes import gpu_ids, nic_ids
 
 GPU, NIC = DeviceKind.GPU, DeviceKind.NIC
 

@@ -6,8 +6,8 @@ from hypothesis import strategies as st
 
 from agent.deviceplugin.allocation import AllocationRequest, DeviceKind
 from agent.topology.model import Topology
-from bench._nodes import gpu_ids, nic_ids
 from tests.allocation.conftest import nodes
+from tests.fakes.nodes import gpu_ids, nic_ids
 
 
 def ids_of(topology: Topology, kind: DeviceKind) -> list[str]:

@@ -18,8 +18,8 @@ from agent.deviceplugin.allocation import (
 )
 from agent.simulate.node import simulated_topology
 from agent.topology.model import Level, Topology
-from bench._nodes import nic_ids
 from tests.allocation.admission_sim import GPU, NIC, SimulatedAdmission
+from tests.fakes.nodes import nic_ids
 
 
 def _pf_under(topology: Topology, gpu_uuid: str) -> str:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the node builders live in tests/fakes
 
-from agent.deviceplugin.allocation import AllocationRequest, DeviceKind, preferred_allocation
-from agent.deviceplugin.allocation_tree import build_tree
+from agent.placement.policy import AllocationRequest, DeviceKind, preferred_allocation
+from agent.placement.tree import build_tree
 from agent.topology.model import Topology
 from tests.fakes.nodes import dgx_h100_like, gpu_ids, nic_ids, pcie_pairs_like
 

@@ -127,7 +127,7 @@ def rescans(hardware: Hardware, rescan: asyncio.Event, interval: float,
 async def _show_sample_allocations(kubelet: LocalKubelet, manager: DevicePluginManager,
                                    topology: Topology) -> None:
     """Simulate mode: admit a few containers through the stand-in kubelet and log what they got, and how close."""
-    from agent.deviceplugin.allocation import achieved_levels
+    from agent.placement.policy import achieved_levels
 
     resources = sorted(manager.resources)
     gpu_resources = [r for r in resources if manager.plugin(r).pool.kind == "gpu"]
@@ -155,8 +155,8 @@ async def _show_sample_allocations(kubelet: LocalKubelet, manager: DevicePluginM
 def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, readiness: Readiness,
                   scratch: Path, clock: Clock = SYSTEM_CLOCK) -> tuple[DevicePluginManager, Subsystem]:
     """Serve the device-plugin resources; in simulate mode bring a stand-in kubelet when none is there."""
-    from agent.deviceplugin.kubelet import SocketPathError
     from agent.deviceplugin.manager import DevicePluginManager
+    from agent.deviceplugin.registration import SocketPathError
     from agent.simulate.kubelet import LocalKubelet
 
     dp = cfg.device_plugin

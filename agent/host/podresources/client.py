@@ -84,15 +84,16 @@ class KubeletPodResources:
             self._stub = api_pb2_grpc.PodResourcesListerStub(self._channel)
         return self._stub
 
-    async def list(self, timeout: float | None = None) -> tuple[ContainerDevices, ...]:
+    async def list(self, timeout: float | None = None, *, patient: bool = False) -> tuple[ContainerDevices, ...]:
         """`List` with a deadline of `timeout` (the client's default when None)."""
-        reply = await self._call("List", api_pb2.ListPodResourcesRequest(), timeout)
+        reply = await self._call("List", api_pb2.ListPodResourcesRequest(), timeout, patient)
         assert isinstance(reply, api_pb2.ListPodResourcesResponse)
         return self._believe(lambda: containers_of(reply))
 
-    async def allocatable(self, timeout: float | None = None) -> Mapping[str, frozenset[str]]:
+    async def allocatable(self, timeout: float | None = None, *,
+                          patient: bool = False) -> Mapping[str, frozenset[str]]:
         """`GetAllocatableResources` with a deadline."""
-        reply = await self._call("GetAllocatableResources", api_pb2.AllocatableResourcesRequest(), timeout)
+        reply = await self._call("GetAllocatableResources", api_pb2.AllocatableResourcesRequest(), timeout, patient)
         assert isinstance(reply, api_pb2.AllocatableResourcesResponse)
         return self._believe(lambda: group_devices(reply.devices))
 
@@ -110,12 +111,14 @@ class KubeletPodResources:
         if self.reachability is not None:
             self.reachability.failed(error)
 
-    async def _call(self, method: str, request: object, timeout: float | None) -> object:
+    async def _call(self, method: str, request: object, timeout: float | None, patient: bool) -> object:
         if not os.path.exists(self.socket_path):
             error = PodResourcesError("unavailable", f"no socket at {self.socket_path}")
             self._failed(error)
             raise error
-        if not self.bucket.take():
+        if patient:
+            await self.bucket.wait()
+        elif not self.bucket.take():
             raise PodResourcesError("rate_limited", "the agent's share of the kubelet's rate limit is used up")
         stub = self._connect()
         rpc = getattr(stub, method)

@@ -55,10 +55,12 @@ class ContainerDevices:
 class PodResourcesPort(Protocol):
     """The two RPCs the agent uses; both raise only `PodResourcesError`."""
 
-    async def list(self, timeout: float | None = None) -> tuple[ContainerDevices, ...]:
-        """`List`: every listed container (app and restartable init containers of active pods)."""
+    async def list(self, timeout: float | None = None, *, patient: bool = False) -> tuple[ContainerDevices, ...]:
+        """`List`: every listed container (app and restartable init containers of active pods). `patient`: wait
+        for the client's rate limit instead of failing at once (background polls)."""
 
-    async def allocatable(self, timeout: float | None = None) -> Mapping[str, frozenset[str]]:
+    async def allocatable(self, timeout: float | None = None, *,
+                          patient: bool = False) -> Mapping[str, frozenset[str]]:
         """`GetAllocatableResources`: resource -> healthy device IDs, allocated or not."""
 
     async def aclose(self) -> None:

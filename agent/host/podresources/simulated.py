@@ -82,12 +82,13 @@ class InMemoryPodResources:
         if self.reachability is not None:
             self.reachability.succeeded()
 
-    async def list(self, timeout: float | None = None) -> tuple[ContainerDevices, ...]:
+    async def list(self, timeout: float | None = None, *, patient: bool = False) -> tuple[ContainerDevices, ...]:
         """`List` from memory."""
         self._check()
         return self.records.containers()
 
-    async def allocatable(self, timeout: float | None = None) -> Mapping[str, frozenset[str]]:
+    async def allocatable(self, timeout: float | None = None, *,
+                          patient: bool = False) -> Mapping[str, frozenset[str]]:
         """`GetAllocatableResources` from memory."""
         self._check()
         return dict(self.records.healthy())

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from agent.health.links import LinkPort
     from agent.kube.port import Cluster
     from agent.netacct.service import NetacctService
+    from agent.ownership.subsystem import OwnershipSubsystem
     from agent.remediation import RemediationService
     from agent.simulate.kubelet import LocalKubelet
 
@@ -55,6 +56,8 @@ class Context:
     _link_port: LinkPort | None = None
     # the one Kubernetes API client of the process, shared by remediation and netacct (see `kube_cluster`)
     cluster: Cluster | None = None
+    stand_in_kubelet: LocalKubelet | None = None  # simulate mode without a kubelet: the agent brings one
+    ownership: OwnershipSubsystem | None = None
 
     def fatal(self, code: int, reason: str) -> None:
         """End the process with `code`: a condition the operator asked to treat as fatal (e.g. no NVML)."""
@@ -160,6 +163,8 @@ def install_device_plugin(supervisor: Supervisor, ctx: Context) -> None:
         cfg = dataclasses.replace(cfg, device_plugin_dir=str(directory))
     manager = DevicePluginManager(cfg, ctx.hardware.topology, registry=ctx.registry)
     ctx.device_plugin = manager
+    if stand_in:
+        ctx.stand_in_kubelet = LocalKubelet(directory)
     ctx.readiness.require("device-plugin registered")
 
     async def on_topology(topology: Topology) -> None:
@@ -168,7 +173,7 @@ def install_device_plugin(supervisor: Supervisor, ctx: Context) -> None:
     ctx.topology_listeners.append(on_topology)
 
     async def run(stop: asyncio.Event) -> None:
-        kubelet = LocalKubelet(directory) if stand_in else None
+        kubelet = ctx.stand_in_kubelet
         if kubelet is not None:
             log.info("simulate mode: no kubelet at %s, starting a stand-in kubelet there", directory)
             await kubelet.start()
@@ -206,7 +211,9 @@ def install_health(supervisor: Supervisor, ctx: Context) -> None:
         if ctx.cfg.state_dir == _Defaults().state_dir:  # a newcomer's laptop: no root-owned state dir
             state_dir = ctx.scratch / "state"
     manager = ctx.device_plugin
-    events = manager.health_events if manager is not None else asyncio.Queue()
+    consumers = [q for q in (manager.health_events if manager is not None else None,
+                             ctx.ownership.health_changes if ctx.ownership is not None else None) if q is not None]
+    events: asyncio.Queue[Any] = consumers[0] if len(consumers) == 1 else asyncio.Queue()  # else copied below
     link_port = ctx.link_port
 
     def resource_of(device_id: str) -> str | None:
@@ -232,7 +239,7 @@ def install_health(supervisor: Supervisor, ctx: Context) -> None:
 
     async def run(stop: asyncio.Event) -> None:
         feeder = asyncio.create_task(feed_remediation())
-        drain = None if manager is not None else asyncio.create_task(_discard(events))
+        drain = None if len(consumers) == 1 else asyncio.create_task(_copy(events, consumers))
         try:
             await health.run(stop)
         except NvmlRequiredError as exc:
@@ -246,10 +253,12 @@ def install_health(supervisor: Supervisor, ctx: Context) -> None:
     supervisor.add("health", run)
 
 
-async def _discard(queue: asyncio.Queue[Any]) -> None:
-    """Device-health events nobody serves (device plugin off) are dropped, not queued forever."""
+async def _copy(queue: asyncio.Queue[Any], consumers: list[asyncio.Queue[Any]]) -> None:
+    """Device-health events to every consumer (device plugin, pod Events); with none they are dropped."""
     while True:
-        await queue.get()
+        event = await queue.get()
+        for consumer in consumers:
+            consumer.put_nowait(event)
 
 
 def _preflight_probes(ctx: Context) -> list[Any]:
@@ -312,11 +321,37 @@ def install_netacct(supervisor: Supervisor, ctx: Context) -> NetacctService:
     return service
 
 
+def install_ownership(supervisor: Supervisor, ctx: Context) -> None:
+    """Who holds which device: the kubelet's PodResources API (the stand-in kubelet's records when the agent
+    brought one), pod specs from the own-node pod watch and pod Events when the API server is reachable."""
+    from agent.host.podresources import Reachability
+    from agent.host.podresources.simulated import InMemoryPodResources
+    from agent.kube.errors import ClusterConfigError
+    from agent.ownership.subsystem import OwnershipSubsystem, open_port
+
+    cfg = ctx.cfg.pod_resources
+    kubelet = ctx.stand_in_kubelet
+    if kubelet is not None:
+        port = InMemoryPodResources(kubelet.records, Reachability(ctx.registry, "the stand-in kubelet"))
+    else:
+        port = open_port(cfg.socket, ctx.registry)
+    try:
+        cluster: Cluster | None = ctx.kube_cluster()
+    except ClusterConfigError as exc:
+        log.info("device ownership without pod specs or pod Events: %s", exc)
+        cluster = None
+    ctx.ownership = OwnershipSubsystem(port, ctx.registry, cluster=cluster, poll_interval=cfg.poll_interval_seconds,
+                                       lookup_timeout=cfg.lookup_timeout_seconds)
+    supervisor.add("ownership", ctx.ownership.run)
+
+
 def install(supervisor: Supervisor, ctx: Context) -> Context:
     """Add every enabled subsystem to the supervisor."""
     cfg = ctx.cfg
     if cfg.device_plugin.enabled:
         install_device_plugin(supervisor, ctx)
+    if cfg.pod_resources.socket:
+        install_ownership(supervisor, ctx)
     install_health(supervisor, ctx)
     if cfg.remediation.enabled or ctx.simulate:
         install_remediation(supervisor, ctx)

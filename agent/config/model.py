@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 from agent.config.fields import PROJECT_DOMAIN, setting
 from agent.config.health import HealthConfig
+from agent.config.names import check_node_name
 from agent.config.netacct import NetacctConfig
 from agent.config.remediation import RemediationConfig
+from agent.config.resources import resource_name_problem, vf_range_problem
 
 CONFIG_VERSION = 1
 DEFAULT_RESOURCE_PREFIX = PROJECT_DOMAIN
@@ -51,6 +53,14 @@ class SelectorConfig:
     root_devices: list[str] = setting(factory=list, help="bus ids of the physical function; like pfNames, "
                                                           "'<bdf>#0-3,6' limits it to those VF indexes")
 
+    def check(self) -> None:
+        """A VF range that cannot be read would silently match nothing: refuse it."""
+        for key, entries in (("pfNames", self.pf_names), ("rootDevices", self.root_devices)):
+            for index, entry in enumerate(entries):
+                problem = vf_range_problem(entry)
+                if problem:
+                    raise ValueError(f"{key}[{index}]: {problem}")
+
 
 @dataclass
 class PoolConfig:
@@ -61,6 +71,12 @@ class PoolConfig:
     selectors: SelectorConfig = setting(factory=SelectorConfig, help="which devices join this pool")
     exclude_topology: bool = setting(False, help="do not report the devices' NUMA node to the kubelet "
                                                  "(SR-IOV device plugin's excludeTopology)")
+
+    def check(self) -> None:
+        """The pool's own name (and prefix, when it sets one) must be an extended resource name."""
+        problem = resource_name_problem(self.resource_prefix or DEFAULT_RESOURCE_PREFIX, self.resource_name)
+        if problem:
+            raise ValueError(f"resourceName/resourcePrefix: {problem}")
 
 
 def _default_pools() -> list[PoolConfig]:
@@ -94,6 +110,26 @@ class DevicePluginConfig:
                                  "needs the DevicePluginCDIDevices feature and a CDI spec on the node")
     gpu_cdi_kind: str = setting("nvidia.com/gpu", flag="--gpu-cdi-kind", env="GPU_NODE_AGENT_GPU_CDI_KIND",
                                 help="CDI vendor/class of GPU devices, used with --gpu-cdi")
+
+    def check(self) -> None:
+        """Every served resource name is valid and served once (the device plugin would crash-loop otherwise)."""
+        names: list[str] = []
+        for index, pool in enumerate(self.pools):
+            prefix = pool.resource_prefix or self.resource_prefix
+            problem = resource_name_problem(prefix, pool.resource_name)
+            if problem:
+                where = "resourcePrefix" if pool.resource_prefix is None else f"pools[{index}]"
+                raise ValueError(f"{where}: {problem}")
+            names.append(f"{prefix}/{pool.resource_name}")
+        prefix, _, name = self.gpu_resource_name.rpartition("/")
+        problem = resource_name_problem(prefix, name) if prefix else "needs a prefix, e.g. nvidia.com/gpu"
+        if problem:
+            raise ValueError(f"gpuResourceName: {self.gpu_resource_name!r}: {problem}")
+        if self.serve_gpus is not False:
+            names.append(self.gpu_resource_name)
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"pools: resource {', '.join(twice)} is configured twice")
 
 
 @dataclass
@@ -163,4 +199,12 @@ class AgentConfig:
         """Cross-field checks (the loader reports them as exit code 2)."""
         from agent.http import parse_address
 
+        if self.version != CONFIG_VERSION:
+            raise ValueError(f"version: {self.version} is not a config version this agent reads "
+                             f"(it reads version {CONFIG_VERSION})")
         parse_address(self.metrics_address)
+        if self.node_name:
+            try:
+                check_node_name(self.node_name)
+            except ValueError as exc:
+                raise ValueError(f"nodeName (--node-name, NODE_NAME): {exc}") from None

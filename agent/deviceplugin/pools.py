@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from dataclasses import dataclass, field
 
 from agent.config.model import DevicePluginConfig, PoolConfig, SelectorConfig
+from agent.config.resources import resource_name_problem
 from agent.topology.model import BusIdError, Gpu, Nic, Topology, Vf, normalize_bus_id
 
 log = logging.getLogger(__name__)
 
-# Extended resource names: a DNS-subdomain prefix (not kubernetes.io) and a name as SR-IOV DP allows it.
-_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_NAME = re.compile(r"^[a-zA-Z0-9_-]+$")
 _SOCKET_NAME_MAX = 40
 
 
@@ -102,14 +99,9 @@ def socket_name(resource_name: str) -> str:
 
 def check_resource_name(prefix: str, name: str) -> None:
     """Raise PoolConfigError unless `prefix/name` is an extended resource name the kubelet accepts."""
-    if not _NAME.match(name):
-        raise PoolConfigError(f"resource name {name!r} must match {_NAME.pattern}")
-    if not _PREFIX.match(prefix) or len(prefix) > 253:
-        raise PoolConfigError(f"resource prefix {prefix!r} is not a DNS subdomain")
-    if prefix == "kubernetes.io" or prefix.endswith(".kubernetes.io"):
-        raise PoolConfigError(f"resource prefix {prefix!r}: kubernetes.io names are not extended resources")
-    if len(name) > 63:
-        raise PoolConfigError(f"resource name {name!r} is longer than 63 characters")
+    problem = resource_name_problem(prefix, name)
+    if problem:
+        raise PoolConfigError(problem)
 
 
 def _pool_prefix(pool: PoolConfig, config: DevicePluginConfig) -> str:

@@ -79,7 +79,9 @@ class HealthService:
             if dcgm_port is not None else None
         self._saved = SavedHealth()
         registry.register(HealthCollector(self.assessor, resource_of,
-                                          lambda: self.kmsg.lost_records if self.kmsg else 0, self.dcgm))
+                                          lambda: self.kmsg.lost_records if self.kmsg else 0, self.dcgm,
+                                          kmsg_skipped=lambda: self.kmsg.skipped if self.kmsg else {},
+                                          kmsg_resyncs=lambda: self.kmsg.resyncs if self.kmsg else 0))
 
     @property
     def verdict(self) -> NodeVerdict:

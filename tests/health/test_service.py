@@ -20,6 +20,10 @@ def _xid_total(running, gpu, code: int) -> float | None:
     return running.registry.get_sample_value("gpu_node_agent_xid_errors_total", labels)
 
 
+def _skipped(running, reason: str) -> float | None:
+    return running.registry.get_sample_value("gpu_node_agent_kmsg_events_skipped_total", {"reason": reason})
+
+
 async def test_restart_does_not_replay_old_xids(node: SimulatedNode, kmsg_file: Path, start_service) -> None:
     gpus = node.topology().gpus
     kmsg_file.write_text(xid_record(1, "0000:1b:00", 13) + xid_record(2, "0000:43:00", 48))
@@ -82,11 +86,14 @@ async def test_other_line_forms_reach_the_right_gpu(node: SimulatedNode, kmsg_fi
                   "fallen off the bus and is not responding to commands.\n")
         log.write("3,3,3,-;NVRM: Xid (0000:9d:00): 13, Graphics Exception\n")
         log.write("3,4,4,-;NVRM: Xid (PCI:0000:ee:00): 79, GPU has fallen off the bus.\n")  # not one of ours
+        log.write("3,5,5,-;NVRM: Xid (GPU 7): 62, pid=1, PMU halt\n")  # no address at all: not one of ours either
     await wait_until(lambda: running.health().get(gpus[7].uuid) is False)
     await wait_until(lambda: running.health().get(gpus[5].uuid) is False)
     assert _xid_total(running, gpus[4], 13) == 1 and gpus[4].uuid not in running.health()
+    # a device that is not an address of this node is a logged skip, never a finding (issue 14)
+    await wait_until(lambda: _skipped(running, "foreign_device") == 2)
     stranger = {"gpu": "", "uuid": "", "pci_bus_id": "0000:ee:00.0", "xid": "79"}
-    assert running.registry.get_sample_value("gpu_node_agent_xid_errors_total", stranger) == 1
+    assert running.registry.get_sample_value("gpu_node_agent_xid_errors_total", stranger) is None
     assert running.service.verdict.verdict == "drain"
     assert running.registry.get_sample_value("gpu_node_agent_node_verdict", {"verdict": "drain"}) == 1
     assert running.registry.get_sample_value("gpu_node_agent_node_verdict", {"verdict": "healthy"}) == 0
@@ -194,3 +201,74 @@ async def test_degraded_findings_expire_after_the_hold(node: SimulatedNode, kmsg
     assert running.service.verdict.verdict == "degraded"
     now[0] += 2
     await wait_until(lambda: running.service.verdict.verdict == "healthy")
+
+
+# A GB200-style NVLink5 burst as NVIDIA's driver writes it: every NVRM line with KERN_CONT, so /dev/kmsg flags each
+# record `c` (the record form of NVIDIA/DCGM dcgmlib/src/tests/DcgmKmsgReaderTests.cpp). Message texts are verbatim
+# from public sources; only the bus addresses are swapped for four GPUs of the simulated dgx-h100:
+#   Xid 149 / 145: leptonai/gpud#1174 ("kmsg input" lines);
+#   Xid 154: NVIDIA/open-gpu-kernel-modules#1134 ("Xid 154 (Node Reboot Required)"), text form as in gpu-health.md;
+#   Xid 45 cascades: NVIDIA/open-gpu-kernel-modules#1150 (four GPUs, "caused by previous Xid 149/145");
+#   Xid 13 storm: leptonai/gpud components/accelerator/nvidia/error/xid/README.md (three lines in one second).
+_BURST = [
+    "NVRM: Xid (PCI:{a}): 149, NETIR_LINK_EVT Fatal XC0 i0 Link 00 (0x026001c6 0x00000000 0x00000000 0x00000000 "
+    "0x00000000 0x00000000)",
+    "NVRM: Xid (PCI:{b}): 149, NETIR_LINK_EVT Fatal XC0 i0 Link 00 (0x025001c6 0x00000000 0x00000000 0x00000000 "
+    "0x00000000 0x00000000)",
+    "NVRM: Xid (PCI:{a}): 154, GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)",
+    "NVRM: Xid (PCI:{b}): 154, GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)",
+    "NVRM: Xid (PCI:{a}): 45, pid=1818990, name=python3, Ch 00000001 caused by previous Xid 149",
+    "NVRM: Xid (PCI:{c}): 45, pid=1818992, name=python3, Ch 0000000c caused by previous Xid 145",
+    "NVRM: Xid (PCI:{d}): 45, pid=1818989, name=python3, Ch 00000002 caused by previous Xid 145",
+    "NVRM: Xid (PCI:{a}): 45, pid=1818990, name=python3, Ch 00000002 caused by previous Xid 149",
+    "NVRM: Xid (PCI:{c}): 13, pid='<unknown>', name=<unknown>, Graphics SM Warp Exception on (GPC 7, TPC 7, SM 0): "
+    "Illegal Instruction Parameter",
+    "NVRM: Xid (PCI:{c}): 13, pid='<unknown>', name=<unknown>, Graphics SM Global Exception on (GPC 7, TPC 7, SM 0): "
+    "Multiple Warp Errors",
+    "NVRM: Xid (PCI:{c}): 13, pid='<unknown>', name=<unknown>, Graphics Exception: ESR 0x57c730=0xc04000b "
+    "0x57c734=0x24 0x57c728=0x1f81fb60 0x57c72c=0x1174",
+]
+
+
+async def test_a_real_driver_burst_counts_every_xid_on_every_gpu(node: SimulatedNode, kmsg_file: Path,
+                                                                   start_service) -> None:
+    gpus = node.topology().gpus
+    a, b, c, d = gpus[0], gpus[1], gpus[2], gpus[3]
+    keys = {"a": a.bus_id[:-2], "b": b.bus_id[:-2], "c": c.bus_id[:-2], "d": d.bus_id[:-2]}
+    running = await start_service(node, fast_config(kmsg_file))
+    with kmsg_file.open("a") as log:
+        for seq, text in enumerate(_BURST, start=100):
+            log.write(f"4,{seq},{437812449 + seq},c;{text.format(**keys)}\n")
+    await wait_until(lambda: _xid_total(running, c, 13) == 3)
+    assert _xid_total(running, a, 149) == 1 and _xid_total(running, b, 149) == 1  # the second GPU is not lost
+    assert _xid_total(running, a, 154) == 1 and _xid_total(running, b, 154) == 1
+    assert _xid_total(running, a, 45) == 2 and _xid_total(running, c, 45) == 1 and _xid_total(running, d, 45) == 1
+    assert running.health() == {a.uuid: False, b.uuid: False}  # both fatal NVLink5 GPUs; cascades act on nothing
+    assert running.service.verdict.verdict == "drain"
+
+
+async def test_user_space_writes_and_dmesg_multiline_bus_loss(node: SimulatedNode, kmsg_file: Path,
+                                                            start_service) -> None:
+    gpus = node.topology().gpus
+    running = await start_service(node, fast_config(kmsg_file))
+    with kmsg_file.open("a") as log:
+        # facility LOG_USER: `echo ... > /dev/kmsg` from a container (NVSentinel's fault injector does exactly this)
+        log.write(f"12,1,1,-;NVRM: Xid (PCI:{gpus[0].bus_id[:-2]}): 79, GPU has fallen off the bus.\n")
+        # NVIDIA/NVSentinel#155: the dmesg form of the multi-line bus-loss message (no Xid line at all)
+        log.write(f"[ 1843.308145] NVRM: The NVIDIA GPU {gpus[6].bus_id}\n"
+                  "               NVRM: (PCI ID: 10de:26b5) installed in this system has\n"
+                  "               NVRM: fallen off the bus and is not responding to commands.\n"
+                  "[ 1843.439662] NVRM: The NVIDIA probe routine failed for 1 device(s).\n")
+    await wait_until(lambda: running.health().get(gpus[6].uuid) is False)
+    await wait_until(lambda: _skipped(running, "not_kernel") == 1)
+    assert gpus[0].uuid not in running.health()
+
+
+async def test_a_deeply_nested_state_file_is_ignored_not_a_crash_loop(node: SimulatedNode, kmsg_file: Path,
+                                                                     start_service) -> None:
+    state = kmsg_file.parent / "state"
+    state.mkdir(exist_ok=True)
+    (state / "health-state.json").write_text("[" * 100_000 + "]" * 100_000)
+    kmsg_file.write_text(xid_record(1, "0000:1b:00", 13))
+    running = await start_service(node, fast_config(kmsg_file))
+    assert _xid_total(running, node.topology().gpus[0], 13) == 1 and running.service.checks["kmsg"] == "ok"

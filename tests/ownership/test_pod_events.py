@@ -116,3 +116,16 @@ async def test_no_api_access_posts_nothing_and_still_names_the_holders() -> None
     await service.refresh()
     holders = await PodDeviceEvents(None, service).device_unhealthy(VF, "link down")
     assert [(h.pod, h.container) for h in holders] == [("trainer-0", "main")]
+
+
+async def test_a_pod_name_that_is_no_kubernetes_name_never_reaches_a_request_path(api: ApiServerDouble,
+                                                                                  port: LightkubeCluster) -> None:
+    records = DeviceRecords()
+    records.add_pod("../../nodes", "x", ["main"])  # what a broken or hostile kubelet reply could carry
+    records.record("../../nodes", "x", "main", NIC, [VF])
+    service = OwnershipService(InMemoryPodResources(records))
+    await service.refresh()
+    notifier = PodDeviceEvents(port, service)
+    await notifier.device_unhealthy(VF, "link down")
+    assert notifier.posted == 0 and not api.events
+    assert not [r for r in api.requests if "events" in r.path]

@@ -56,7 +56,7 @@ def test_subprocesses_run_only_in_the_host_ports_and_the_iptables_port():
 SOURCES = ("agent.topology", "agent.host", "agent.simulate.profiles", "agent.simulate.sysfs_writer",
            "agent.simulate.sysfs_tree", "agent.config", "agent.events")
 CONSUMERS = ("agent.deviceplugin", "agent.health", "agent.remediation", "agent.netacct", "agent.kube", "agent.app",
-             "agent.subsystems", "agent.cli")
+             "agent.wiring", "agent.cli")
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -95,3 +95,14 @@ def test_the_model_takes_plain_data_from_the_host_ports():
 def test_nothing_but_the_entry_points_reads_the_environment():
     readers = {m for m in MODULES if "os.environ" in (AGENT.parent / (m.replace(".", "/") + ".py")).read_text()}
     assert readers <= {"agent.cli"}
+
+
+def test_only_the_cli_imports_the_app_and_only_the_app_imports_the_wiring():
+    assert _importers("agent.app") <= {"agent.cli"}
+    assert _importers("agent.wiring") <= {"agent.app"}
+
+
+def test_the_supervisor_and_the_clock_sit_below_every_subsystem():
+    for module in ("agent.supervisor", "agent.clock", "agent.kube.reflector"):
+        agent_imports = {name for name in MODULES[module] if name.startswith("agent")}
+        assert agent_imports <= {"agent.clock", "agent.supervisor", "agent.kube.errors", "agent.kube.model"}, module

@@ -14,15 +14,16 @@ import contextlib
 import logging
 import os
 import stat
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from agent import aio
+from agent.clock import SYSTEM_CLOCK, Clock
 from agent.deviceplugin.server import DevicePlugin
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.supervisor import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,8 @@ async def register(kubelet_socket: str, endpoint: str, resource_name: str, timeo
 @dataclass
 class _Entry:
     server: PluginServer
+    backoff: Backoff
     registered_with: tuple[int, int] | None = None  # kubelet.sock identity at the last good Register
-    failures: int = 0
     next_try: float = 0.0
     last_error: str = ""
 
@@ -124,8 +125,9 @@ class KubeletLink:
     """Keeps a changing set of plugin servers served and registered with the kubelet in `directory`."""
 
     def __init__(self, directory: str, *, poll_interval: float = 1.0, register_timeout: float = 10.0,
-                 backoff_initial: float = 0.5, backoff_max: float = 30.0) -> None:
+                 backoff_initial: float = 0.5, backoff_max: float = 30.0, clock: Clock = SYSTEM_CLOCK) -> None:
         self.directory = directory
+        self.clock = clock
         self.kubelet_socket = check_socket_path(Path(directory) / KUBELET_SOCKET)
         self.poll_interval = poll_interval
         self.register_timeout = register_timeout
@@ -146,7 +148,8 @@ class KubeletLink:
         name = servicer.resource_name
         if name in self._entries:
             raise ValueError(f"{name} is already served")
-        self._entries[name] = _Entry(PluginServer(servicer, self.directory, endpoint))
+        self._entries[name] = _Entry(PluginServer(servicer, self.directory, endpoint),
+                                     Backoff(self.backoff_initial, max(self.backoff_initial, self.backoff_max)))
         self.registered.clear()
         self._wake.set()
 
@@ -189,13 +192,12 @@ class KubeletLink:
             except Exception:
                 log.exception("device-plugin kubelet loop failed; retrying")
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._next_wait())
+            await self.clock.wait(self._wake, self._next_wait())
 
     def _next_wait(self) -> float:
         if not self._present:
             return self.poll_interval
-        now = time.monotonic()
+        now = self.clock.monotonic()
         waits = [e.next_try - now for e in self._entries.values() if e.registered_with != self._kubelet]
         return max(0.0, min([self.poll_interval, *waits]))
 
@@ -213,7 +215,8 @@ class KubeletLink:
             self._set_state("present", "kubelet socket %s found; registering", self.kubelet_socket)
         if kubelet != self._kubelet:
             for entry in self._entries.values():  # a new kubelet: retry at once, not after the backoff
-                entry.failures, entry.next_try = 0, 0.0
+                entry.backoff.reset()
+                entry.next_try = 0.0
         if self._kubelet is not None and kubelet != self._kubelet:
             log.info("kubelet restarted (%s was replaced); re-serving and re-registering",
                      self.kubelet_socket)
@@ -222,7 +225,7 @@ class KubeletLink:
                 await entry.server.stop()
         self._kubelet = kubelet
         for name, entry in list(self._entries.items()):
-            if time.monotonic() < entry.next_try:
+            if self.clock.monotonic() < entry.next_try:
                 continue
             if not entry.server.serving:
                 if entry.registered_with is not None:
@@ -238,9 +241,7 @@ class KubeletLink:
         self._update_ready()
 
     def _failed(self, name: str, entry: _Entry, error: str) -> None:
-        entry.failures += 1
-        delay = min(self.backoff_max, self.backoff_initial * 2 ** (entry.failures - 1))
-        entry.next_try = time.monotonic() + delay
+        entry.next_try = self.clock.monotonic() + entry.backoff.next()
         if error != entry.last_error:
             log.warning("%s: %s; retrying with backoff", name, error)
         entry.last_error = error
@@ -253,7 +254,8 @@ class KubeletLink:
             self._failed(name, entry, f"Register with the kubelet failed: {detail}")
             return
         entry.registered_with = kubelet
-        entry.failures, entry.next_try, entry.last_error = 0, 0.0, ""
+        entry.backoff.reset()
+        entry.next_try, entry.last_error = 0.0, ""
         self.registrations += 1
         log.info("%s: registered with the kubelet (endpoint %s)", name, entry.server.endpoint)
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
 from agent import aio
+from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config.model import DevicePluginConfig
 from agent.deviceplugin.admission import DEFAULT_TTL_S
 from agent.deviceplugin.allocate import AllocateOptions
@@ -46,19 +45,19 @@ class DevicePluginManager:
                  poll_interval: float = 1.0, register_timeout: float = 10.0,
                  backoff_initial: float = 0.5, backoff_max: float = 30.0,
                  policy: PreferencePolicy | None = None, registry: CollectorRegistry | None = None,
-                 admission_ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 admission_ttl_s: float = DEFAULT_TTL_S, clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
         self.health_events: asyncio.Queue[DeviceHealthEvent] = health_events or asyncio.Queue()
         self._options = AllocateOptions.from_config(config)
         self._plugins: dict[str, DevicePlugin] = {}
         self.metrics = AllocationMetrics(registry)
         self.allocator = JointAllocator(self._plugins.values, metrics=self.metrics, ttl_s=admission_ttl_s,
-                                        clock=clock)
+                                        clock=clock.monotonic)
         self._policy = policy or self.allocator.prefer
         self._topology = topology
         self._link = KubeletLink(config.device_plugin_dir, poll_interval=poll_interval,
                                  register_timeout=register_timeout, backoff_initial=backoff_initial,
-                                 backoff_max=backoff_max)
+                                 backoff_max=backoff_max, clock=clock)
         self._unhealthy: dict[str, str] = {}  # device ID -> reason, across rescans and resources
         self._skipped: tuple[str, ...] = ()
         self._empty: tuple[str, ...] = ()

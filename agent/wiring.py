@@ -66,6 +66,7 @@ class ClusterPort:
         self.in_cluster = service_account_token.is_file()
         self.in_memory = cfg.topology.simulate is not None and not cfg.api_server.kubeconfig and not self.in_cluster
         self.opened: Cluster | None = None
+        self._failure: Exception | None = None
 
     @property
     def node_name(self) -> str:
@@ -83,11 +84,17 @@ class ClusterPort:
     def get(self) -> Cluster:
         """The client; `ClusterConfigError` without a node name (a real cluster only) or without credentials."""
         if self.opened is None:
-            from agent.kube import open_cluster
+            from agent.kube import ClusterConfigError, open_cluster
 
+            if self._failure is not None:  # every user hears the same answer; the client is made once
+                raise self._failure
             api = self._cfg.api_server
-            self.opened = open_cluster(self.node_name, self._registry, in_memory=self.in_memory,
-                                       kubeconfig=api.kubeconfig, timeout=api.timeout_seconds)
+            try:
+                self.opened = open_cluster(self.node_name, self._registry, in_memory=self.in_memory,
+                                           kubeconfig=api.kubeconfig, timeout=api.timeout_seconds)
+            except ClusterConfigError as exc:
+                self._failure = exc
+                raise
         return self.opened
 
     async def aclose(self) -> None:

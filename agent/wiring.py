@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from agent import aio
 from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config import AgentConfig
+from agent.events import DeviceHealthEvent
 from agent.host.hardware import Hardware
 from agent.http import Readiness
 from agent.supervisor import RunFn, StartupError
@@ -29,6 +30,7 @@ from agent.topology.model import Topology
 
 if TYPE_CHECKING:
     from agent.deviceplugin.manager import DevicePluginManager
+    from agent.dra.service import DraService
     from agent.kube.port import Cluster
     from agent.netacct.service import NetacctService
     from agent.ownership.subsystem import OwnershipSubsystem
@@ -204,11 +206,55 @@ def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegis
     return manager, Subsystem("device-plugin", run, manager.update_topology), kubelet
 
 
+def dra(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, cluster: ClusterPort,
+        scratch: Path) -> tuple[DraService, Subsystem]:
+    """The DRA driver: this node's ResourceSlices and the kubelet DRA plugin. On a simulated node without kubelet
+    directories, the sockets and CDI specs go to the scratch directory."""
+    from agent.config.model import AgentConfig as _Defaults
+    from agent.dra.service import DraService
+    from agent.dra.sockets import SocketPathError
+    from agent.kube.errors import ClusterConfigError
+
+    dc = cfg.dra
+    state_dir = Path(cfg.state_dir)
+    if hardware.simulated is not None:
+        if not Path(dc.plugin_registry_dir).is_dir():
+            dc = dataclasses.replace(dc, plugin_registry_dir=str(scratch / "plugins_registry"),
+                                     plugin_dir=str(scratch / "dra"), cdi_spec_dir=str(scratch / "cdi"))
+        if cfg.state_dir == _Defaults().state_dir:
+            state_dir = scratch / "state"
+    try:
+        service = DraService(dc, cluster.get(), hardware.topology, state_dir, registry)
+    except (SocketPathError, ClusterConfigError) as exc:
+        raise StartupError(f"dra: {exc}") from exc
+
+    async def on_topology(topology: Topology) -> None:
+        service.update_topology(topology)
+
+    return service, Subsystem("dra", service.run, on_topology)
+
+
+def device_plugin_beside_dra(cfg: AgentConfig) -> AgentConfig:
+    """With --dra the device plugin serves only what DRA does not (two APIs for one device over-commit it)."""
+    dp, dc = cfg.device_plugin, cfg.dra
+    if not dc.enabled or not dp.enabled:
+        return cfg
+    serve_gpus = bool(dp.serve_gpus) and not dc.gpus
+    pools = [] if dc.rdma else dp.pools
+    if not serve_gpus and not pools:
+        log.info("DRA serves GPUs and RDMA functions; the device plugin is off")
+        return dataclasses.replace(cfg, device_plugin=dataclasses.replace(dp, enabled=False))
+    log.info("DRA serves %s; the device plugin serves the rest", " and ".join(
+        k for k, on in (("GPUs", dc.gpus), ("RDMA functions", dc.rdma)) if on))
+    return dataclasses.replace(cfg, device_plugin=dataclasses.replace(dp, serve_gpus=serve_gpus, pools=pools))
+
+
 def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, readiness: Readiness,
            manager: DevicePluginManager | None, verdicts: asyncio.Queue[Any],
-           scratch: Path, device_health_copies: Sequence[asyncio.Queue[Any]] = ()) -> Subsystem:
-    """GPU and NIC health: device health to the device plugin (and a copy onto each of `device_health_copies`,
-    e.g. pod Events), node verdicts onto `verdicts` for remediation."""
+           scratch: Path, dra: DraService | None = None,
+           device_health_copies: Sequence[asyncio.Queue[DeviceHealthEvent]] = ()) -> Subsystem:
+    """GPU and NIC health: device health to the device plugin and the DRA driver (and a copy onto each of
+    `device_health_copies`: pod Events), node verdicts onto `verdicts` for remediation."""
     from agent.config.model import AgentConfig as _Defaults
     from agent.health.service import HealthService
 
@@ -219,8 +265,7 @@ def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *,
             hc = dataclasses.replace(hc, kmsg="")
         if cfg.state_dir == _Defaults().state_dir:  # a newcomer's laptop: no root-owned state dir
             state_dir = scratch / "state"
-    consumers = [*([manager.health_events] if manager is not None else []), *device_health_copies]
-    events: asyncio.Queue[Any] = consumers[0] if len(consumers) == 1 else asyncio.Queue()  # else copied below
+    events: asyncio.Queue[DeviceHealthEvent] = asyncio.Queue()
 
     def resource_of(device_id: str) -> str | None:
         if manager is None:
@@ -240,7 +285,7 @@ def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *,
 
     async def run(stop: asyncio.Event) -> None:
         feeder = asyncio.create_task(feed_remediation())
-        drain = None if len(consumers) == 1 else asyncio.create_task(_copy(events, consumers))
+        drain = asyncio.create_task(_deliver(events, manager, dra, device_health_copies))
         try:
             await service.run(stop)
         finally:
@@ -252,12 +297,18 @@ def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *,
     return Subsystem("health", run, on_topology)
 
 
-async def _copy(queue: asyncio.Queue[Any], consumers: Sequence[asyncio.Queue[Any]]) -> None:
-    """Device-health events to every consumer (device plugin, pod Events); with none they are dropped."""
+async def _deliver(queue: asyncio.Queue[DeviceHealthEvent], manager: DevicePluginManager | None,
+                   dra: DraService | None, copies: Sequence[asyncio.Queue[DeviceHealthEvent]] = ()) -> None:
+    """Device-health events to whoever serves devices: the device plugin, the DRA driver, both or none (then
+    dropped, not queued forever); and a copy to each of `copies` (pod Events)."""
     while True:
         event = await queue.get()
-        for consumer in consumers:
-            consumer.put_nowait(event)
+        if manager is not None:
+            manager.health_events.put_nowait(event)
+        if dra is not None:
+            dra.set_device_health(event.device_id, event.healthy, event.reason)
+        for copy in copies:
+            copy.put_nowait(event)
 
 
 def ownership(cfg: AgentConfig, registry: CollectorRegistry, cluster: ClusterPort,
@@ -336,6 +387,7 @@ class Wiring:
     subsystems: list[Subsystem] = field(default_factory=list)
     device_plugin: DevicePluginManager | None = None
     ownership: OwnershipSubsystem | None = None
+    dra: DraService | None = None
     remediation: RemediationService | None = None
     netacct: NetacctService | None = None
 
@@ -354,17 +406,21 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
     """Every enabled subsystem, in the order data flows. Raises `StartupError` for a config that cannot run."""
     wiring = Wiring(cluster or ClusterPort(cfg, registry))
     verdicts: asyncio.Queue[Any] = asyncio.Queue()  # node verdicts, health -> remediation
+    cfg = device_plugin_beside_dra(cfg)
     kubelet = None
     if cfg.device_plugin.enabled:
         wiring.device_plugin, served, kubelet = device_plugin(cfg, hardware, registry, readiness=readiness,
                                                               scratch=scratch)
         wiring.subsystems.append(served)
+    if cfg.dra.enabled:
+        wiring.dra, driver = dra(cfg, hardware, registry, cluster=wiring.cluster, scratch=scratch)
+        wiring.subsystems.append(driver)
     if cfg.pod_resources.socket:
         wiring.ownership = ownership(cfg, registry, wiring.cluster, kubelet)
         wiring.subsystems.append(Subsystem("ownership", wiring.ownership.run))
     copies = [wiring.ownership.health_changes] if wiring.ownership is not None else []
     wiring.subsystems.append(health(cfg, hardware, registry, readiness=readiness, manager=wiring.device_plugin,
-                                    verdicts=verdicts, scratch=scratch, device_health_copies=copies))
+                                    verdicts=verdicts, scratch=scratch, dra=wiring.dra, device_health_copies=copies))
     if cfg.remediation.enabled or wiring.cluster.in_memory:  # the in-memory node: remediation is part of the demo
         wiring.remediation = remediation(cfg, hardware, registry, verdicts=verdicts, cluster=wiring.cluster)
         wiring.subsystems.append(Subsystem("remediation", wiring.remediation.run))

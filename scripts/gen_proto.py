@@ -1,21 +1,20 @@
 #!/usr/bin/env python3
-"""Regenerate the committed kubelet gRPC Python stubs (device plugin v1beta1, PodResources v1).
+"""Regenerate the committed Python stubs of the kubelet gRPC APIs the agent speaks.
 
-Why this exists: the generated code in ``agent/deviceplugin/v1beta1`` and ``agent/host/podresources/v1``
-is committed so that the agent installs without a protobuf compiler, and ``tests/test_proto.py``
-regenerates it to catch drift between the ``proto/`` sources and the committed stubs. Both must use the
-same generator, so this script refuses to run unless the installed grpcio-tools is exactly the
+Why this exists: the generated code (``agent/deviceplugin/v1beta1``, ``agent/dra/v1``, ``agent/dra/v1beta1``,
+``agent/dra/health/v1alpha1``, ``agent/pluginregistration/v1``, ``agent/host/podresources/v1``) is committed
+so that the agent installs without a protobuf compiler, and ``tests/test_proto.py`` regenerates it to catch
+drift between the protos under ``proto/`` and the committed stubs. Both must use the same generator, so this script refuses to run unless the installed grpcio-tools is exactly the
 version pinned in ``pyproject.toml`` (the ``test`` extra): a different version emits different
 code and a different runtime-version guard.
 
-Each proto is staged in a temporary include root under the package path of its stubs (e.g.
-``agent/deviceplugin/v1beta1/api.proto``) so that protoc emits package-absolute imports
-(``from agent.deviceplugin.v1beta1 import api_pb2``).
+Each proto is staged in a temporary include root at its package path (``agent/dra/v1/api.proto``) so
+that protoc emits package-absolute imports (``from agent.dra.v1 import api_pb2``).
 
 Usage::
 
     python scripts/gen_proto.py              # rewrite the committed files in the repo
-    python scripts/gen_proto.py --out DIR    # write DIR/agent/.../api_pb2*.py[i] for every proto
+    python scripts/gen_proto.py --out DIR    # write DIR/agent/<package>/api_pb2*.py[i] for every proto
 """
 
 from __future__ import annotations
@@ -35,14 +34,17 @@ from pathlib import Path
 log = logging.getLogger("gen_proto")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# proto source (relative to the repository) -> its path inside the staged include root, which decides the
-# generated module's package.
+# proto source under proto/ -> package directory of its stubs (the staged path; it decides the module names)
 PROTOS: dict[Path, Path] = {
-    Path("proto", "deviceplugin", "v1beta1", "api.proto"): Path("agent", "deviceplugin", "v1beta1", "api.proto"),
-    Path("proto", "podresources", "v1", "api.proto"): Path("agent", "host", "podresources", "v1", "api.proto"),
+    Path("deviceplugin", "v1beta1", "api.proto"): Path("agent", "deviceplugin", "v1beta1"),
+    Path("dra", "v1", "api.proto"): Path("agent", "dra", "v1"),
+    Path("dra", "v1beta1", "api.proto"): Path("agent", "dra", "v1beta1"),
+    Path("dra", "health", "v1alpha1", "api.proto"): Path("agent", "dra", "health", "v1alpha1"),
+    Path("pluginregistration", "v1", "api.proto"): Path("agent", "pluginregistration", "v1"),
+    Path("podresources", "v1", "api.proto"): Path("agent", "host", "podresources", "v1"),
 }
 GENERATED_FILES: tuple[Path, ...] = tuple(
-    virtual.parent / name for virtual in PROTOS.values() for name in ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py"))
+    package / name for package in PROTOS.values() for name in ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py"))
 TOOLS_DIST = "grpcio-tools"
 
 
@@ -79,22 +81,20 @@ def check_tools_version(pinned: str) -> str:
     return installed
 
 
-def generate(out_root: Path, protos: dict[Path, Path] | None = None) -> list[Path]:
-    """Run protoc on every proto (source -> staged path) and write the stubs under ``out_root``."""
+def generate(out_root: Path, proto_root: Path = REPO_ROOT / "proto") -> list[Path]:
+    """Run protoc on every proto in ``PROTOS`` and write the stubs under ``out_root``; return the written paths."""
     check_tools_version(pinned_tools_version())
     from grpc_tools import protoc  # imported after the version check so a wrong version fails clearly
 
-    protos = PROTOS if protos is None else protos
     out_root.mkdir(parents=True, exist_ok=True)
     well_known = resources.files("grpc_tools") / "_proto"
-    written: list[Path] = []
-    for source, virtual in protos.items():
-        proto = source if source.is_absolute() else REPO_ROOT / source
+    for source, package in PROTOS.items():
+        proto = proto_root / source
         if not proto.is_file():
             raise GenerationError(f"proto source not found: {proto}")
         with tempfile.TemporaryDirectory(prefix="gen_proto_") as staging:
             include_root = Path(staging)
-            staged = include_root / virtual
+            staged = include_root / package / "api.proto"
             staged.parent.mkdir(parents=True)
             shutil.copyfile(proto, staged)
             argv = [
@@ -110,11 +110,10 @@ def generate(out_root: Path, protos: dict[Path, Path] | None = None) -> list[Pat
             rc = protoc.main(argv)
         if rc != 0:
             raise GenerationError(f"protoc failed on {source} with exit status {rc} (see its messages above)")
-        outputs = [out_root / virtual.parent / name for name in ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py")]
-        missing = [str(p) for p in outputs if not p.is_file()]
-        if missing:
-            raise GenerationError(f"protoc did not produce: {', '.join(missing)}")
-        written.extend(outputs)
+    written = [out_root / rel for rel in GENERATED_FILES]
+    missing = [str(p) for p in written if not p.is_file()]
+    if missing:
+        raise GenerationError(f"protoc did not produce: {', '.join(missing)}")
     return written
 
 

@@ -55,8 +55,8 @@ def test_subprocesses_run_only_in_the_host_ports_and_the_iptables_port():
 
 SOURCES = ("agent.topology", "agent.host", "agent.simulate.profiles", "agent.simulate.sysfs_writer",
            "agent.simulate.sysfs_tree", "agent.config", "agent.events")
-CONSUMERS = ("agent.deviceplugin", "agent.health", "agent.remediation", "agent.netacct", "agent.kube", "agent.app",
-             "agent.wiring", "agent.cli")
+CONSUMERS = ("agent.deviceplugin", "agent.dra", "agent.health", "agent.remediation", "agent.netacct", "agent.kube",
+             "agent.app", "agent.wiring", "agent.cli")
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -69,10 +69,12 @@ def test_sources_never_import_consumers(source):
 
 
 @pytest.mark.parametrize(("package", "forbidden"), [
-    ("agent.kube", ("agent.remediation", "agent.netacct", "agent.health", "agent.deviceplugin")),
+    ("agent.kube", ("agent.remediation", "agent.netacct", "agent.health", "agent.deviceplugin", "agent.dra")),
+    # the DRA driver reads the topology and the API; it shares no code with the device plugin or health
+    ("agent.dra", ("agent.deviceplugin", "agent.health", "agent.remediation", "agent.netacct")),
     ("agent.remediation", ("agent.netacct", "agent.health", "agent.deviceplugin")),
     ("agent.netacct", ("agent.remediation", "agent.health", "agent.deviceplugin")),
-    ("agent.deviceplugin", ("agent.remediation", "agent.netacct", "agent.health", "agent.kube")),
+    ("agent.deviceplugin", ("agent.remediation", "agent.netacct", "agent.health", "agent.kube", "agent.dra")),
     # health publishes events (agent.events) and verdicts; it never reaches into the subsystems acting on them
     ("agent.health", ("agent.deviceplugin", "agent.remediation", "agent.netacct", "agent.kube")),
 ])

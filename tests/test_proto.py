@@ -1,10 +1,9 @@
-"""Guards for the kubelet device-plugin v1beta1 wire contract and the committed generated code of every proto.
+"""Guards for the kubelet device-plugin v1beta1 wire contract and its committed generated code.
 
 Why this exists: the kubelet talks to the agent only through ``v1beta1.Registration`` and
 ``v1beta1.DevicePlugin``; a renamed field, a changed number or a lost ``stream`` breaks the node
 silently. These tests pin (a) that the committed stubs are exactly what the pinned grpcio-tools
-generates from ``proto/`` (v1beta1 and PodResources v1, whose schema is pinned in
-``test_proto_podresources.py``), (b) the schema itself against a table
+generates from ``proto/deviceplugin/v1beta1/api.proto``, (b) the schema itself against a table
 transcribed from the reference (``kubelet-device-plugin.md`` section 1) and (c) that the stubs
 really serve over a unix socket with grpc.aio, as the kubelet dials them.
 """
@@ -30,13 +29,11 @@ log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GEN_SCRIPT = REPO_ROOT / "scripts" / "gen_proto.py"
-GENERATED = (
-    Path("agent/deviceplugin/v1beta1/api_pb2.py"),
-    Path("agent/deviceplugin/v1beta1/api_pb2.pyi"),
-    Path("agent/deviceplugin/v1beta1/api_pb2_grpc.py"),
-    Path("agent/host/podresources/v1/api_pb2.py"),
-    Path("agent/host/podresources/v1/api_pb2.pyi"),
-    Path("agent/host/podresources/v1/api_pb2_grpc.py"),
+GENERATED = tuple(
+    Path(package, name)
+    for package in ("agent/deviceplugin/v1beta1", "agent/dra/v1", "agent/dra/v1beta1", "agent/dra/health/v1alpha1",
+                    "agent/pluginregistration/v1", "agent/host/podresources/v1")
+    for name in ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py")
 )
 
 # --- (a) committed code matches the generator --------------------------------------------------

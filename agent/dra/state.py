@@ -1,0 +1,90 @@
+"""What this node has prepared, persisted so unprepare works in a new process when the claim is gone.
+
+The kubelet retries both calls and may send `NodeUnprepareResources` after an agent restart with nothing but
+namespace, UID and name, often after the claim was deleted with its pod. So each prepared claim is written to
+`<state dir>/dra-prepared.json` (one JSON object keyed by claim UID, replaced atomically) before the answer
+goes back; it also lets prepare refuse a device already prepared for another claim.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+FILE_NAME = "dra-prepared.json"
+
+
+@dataclass(frozen=True)
+class PreparedDevice:
+    """One device as returned to the kubelet."""
+
+    requests: tuple[str, ...]
+    pool: str
+    device: str
+    cdi_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PreparedClaim:
+    """A claim prepared on this node."""
+
+    namespace: str
+    name: str
+    devices: tuple[PreparedDevice, ...]
+
+
+class PreparedStore:
+    """The prepared claims, in memory and in one JSON file."""
+
+    def __init__(self, state_dir: Path | str) -> None:
+        self.path = Path(state_dir) / FILE_NAME
+        self.claims: dict[str, PreparedClaim] = self._load()
+
+    def _load(self) -> dict[str, PreparedClaim]:
+        try:
+            raw = json.loads(self.path.read_text())
+            return {uid: PreparedClaim(c["namespace"], c["name"], tuple(
+                PreparedDevice(tuple(d["requests"]), d["pool"], d["device"], tuple(d["cdi_ids"]))
+                for d in c["devices"])) for uid, c in raw.items()}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            # a broken file must not stop prepare; what it held can no longer be refused or cleaned up by uid
+            log.error("DRA: prepared-claims state %s is unreadable (%s); starting empty", self.path, exc)
+            return {}
+
+    def owner(self, pool: str, device: str) -> str | None:
+        """The UID of the claim holding this device, if any."""
+        return next((uid for uid, claim in self.claims.items()
+                     if any(d.pool == pool and d.device == device for d in claim.devices)), None)
+
+    def put(self, uid: str, claim: PreparedClaim) -> None:
+        """Record a prepared claim (written before returning)."""
+        self.claims[uid] = claim
+        self._save()
+
+    def remove(self, uid: str) -> PreparedClaim | None:
+        """Forget a claim; the removed record or None."""
+        claim = self.claims.pop(uid, None)
+        if claim is not None:
+            self._save()
+        return claim
+
+    def _save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=".dra-prepared-", suffix=".part")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                json.dump({uid: asdict(claim) for uid, claim in self.claims.items()}, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, self.path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise

@@ -135,7 +135,7 @@ def rescans(hardware: Hardware, rescan: asyncio.Event, interval: float,
 async def _show_sample_allocations(kubelet: LocalKubelet, manager: DevicePluginManager,
                                    topology: Topology) -> None:
     """Simulate mode: admit a few containers through the stand-in kubelet and log what they got, and how close."""
-    from agent.deviceplugin.allocation import achieved_levels
+    from agent.placement.policy import achieved_levels
 
     resources = sorted(manager.resources)
     gpu_resources = [r for r in resources if manager.plugin(r).pool.kind == "gpu"]
@@ -165,8 +165,8 @@ def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegis
                   ) -> tuple[DevicePluginManager, Subsystem, LocalKubelet | None]:
     """Serve the device-plugin resources; in simulate mode bring a stand-in kubelet when none is there (returned,
     so that device ownership reads its records)."""
-    from agent.deviceplugin.kubelet import SocketPathError
     from agent.deviceplugin.manager import DevicePluginManager
+    from agent.deviceplugin.registration import SocketPathError
     from agent.simulate.kubelet import LocalKubelet
 
     dp = cfg.device_plugin

@@ -54,7 +54,7 @@ def test_subprocesses_run_only_in_the_host_ports_and_the_iptables_port():
 
 
 SOURCES = ("agent.topology", "agent.host", "agent.simulate.profiles", "agent.simulate.sysfs_writer",
-           "agent.simulate.sysfs_tree", "agent.config", "agent.events")
+           "agent.simulate.sysfs_tree", "agent.config", "agent.events", "agent.placement")
 CONSUMERS = ("agent.deviceplugin", "agent.dra", "agent.health", "agent.remediation", "agent.netacct", "agent.kube",
              "agent.app", "agent.wiring", "agent.cli")
 
@@ -92,6 +92,19 @@ def test_the_model_takes_plain_data_from_the_host_ports():
             bad = {name for name in imports if name == "agent.host.nvml" or name.startswith("agent.host.nvml.")}
             assert not bad, f"{module} imports {bad}"
     assert not any(name.startswith("agent.topology") for name in MODULES["agent.host.nvml.real"])
+
+
+def test_placement_is_pure_policy_over_the_topology():
+    """deviceplugin -> placement -> topology, never back: the servicer hands plain data in.
+
+    Of the host ports only the pure bus-id helpers: placement does no I/O.
+    """
+    for module, imports in MODULES.items():
+        if module.startswith("agent.placement."):
+            ours = {name for name in imports if name == "agent" or name.startswith("agent.")}
+            bad = {name for name in ours
+                   if not name.startswith(("agent.placement.", "agent.topology.")) and name != "agent.host.busid"}
+            assert not bad, f"{module} imports {bad}"
 
 
 def test_nothing_but_the_entry_points_reads_the_environment():

@@ -1,7 +1,8 @@
 """Prepare and unprepare claims: read the claim, check its devices, write the CDI spec, remember it.
 
 The rules the kubelet plugin helper enforces (`/work/shared/reference/dra.md` section 2), for a driver not in Go:
-one call at a time (an asyncio lock: the kubelet may call again while a slow API read is in flight); both
+one call at a time (an asyncio lock: the kubelet may call again while a slow API read is in flight; and a file
+lock in the state dir, re-reading the record under it, for a second agent process in a rolling update); both
 calls idempotent (a claim already prepared answers from the record, its spec rewritten if the runtime's
 directory lost it); the record persisted before the answer; a device prepared for another claim, a device of
 another node's pool, and a device this node does not have are refused with an error for that claim only.
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from agent.dra.cdi import CdiError, CdiSpecs
 from agent.dra.claims import AllocatedDevice, ClaimError, ClaimRef, allocated_devices
 from agent.dra.devices import DraDevice
-from agent.dra.state import PreparedClaim, PreparedDevice, PreparedStore
+from agent.dra.state import LockTimeout, PreparedClaim, PreparedDevice, PreparedStore, serialized
 from agent.kube.errors import ApiError, ApiNotFound
 from agent.kube.port import ResourceClaimApi
 
@@ -50,18 +51,23 @@ class ClaimPreparer:
 
     async def prepare(self, refs: list[ClaimRef]) -> dict[str, Outcome]:
         """One outcome per claim UID; never raises for a bad claim."""
-        async with self._lock:
-            outcomes = {ref.uid: await self._guard(self._prepare_one, ref) for ref in refs}
-        for outcome in outcomes.values():
-            self._observe("prepare", not outcome.error)
-        return outcomes
+        return await self._serialized("prepare", self._prepare_one, refs)
 
     async def unprepare(self, refs: list[ClaimRef]) -> dict[str, Outcome]:
         """One outcome per claim UID; unknown claims succeed (the kubelet retries after restarts)."""
-        async with self._lock:
-            outcomes = {ref.uid: await self._guard(self._unprepare_one, ref) for ref in refs}
+        return await self._serialized("unprepare", self._unprepare_one, refs)
+
+    async def _serialized(self, call: str, one: Callable[[ClaimRef], Awaitable[Outcome]],
+                          refs: list[ClaimRef]) -> dict[str, Outcome]:
+        try:
+            async with self._lock, serialized(self.store.lock_path):
+                self.store.reload()
+                outcomes = {ref.uid: await self._guard(one, ref) for ref in refs}
+        except LockTimeout as exc:  # the kubelet retries; every claim says why
+            log.error("DRA: %s: %s", call, exc)
+            outcomes = {ref.uid: Outcome(error=str(exc)) for ref in refs}
         for outcome in outcomes.values():
-            self._observe("unprepare", not outcome.error)
+            self._observe(call, not outcome.error)
         return outcomes
 
     async def _guard(self, call: Callable[[ClaimRef], Awaitable[Outcome]], ref: ClaimRef) -> Outcome:

@@ -4,20 +4,58 @@ The kubelet retries both calls and may send `NodeUnprepareResources` after an ag
 namespace, UID and name, often after the claim was deleted with its pod. So each prepared claim is written to
 `<state dir>/dra-prepared.json` (one JSON object keyed by claim UID, replaced atomically) before the answer
 goes back; it also lets prepare refuse a device already prepared for another claim.
+
+During a rolling update two agent processes serve the same node for a while, so every call holds
+`serialize.lock` (an exclusive `flock`, as the Go helper's rolling-update mode does) and reads the record again
+under it before acting.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import tempfile
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 FILE_NAME = "dra-prepared.json"
+LOCK_NAME = "serialize.lock"
+LOCK_POLL_SECONDS = 0.02
+
+
+class LockTimeout(OSError):
+    """Another process held the serialize lock for longer than a kubelet call may take."""
+
+
+@contextlib.asynccontextmanager
+async def serialized(path: Path, timeout: float = 40.0) -> AsyncIterator[None]:
+    """Hold an exclusive flock on `path` without blocking the event loop (non-blocking attempts, polled)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if loop.time() > deadline:
+                    raise LockTimeout(f"{path} held by another process for {timeout:.0f} s") from None
+                await asyncio.sleep(LOCK_POLL_SECONDS)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -44,7 +82,12 @@ class PreparedStore:
 
     def __init__(self, state_dir: Path | str) -> None:
         self.path = Path(state_dir) / FILE_NAME
+        self.lock_path = Path(state_dir) / LOCK_NAME
         self.claims: dict[str, PreparedClaim] = self._load()
+
+    def reload(self) -> None:
+        """Read the record again (another process may have written it)."""
+        self.claims = self._load()
 
     def _load(self) -> dict[str, PreparedClaim]:
         try:

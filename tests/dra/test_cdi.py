@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agent.config.model import DevicePluginConfig
-from agent.deviceplugin.allocate import AllocateOptions, build_container_payload
+from agent.deviceplugin.payload import AllocateOptions, build_container_payload
 from agent.deviceplugin.pools import build_pools
 from agent.dra.cdi import CdiError, CdiSpecs
 from agent.dra.devices import node_devices

@@ -247,3 +247,19 @@ async def test_api_errors_are_retried_and_slices_come_back_after_a_kubelet_wipe(
     await kubelet.register(DRIVER)
     await until(lambda: node.api.resource_slices, "slices republished after re-registration")
     assert sum(len(s["spec"]["devices"]) for s in node.api.resource_slices.values()) == len(service.devices)
+
+
+async def test_deleted_sockets_are_served_again(node: Node, kubelet: DraKubelet) -> None:
+    """A kubelet cleaning its directories (or an operator) removes our sockets: we serve them again, and the
+    plugin watcher registers us again."""
+    service, _ = await started(node, kubelet)
+    registration = Path(node.cfg.plugin_registry_dir) / f"{DRIVER}-reg.sock"
+    endpoint = Path(node.cfg.plugin_dir) / "dra.sock"
+    for victim in (registration, endpoint):
+        victim.unlink()  # anything at this path afterwards was served anew
+        await until(victim.is_socket, f"{victim.name} served again")
+        await kubelet.close()
+        plugin = await kubelet.register(DRIVER)
+        await until(service.registered.is_set, "registered again")
+    node.allocate(UID_B, "after-restart")
+    assert (await plugin.prepare(("default", UID_B, "after-restart"))).claims[UID_B].error == ""

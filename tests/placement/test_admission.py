@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from agent.deviceplugin.admission import AdmissionContext
-from agent.deviceplugin.allocation import DeviceKind
+from agent.placement.admission import AdmissionContext
+from agent.placement.policy import DeviceKind
 
 GPU, NIC = DeviceKind.GPU, DeviceKind.NIC
 
@@ -71,13 +71,3 @@ def test_consumed_record_is_gone_even_without_the_allocate() -> None:
     context.record_allocation(GPU, ["g0"])
     assert context.begin_preference(NIC) == {"g0"}
     assert context.begin_preference(NIC) == frozenset()
-
-
-def test_free_estimate_follows_available_and_allocations() -> None:
-    context = AdmissionContext(clock=Clock())
-    assert context.free_estimate(GPU) is None
-    context.begin_preference(GPU, available=["g0", "g1", "g2"], must_include=["g2"])
-    assert context.free_estimate(GPU) == {"g0", "g1"}
-    context.record_allocation(GPU, ["g0", "g2"])
-    assert context.free_estimate(GPU) == {"g1"}
-    assert context.free_estimate(NIC) is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from agent.config.model import DevicePluginConfig, PoolConfig, SelectorConfig
-from agent.deviceplugin.allocate import AllocateOptions, build_container_payload, pcidevice_env_key
+from agent.deviceplugin.payload import AllocateOptions, build_container_payload, pcidevice_env_key
 from agent.deviceplugin.pools import ResourcePool, build_pools
 from tests.deviceplugin.conftest import GPU_UUIDS, small_topology
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from agent.deviceplugin.allocation import AllocationRequest, DeviceKind
+from agent.placement.policy import AllocationRequest, DeviceKind
 from agent.topology.model import Topology
 from bench._nodes import gpu_ids, nic_ids
-from tests.allocation.conftest import nodes
+from tests.placement.conftest import nodes
 
 
 def ids_of(topology: Topology, kind: DeviceKind) -> list[str]:

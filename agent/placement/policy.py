@@ -15,24 +15,29 @@ the container's GPUs (or VFs) and aligns with them; without it, it chooses so th
   hand, lets NCCL find the NIC under each GPU's switch whichever GPUs the other plugin picks.
 - GPU after NIC: the GPUs nearest to those VFs' PFs, then the best locality among themselves.
 
-The exact score is in `allocation_score`; `allocation_search` finds its optimum exactly by reasoning over
+The exact score is in `score`; `search` finds its optimum exactly by reasoning over
 counts per PCIe group (VFs of one PF, and GPUs at one location, are interchangeable) rather than subsets.
 
 Contract: exactly `size` IDs, all from `available`, every `must_include` among them, the same answer for equal
-inputs whatever their order; [] (never an exception) when the request is impossible or malformed. The kubelet
-treats [] as "no preference". No I/O and no locks; the only state is a memo of the per-topology tree.
+inputs whatever their order; [] when the request is impossible or malformed. The kubelet treats [] as "no
+preference". No I/O and no locks; the only state is a memo of the per-topology tree.
+
+The servicer's entry is `check_request`: the one validation of a kubelet container request against the devices
+served and their health. It returns the reason the servicer counts (`Reason`: ok, invalid_request, short) and
+what to choose from; `Checked.answered` turns the choice into a `Preference` (empty when the policy found no
+answer). An exception from a policy is a bug: the servicer answers it with no preference and counts it.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 
-from agent.deviceplugin.allocation_score import Mode, node_values_function
-from agent.deviceplugin.allocation_search import best_counts
-from agent.deviceplugin.allocation_tree import PcieTree, matched_levels, subtree_counts, tree_for
+from agent.placement.score import Mode, node_values_function
+from agent.placement.search import best_counts
+from agent.placement.tree import PcieTree, matched_levels, subtree_counts, tree_for
 from agent.topology.model import Level, Topology
 
 log = logging.getLogger(__name__)
@@ -70,6 +75,125 @@ class AllocationRequest:
             object.__setattr__(self, "other_free", frozenset(self.other_free))
 
 
+class Reason(enum.StrEnum):
+    """Why a container request got the answer it got; all but `ok` are counted by the servicer."""
+
+    OK = "ok"
+    INVALID_REQUEST = "invalid_request"  # inconsistent, or names devices not served here
+    EMPTY = "empty"  # the policy found no valid answer
+    SHORT = "short"  # fewer healthy devices offered than asked for: a partial preference
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContainerRequest:
+    """One GetPreferredAllocation container request as the kubelet sent it, with what the servicer knows.
+
+    `served`: the resource's device IDs in pool order; `unhealthy`: those marked Unhealthy here (the kubelet's
+    view may lag by one ListAndWatch message, so it can still offer them).
+    """
+
+    served: Sequence[str]
+    available: Sequence[str]
+    size: int
+    must_include: Sequence[str] = ()
+    unhealthy: Set[str] = frozenset()
+
+
+# (resource, level label): one Allocate of `resource` whose container's GPU-NIC level is now known (`joint`)
+AllocationLevel = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Preference:
+    """The answer to one container request: the devices (empty: no preference), why, and for the log, detail.
+
+    `levels`: allocations whose container level became known while answering (see `joint`), for the
+    servicer's allocation counter.
+    """
+
+    devices: tuple[str, ...]
+    reason: Reason = Reason.OK
+    detail: str = ""
+    levels: tuple[AllocationLevel, ...] = ()
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A validated container request: what to choose from, and how many."""
+
+    reason: Reason  # ok, invalid_request or short
+    detail: str
+    offered: tuple[str, ...]  # the available devices healthy here (must_include always kept), kubelet order
+    size: int  # devices to choose: the size asked for, or fewer when short (0 when invalid)
+
+    @property
+    def proceed(self) -> bool:
+        """Whether there is anything to choose (a valid request with a healthy device offered)."""
+        return self.size > 0
+
+    def answered(self, devices: Sequence[str], levels: Iterable[AllocationLevel] = ()) -> Preference:
+        """The preference for the `devices` chosen; `empty` when none were although the request was whole."""
+        if not devices and self.reason is Reason.OK:
+            return Preference((), Reason.EMPTY, "the policy found no valid answer", tuple(levels))
+        return Preference(tuple(devices), self.reason, self.detail, tuple(levels))
+
+
+def check_request(request: ContainerRequest) -> Checked:
+    """The one validation of a kubelet container request: invalid, short (partial) or ok."""
+    problem = _unknown_problem(request.served, request.available, request.must_include) or bounds_problem(
+        frozenset(request.available), frozenset(request.must_include), request.size)
+    if problem is not None:
+        return Checked(Reason.INVALID_REQUEST, problem, (), 0)
+    must = frozenset(request.must_include)
+    offered = tuple(device_id for device_id in dict.fromkeys(request.available)
+                    if device_id not in request.unhealthy or device_id in must)
+    size = min(request.size, len(offered))
+    if size < request.size:
+        return Checked(Reason.SHORT, f"only {size} of the {request.size} devices asked for are healthy; "
+                       "partial preference", offered, size)
+    return Checked(Reason.OK, "", offered, size)
+
+
+def bounds_problem(available: Set[str], must_include: Set[str], size: object) -> str | None:
+    """Why `size` devices cannot be chosen from `available` with every `must_include`; None when they can."""
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        return f"allocation_size {size!r} is not positive"
+    missing = sorted(must_include - available)
+    if missing:
+        return f"must_include devices not in available: {', '.join(missing)}"
+    if len(must_include) > size:
+        return f"{len(must_include)} must_include devices exceed allocation_size {size}"
+    if len(available) < size:
+        return f"only {len(available)} devices available for allocation_size {size}"
+    return None
+
+
+def _unknown_problem(served: Sequence[str], available: Sequence[str], must_include: Sequence[str]) -> str | None:
+    unknown = sorted((set(available) | set(must_include)) - set(served))
+    return f"unknown device IDs: {', '.join(unknown)}" if unknown else None
+
+
+def in_served_order(served: Sequence[str], offered: Sequence[str], must_include: Sequence[str],
+                    size: int) -> list[str]:
+    """The simple policy: `must_include` first, then offered devices in served (pool) order up to `size`."""
+    chosen = list(dict.fromkeys(must_include))
+    offered_set = set(offered)
+    for device_id in served:
+        if len(chosen) >= size:
+            break
+        if device_id in offered_set and device_id not in chosen:
+            chosen.append(device_id)
+    return chosen[:size]
+
+
+def simple_preference(request: ContainerRequest) -> Preference:
+    """`check_request`, then `in_served_order`: the policy of a servicer without PCIe awareness."""
+    checked = check_request(request)
+    if not checked.proceed:
+        return checked.answered(())
+    return checked.answered(in_served_order(request.served, checked.offered, request.must_include, checked.size))
+
+
 class _BadRequest(ValueError):
     """Input the contract answers with no preference."""
 
@@ -79,9 +203,7 @@ def preferred_allocation(request: AllocationRequest) -> list[str]:
     try:
         return _preferred(request)
     except _BadRequest as exc:
-        log.info("no preferred allocation for %s: %s", getattr(request, "kind", "?"), exc)
-    except Exception:
-        log.exception("preferred allocation failed; answering with no preference")
+        log.info("no preferred allocation for %s: %s", request.kind, exc)
     return []
 
 
@@ -113,15 +235,14 @@ def achieved_levels(topology: Topology, gpus: Iterable[str], nics: Iterable[str]
 
 
 def _preferred(request: AllocationRequest) -> list[str]:
+    if request.kind not in tuple(DeviceKind):
+        raise _BadRequest(f"unknown device kind {request.kind!r}")
     kind = DeviceKind(request.kind)
     size = request.size
     available, must = request.available, request.must_include
-    if not isinstance(size, int) or size <= 0:
-        raise _BadRequest(f"allocation size {size!r} is not positive")
-    if not must <= available:
-        raise _BadRequest(f"{len(must - available)} must_include devices are not available")
-    if not len(must) <= size <= len(available):
-        raise _BadRequest(f"size {size} outside [{len(must)} must_include, {len(available)} available]")
+    problem = bounds_problem(available, must, size)
+    if problem is not None:
+        raise _BadRequest(problem)
     tree = tree_for(request.topology)
     gpu = kind is DeviceKind.GPU
     atoms = _resolve(tree, gpu, available)
@@ -131,13 +252,9 @@ def _preferred(request: AllocationRequest) -> list[str]:
         return _in_order(atoms, must)
 
     context = _located(tree, not gpu, request.context)
-    if request.other_free is None:  # unknown: every device of the other kind (memoized per tree)
-        other_free = tree.memo.get(("all", not gpu))
-        if other_free is None:
-            everyone = tree.gpu_ids if not gpu else tree.assumed_units
-            other_free = tree.memo[("all", not gpu)] = _located(tree, not gpu, everyone)
-    else:
-        other_free = _located(tree, not gpu, request.other_free)
+    # unknown free devices of the other kind: all of them are assumed free
+    other_free = tree.everyone(not gpu) if request.other_free is None else _located(
+        tree, not gpu, request.other_free)
     other_counts = _count(node for identity, node in other_free.items() if identity not in context)
     context_counts = _count(context.values())
     if gpu:

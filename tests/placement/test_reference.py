@@ -12,10 +12,10 @@ import math
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from agent.deviceplugin.allocation import AllocationRequest, DeviceKind, achieved_levels, preferred_allocation
-from tests.allocation.conftest import nodes
-from tests.allocation.reference import LEVELS, best_matching, best_reference_score, reference_score
-from tests.allocation.strategies import ids_of, requests
+from agent.placement.policy import AllocationRequest, DeviceKind, achieved_levels, preferred_allocation
+from tests.placement.conftest import nodes
+from tests.placement.reference import LEVELS, best_matching, best_reference_score, reference_score
+from tests.placement.strategies import ids_of, requests
 
 
 def _agrees(request: AllocationRequest) -> None:

@@ -20,9 +20,11 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from agent.topology.model import BusIdError, Level, Location, Topology, normalize_bus_id
+from agent.host.busid import BusIdError, normalize_bus_id
+from agent.topology.model import Level, Location, Topology
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +48,17 @@ class TreeNode:
     under_switch: bool = False  # a location under a PCIe switch: its GPU-NIC pairs are PIX
 
 
+# A device's identity (what makes two spellings the same device: the GPU index, the canonical bus id of a NIC
+# function) mapped to the tree node it sits at.
+Located = Mapping[int | str, int]
+
+
 @dataclass(frozen=True, eq=False)
 class PcieTree:
-    """The groups of one topology, parents before children, plus the device-ID lookups the policy needs."""
+    """The groups of one topology, parents before children, plus the device-ID lookups the policy needs.
+
+    Immutable once built: everything the policy derives from the topology alone is computed here, once.
+    """
 
     topology: Topology
     nodes: tuple[TreeNode, ...]
@@ -58,7 +68,13 @@ class PcieTree:
     assumed_units: tuple[str, ...]  # NIC IDs presumed free when the caller does not know: RDMA VFs and VF-less PFs
     _gpu_by_id: dict[str, int]
     _pf_by_unit: dict[str, int]
-    memo: dict = field(default_factory=dict)  # per-mode weights, filled by allocation_score
+    # Where every GPU, and every assumed unit, sits: the other kind's free devices when the caller does not know
+    every_gpu: Located = field(default_factory=dict)
+    every_unit: Located = field(default_factory=dict)
+
+    def everyone(self, gpu: bool) -> Located:
+        """identity -> node of every GPU (`gpu`) or of every assumed NIC unit."""
+        return self.every_gpu if gpu else self.every_unit
 
     def gpu_index(self, device_id: str) -> int | None:
         """GPU index for a UUID (or a bus id in any accepted form), None when unknown."""
@@ -98,7 +114,7 @@ _RECENT = 4
 
 
 def tree_for(topology: Topology) -> PcieTree:
-    """The tree of `topology`, memoized per object (a pure function of it; the memo is not shared state)."""
+    """The tree of `topology`, memoized per object (a pure function of it, immutable once built)."""
     tree = _cache.get(id(topology))
     if tree is not None and tree.topology is topology:
         return tree
@@ -123,7 +139,7 @@ def build_tree(topology: Topology) -> PcieTree:
         parent=index_of[groups.parents[key]] if key in groups.parents else -1,
         children=tuple(index_of[child] for child in groups.children.get(key, ())),
         maximal=key not in groups.parents or groups.levels[groups.parents[key]] > groups.levels[key],
-        pf=key[1] if key[0] == "pf" else NO_PF,
+        pf=key[1] if key[0] == "pf" and isinstance(key[1], int) else NO_PF,
         under_switch=key[0] == "loc" and bool(key[3]),
     ) for key in order)
 
@@ -139,15 +155,21 @@ def build_tree(topology: Topology) -> PcieTree:
         pf_by_unit.update((vf.bus_id, index) for vf in nic.vfs)
         if nic.is_rdma:
             assumed.extend(sorted(vf.bus_id for vf in nic.vfs) or [nic.bus_id])
+    gpu_node = tuple(index_of[key] for key in gpu_keys)
+    pf_node = tuple(index_of[key] for key in pf_keys)
+    every_gpu: dict[int | str, int] = dict(enumerate(gpu_node))
+    every_unit: dict[int | str, int] = {bus_id: pf_node[pf_by_unit[bus_id]] for bus_id in assumed}
     return PcieTree(
         topology=topology,
         nodes=nodes,
-        gpu_node=tuple(index_of[key] for key in gpu_keys),
-        pf_node=tuple(index_of[key] for key in pf_keys),
+        gpu_node=gpu_node,
+        pf_node=pf_node,
         gpu_ids=tuple(gpu.uuid or gpu.bus_id for gpu in gpus),
         assumed_units=tuple(assumed),
         _gpu_by_id=gpu_by_id,
         _pf_by_unit=pf_by_unit,
+        every_gpu=every_gpu,
+        every_unit=every_unit,
     )
 
 
@@ -159,7 +181,9 @@ def _mixed_numa(locations: list[Location]) -> bool:
     return False
 
 
-_ROOT_KEY = ("sys",)
+# A group: its kind (sys, numa, root, top, loc, pf) then what tells it apart (NUMA node, root, switches, PF)
+_Key = tuple[str | int | tuple[str, ...] | None, ...]
+_ROOT_KEY: _Key = ("sys",)
 _GROUP_LEVEL = {"sys": Level.SYS, "numa": Level.NODE, "root": Level.PHB, "top": Level.PXB}
 
 
@@ -168,15 +192,15 @@ class _Groups:
     """Group keys with their parents and levels, collected device by device."""
 
     fold_numa: bool
-    parents: dict[tuple, tuple] = field(default_factory=dict)
-    levels: dict[tuple, Level] = field(default_factory=lambda: {_ROOT_KEY: Level.SYS})
-    lowest_bus: dict[tuple, str] = field(default_factory=dict)
-    children: dict[tuple, list[tuple]] = field(default_factory=dict)
+    parents: dict[_Key, _Key] = field(default_factory=dict)
+    levels: dict[_Key, Level] = field(default_factory=lambda: {_ROOT_KEY: Level.SYS})
+    lowest_bus: dict[_Key, str] = field(default_factory=dict)
+    children: dict[_Key, list[_Key]] = field(default_factory=dict)
 
-    def add(self, location: Location, bus_id: str, pf: int | None = None) -> tuple:
+    def add(self, location: Location, bus_id: str, pf: int | None = None) -> _Key:
         """Register a device's groups; returns the key of its own node (location, or PF)."""
         numa = None if self.fold_numa else location.numa
-        chain = [_ROOT_KEY, ("numa", numa), ("root", numa, location.root)]
+        chain: list[_Key] = [_ROOT_KEY, ("numa", numa), ("root", numa, location.root)]
         if location.switches:
             chain.append(("top", numa, location.root, location.switches[0]))
         chain.append(("loc", numa, location.root, location.switches))
@@ -185,13 +209,13 @@ class _Groups:
         own_level = location.level_to(location)  # PIX under a switch, PHB straight on a root port
         for parent, child in itertools.pairwise(chain):
             self.parents[child] = parent
-            self.levels[child] = _GROUP_LEVEL.get(child[0], own_level)
+            self.levels[child] = _GROUP_LEVEL.get(str(child[0]), own_level)
         for key in chain:  # siblings are ordered by the lowest bus id below them
             if bus_id < self.lowest_bus.get(key, "~"):
                 self.lowest_bus[key] = bus_id
         return chain[-1]
 
-    def breadth_first(self) -> list[tuple]:
+    def breadth_first(self) -> list[_Key]:
         """All keys, parents before children, siblings in bus order; fills `children`."""
         for child, parent in self.parents.items():
             self.children.setdefault(parent, []).append(child)

@@ -26,20 +26,16 @@ Limits, where the guess is wrong or missing:
 - A plugin restart loses the record (the first container after it is served without context).
 - An admission slower than `ttl_s` between the two resources loses the context.
 
-It also keeps a free-device estimate per kind: the last `available` list the kubelet sent (minus that
-container's `must_include`), less what was allocated since. The kubelet never says when devices are freed,
-so the estimate misses devices freed since the last preference call of that kind; it is None until the
-first call, and then the policy assumes every device is free.
+Not locked: the joint allocator calls it from the event loop that serves the gRPC handlers, and no call awaits.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from agent.deviceplugin.allocation import DeviceKind
+from agent.placement.policy import DeviceKind
 
 DEFAULT_TTL_S = 5.0
 
@@ -57,40 +53,26 @@ class AdmissionContext:
     def __init__(self, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
         self._ttl_s = ttl_s
         self._clock = clock
-        self._lock = threading.Lock()
         self._pending: _Record | None = None
         self._completing: DeviceKind | None = None  # kind whose preference consumed a record
-        self._free: dict[DeviceKind, frozenset[str]] = {}
 
-    def begin_preference(self, kind: DeviceKind, available: Iterable[str] = (),
-                         must_include: Iterable[str] = ()) -> frozenset[str]:
+    def begin_preference(self, kind: DeviceKind) -> frozenset[str]:
         """A preference call for `kind` starts: the other kind's devices just allocated, or empty."""
-        with self._lock:
-            self._free[kind] = frozenset(available) - frozenset(must_include)
-            record, self._pending = self._fresh(), None
-            if record is None or record.kind == kind:
-                self._completing = None
-                return frozenset()
-            self._completing = kind
-            return record.device_ids
+        record, self._pending = self._fresh(), None
+        if record is None or record.kind == kind:
+            self._completing = None
+            return frozenset()
+        self._completing = kind
+        return record.device_ids
 
     def record_allocation(self, kind: DeviceKind, device_ids: Iterable[str]) -> None:
         """Allocate for `kind` succeeded with `device_ids`."""
-        ids = frozenset(device_ids)
-        with self._lock:
-            if kind in self._free:
-                self._free[kind] = self._free[kind] - ids
-            pending = self._fresh()
-            if self._completing == kind or (pending is not None and pending.kind != kind):
-                self._pending, self._completing = None, None  # the second resource of a container
-                return
-            self._completing = None
-            self._pending = _Record(kind, ids, self._clock())
-
-    def free_estimate(self, kind: DeviceKind) -> frozenset[str] | None:
-        """Devices of `kind` believed free, None before the first preference call for it."""
-        with self._lock:
-            return self._free.get(kind)
+        pending = self._fresh()
+        if self._completing == kind or (pending is not None and pending.kind != kind):
+            self._pending, self._completing = None, None  # the second resource of a container
+            return
+        self._completing = None
+        self._pending = _Record(kind, frozenset(device_ids), self._clock())
 
     def _fresh(self) -> _Record | None:
         pending = self._pending

@@ -1,6 +1,6 @@
 """Exact search for the best count of chosen devices per PCIe group.
 
-The score is a sum over groups of a function of the group's count (`allocation_score`), so the best way to
+The score is a sum over groups of a function of the group's count (`score`), so the best way to
 place `size` devices is a knapsack over the tree: for each group and each count x, the best total of its
 subtree, combined child by child (max-plus convolution). Cost is O(groups x size^2) additions of packed
 integers whatever the number of subsets: a few hundred steps for an 8-GPU, 8-PF node. Enumerating subsets
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent.deviceplugin.allocation_score import NodeValues
-from agent.deviceplugin.allocation_tree import PcieTree
+from agent.placement.score import NodeValues
+from agent.placement.tree import PcieTree
 
 
 @dataclass

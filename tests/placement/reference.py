@@ -1,6 +1,6 @@
 """Brute-force reference for the allocation score.
 
-The definitions of `allocation_score`, computed the slow and obvious way: levels from `Location.level_to`
+The definitions of `score`, computed the slow and obvious way: levels from `Location.level_to`
 between explicit devices, best matchings by exhaustive search, and the best score by enumerating every
 subset. Nothing here uses the policy's PCIe tree or its search.
 """
@@ -11,8 +11,8 @@ import itertools
 from collections.abc import Iterable, Sequence
 from functools import cache
 
-from agent.deviceplugin.allocation import AllocationRequest, DeviceKind
-from agent.deviceplugin.allocation_score import FIELDS, Mode, Term
+from agent.placement.policy import AllocationRequest, DeviceKind
+from agent.placement.score import FIELDS, Mode, Term
 from agent.topology.model import Gpu, Level, Location, Nic, Topology, Vf
 from bench._nodes import gpu_ids, nic_ids
 

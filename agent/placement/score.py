@@ -1,7 +1,7 @@
 """The score the preferred-allocation policy maximises, one definition per admission situation.
 
 A score is a tuple of non-negative counts compared lexicographically, larger is better. Every count is a sum
-over PCIe groups (see `allocation_tree`) of a function of how many chosen devices fall in the group, which
+over PCIe groups (see `tree`) of a function of how many chosen devices fall in the group, which
 is what lets the search find the exact optimum by dynamic programming over counts.
 
 Terms, for the chosen set S of the requested kind ("units" are NIC VFs, or VF-less PFs):
@@ -34,10 +34,11 @@ score go to the lowest GPU index or bus id.
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agent.deviceplugin.allocation_tree import NO_PF, PcieTree
+from agent.placement.tree import NO_PF, PcieTree
 from agent.topology.model import Level
 
 
@@ -113,9 +114,19 @@ class _NodeWeights:
     pix_left: int = 0
 
 
-def _node_weights(mode: Mode, tree: PcieTree) -> tuple[_NodeWeights | None, ...]:
-    """Per node, its weights under `mode`; None for nodes that add nothing. Memoized on the tree."""
-    cached = tree.memo.get(mode)
+NodeWeights = tuple[_NodeWeights | None, ...]  # per node of a tree, under one mode
+
+# Weights per tree and mode, derived from the tree alone, so they are kept as long as the tree is (trees are
+# immutable and rebuilt per topology object: an entry never goes stale).
+_weights: weakref.WeakKeyDictionary[PcieTree, dict[Mode, NodeWeights]] = weakref.WeakKeyDictionary()
+
+
+def _node_weights(mode: Mode, tree: PcieTree) -> NodeWeights:
+    """Per node, its weights under `mode`; None for nodes that add nothing. Memoized per tree."""
+    per_mode = _weights.get(tree)
+    if per_mode is None:
+        per_mode = _weights[tree] = {}
+    cached = per_mode.get(mode)
     if cached is not None:
         return cached
     fields = FIELDS[mode]
@@ -133,7 +144,7 @@ def _node_weights(mode: Mode, tree: PcieTree) -> tuple[_NodeWeights | None, ...]
             pix_left=weight[(Term.PIX_PAIRS_LEFT, None)] if node.under_switch else 0,
         )
         result.append(weights if weights != _NodeWeights() else None)
-    tree.memo[mode] = cached = tuple(result)
+    per_mode[mode] = cached = tuple(result)
     return cached
 
 
@@ -157,7 +168,7 @@ def node_values_function(mode: Mode, tree: PcieTree, free: list[int], partners: 
         if weights is None:
             return None
         mine, theirs, other = free[index], partners[index], other_free[index]
-        out = []
+        out: list[int] = []
         for x in range(low, low + count):
             pairs = x * (x - 1) // 2
             total = (weights.alignment * min(x, theirs) + weights.locality * pairs

@@ -7,8 +7,8 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.deviceplugin.allocation import AllocationRequest, DeviceKind, preferred_allocation
-from tests.allocation.strategies import ids_of, requests
+from agent.placement.policy import AllocationRequest, DeviceKind, preferred_allocation
+from tests.placement.strategies import ids_of, requests
 
 
 @settings(max_examples=150, deadline=None)

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.deviceplugin.admission import DEFAULT_TTL_S
-from agent.deviceplugin.allocation import (
+from agent.placement.admission import DEFAULT_TTL_S
+from agent.placement.policy import (
     AllocationRequest,
     preferred_allocation,
     preferred_gpus_for_vfs,
@@ -19,7 +19,7 @@ from agent.deviceplugin.allocation import (
 from agent.simulate.node import simulated_topology
 from agent.topology.model import Level, Topology
 from bench._nodes import nic_ids
-from tests.allocation.admission_sim import GPU, NIC, SimulatedAdmission
+from tests.placement.admission_sim import GPU, NIC, SimulatedAdmission
 
 
 def _pf_under(topology: Topology, gpu_uuid: str) -> str:
@@ -83,7 +83,7 @@ def test_dgx_mixed_containers_with_departures(dgx: Topology, plan: list[tuple[in
             node.release(running.pop(0))
 
 
-def test_free_estimate_misses_departures(dgx: Topology) -> None:
+def test_believed_free_misses_departures(dgx: Topology) -> None:
     """The documented limit: a NIC-first container right after a departure may miss PIX for one GPU."""
     estimated, exact = SimulatedAdmission(dgx), SimulatedAdmission(dgx, exact_free=True)
     for node in (estimated, exact):

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from agent.dra.service import DraService
     from agent.kube.port import Cluster
     from agent.netacct.service import NetacctService
+    from agent.ownership.subsystem import OwnershipSubsystem
     from agent.remediation import RemediationService
     from agent.remediation.preflight import PreflightCheck
     from agent.simulate.kubelet import LocalKubelet
@@ -67,6 +68,7 @@ class ClusterPort:
         self.in_cluster = service_account_token.is_file()
         self.in_memory = cfg.topology.simulate is not None and not cfg.api_server.kubeconfig and not self.in_cluster
         self.opened: Cluster | None = None
+        self._failure: Exception | None = None
 
     @property
     def node_name(self) -> str:
@@ -84,11 +86,17 @@ class ClusterPort:
     def get(self) -> Cluster:
         """The client; `ClusterConfigError` without a node name (a real cluster only) or without credentials."""
         if self.opened is None:
-            from agent.kube import open_cluster
+            from agent.kube import ClusterConfigError, open_cluster
 
+            if self._failure is not None:  # every user hears the same answer; the client is made once
+                raise self._failure
             api = self._cfg.api_server
-            self.opened = open_cluster(self.node_name, self._registry, in_memory=self.in_memory,
-                                       kubeconfig=api.kubeconfig, timeout=api.timeout_seconds)
+            try:
+                self.opened = open_cluster(self.node_name, self._registry, in_memory=self.in_memory,
+                                           kubeconfig=api.kubeconfig, timeout=api.timeout_seconds)
+            except ClusterConfigError as exc:
+                self._failure = exc
+                raise
         return self.opened
 
     async def aclose(self) -> None:
@@ -153,9 +161,10 @@ async def _show_sample_allocations(kubelet: LocalKubelet, manager: DevicePluginM
 
 
 def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, readiness: Readiness,
-                  scratch: Path, device_health: DeviceHealth,
-                  clock: Clock = SYSTEM_CLOCK) -> tuple[DevicePluginManager, Subsystem]:
-    """Serve the device-plugin resources; in simulate mode bring a stand-in kubelet when none is there."""
+                  scratch: Path, device_health: DeviceHealth, clock: Clock = SYSTEM_CLOCK
+                  ) -> tuple[DevicePluginManager, Subsystem, LocalKubelet | None]:
+    """Serve the device-plugin resources; in simulate mode bring a stand-in kubelet when none is there (returned,
+    so that device ownership reads its records)."""
     from agent.deviceplugin.manager import DevicePluginManager
     from agent.deviceplugin.pools import PoolConfigError
     from agent.deviceplugin.registration import SocketPathError
@@ -178,9 +187,9 @@ def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegis
     except (SocketPathError, PoolConfigError) as exc:  # PoolConfigError: the SR-IOV DP config.json
         raise StartupError(f"device plugin: {exc}") from exc
     readiness.require("device-plugin registered")
+    kubelet = LocalKubelet(directory) if stand_in else None
 
     async def run(stop: asyncio.Event) -> None:
-        kubelet = LocalKubelet(directory) if stand_in else None
         if kubelet is not None:
             log.info("simulate mode: no kubelet at %s, starting a stand-in kubelet there", directory)
             await kubelet.start()
@@ -200,7 +209,7 @@ def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegis
             if kubelet is not None:
                 await kubelet.stop()
 
-    return manager, Subsystem("device-plugin", run, manager.update_topology)
+    return manager, Subsystem("device-plugin", run, manager.update_topology), kubelet
 
 
 def dra(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, cluster: ClusterPort,
@@ -248,9 +257,11 @@ def device_plugin_beside_dra(cfg: AgentConfig) -> AgentConfig:
 
 def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, readiness: Readiness,
            manager: DevicePluginManager | None, device_health: DeviceHealth, verdicts: Latest[NodeVerdict],
-           scratch: Path, dra: DraService | None = None) -> Subsystem:
-    """GPU and NIC health: device health into its one owner (the device plugin reads it; the DRA driver is told
-    each flip), the node verdict into `verdicts` for remediation once every check has looked once."""
+           scratch: Path, dra: DraService | None = None,
+           device_health_copies: Sequence[asyncio.Queue[DeviceHealthEvent]] = ()) -> Subsystem:
+    """GPU and NIC health: device health into its one owner (the device plugin reads it; the DRA driver and each
+    of `device_health_copies`, pod Events, are told each flip), the node verdict into `verdicts` for remediation
+    once every check has looked once."""
     from agent.config.model import AgentConfig as _Defaults
     from agent.health.service import HealthService
 
@@ -276,8 +287,8 @@ def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *,
 
     async def run(stop: asyncio.Event) -> None:
         helpers = [asyncio.create_task(ready_after_first_pass())]
-        if dra is not None:
-            helpers.append(asyncio.create_task(_tell_dra(device_health, dra)))
+        if dra is not None or device_health_copies:
+            helpers.append(asyncio.create_task(_relay_flips(device_health, dra, device_health_copies)))
         try:
             await service.run(stop)
         finally:
@@ -289,8 +300,10 @@ def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *,
     return Subsystem("health", run, on_topology)
 
 
-async def _tell_dra(device_health: DeviceHealth, dra: DraService) -> None:
-    """Each device-health flip to the DRA driver (which taints its devices); the device plugin reads the owner."""
+async def _relay_flips(device_health: DeviceHealth, dra: DraService | None,
+                       copies: Sequence[asyncio.Queue[DeviceHealthEvent]] = ()) -> None:
+    """Each device-health flip to the DRA driver (which taints its devices) and onto each of `copies` (pod
+    Events); the device plugin reads the owner itself."""
     seen = 0
     told: set[str] = set()  # told Unhealthy: only to heal the right devices after falling behind the history
     while True:
@@ -302,8 +315,35 @@ async def _tell_dra(device_health: DeviceHealth, dra: DraService) -> None:
             flips = [DeviceHealthEvent(d, True) for d in told - current.keys()] + \
                 [DeviceHealthEvent(d, False, r) for d, r in current.items()]
         for event in flips:
-            dra.set_device_health(event.device_id, event.healthy, event.reason)
             (told.discard if event.healthy else told.add)(event.device_id)
+            if dra is not None:
+                dra.set_device_health(event.device_id, event.healthy, event.reason)
+            for copy in copies:
+                copy.put_nowait(event)
+
+
+def ownership(cfg: AgentConfig, registry: CollectorRegistry, cluster: ClusterPort,
+              kubelet: LocalKubelet | None) -> OwnershipSubsystem:
+    """Who holds which device: the kubelet's PodResources API (the stand-in kubelet's records when the agent
+    brought one), pod specs from the own-node pod watch and pod Events when the API server is reachable."""
+    from agent.host.podresources import PodResourcesPort, Reachability
+    from agent.host.podresources.simulated import InMemoryPodResources
+    from agent.kube.errors import ClusterConfigError
+    from agent.ownership.subsystem import OwnershipSubsystem, open_port
+
+    pc = cfg.pod_resources
+    port: PodResourcesPort
+    if kubelet is not None:
+        port = InMemoryPodResources(kubelet.records, Reachability(registry, "the stand-in kubelet"))
+    else:
+        port = open_port(pc.socket, registry)
+    try:
+        api: Cluster | None = cluster.get()
+    except ClusterConfigError as exc:
+        log.info("device ownership without pod specs or pod Events: %s", exc)
+        api = None
+    return OwnershipSubsystem(port, registry, cluster=api, poll_interval=pc.poll_interval_seconds,
+                              lookup_timeout=pc.lookup_timeout_seconds)
 
 
 def _preflight_probes(hardware: Hardware) -> list[PreflightCheck]:
@@ -357,6 +397,7 @@ class Wiring:
     cluster: ClusterPort
     subsystems: list[Subsystem] = field(default_factory=list)
     device_plugin: DevicePluginManager | None = None
+    ownership: OwnershipSubsystem | None = None
     dra: DraService | None = None
     remediation: RemediationService | None = None
     netacct: NetacctService | None = None
@@ -378,15 +419,21 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
     verdicts: Latest[NodeVerdict] = Latest()  # the node verdict, health -> remediation
     device_health = DeviceHealth()  # Unhealthy devices: health writes, the device plugin reads
     cfg = device_plugin_beside_dra(cfg)
+    kubelet = None
     if cfg.device_plugin.enabled:
-        wiring.device_plugin, served = device_plugin(cfg, hardware, registry, readiness=readiness, scratch=scratch,
-                                                         device_health=device_health)
+        wiring.device_plugin, served, kubelet = device_plugin(cfg, hardware, registry, readiness=readiness,
+                                                              scratch=scratch, device_health=device_health)
         wiring.subsystems.append(served)
     if cfg.dra.enabled:
         wiring.dra, driver = dra(cfg, hardware, registry, cluster=wiring.cluster, scratch=scratch)
         wiring.subsystems.append(driver)
+    if cfg.pod_resources.socket:
+        wiring.ownership = ownership(cfg, registry, wiring.cluster, kubelet)
+        wiring.subsystems.append(Subsystem("ownership", wiring.ownership.run))
+    copies = [wiring.ownership.health_changes] if wiring.ownership is not None else []
     wiring.subsystems.append(health(cfg, hardware, registry, readiness=readiness, manager=wiring.device_plugin,
-                                    device_health=device_health, verdicts=verdicts, scratch=scratch, dra=wiring.dra))
+                                    device_health=device_health, verdicts=verdicts, scratch=scratch, dra=wiring.dra,
+                                    device_health_copies=copies))
     if cfg.remediation.enabled or wiring.cluster.in_memory:  # the in-memory node: remediation is part of the demo
         wiring.remediation = remediation(cfg, hardware, registry, verdicts=verdicts, cluster=wiring.cluster)
         wiring.subsystems.append(Subsystem("remediation", wiring.remediation.run))

@@ -147,7 +147,8 @@ async def test_simulated_dry_run_shows_the_decisions_without_a_cluster(caplog):
     cluster = simulated_cluster("sim-node")
     queue: Latest[NodeVerdict] = Latest()
     cfg = RemediationConfig(enabled=True, dry_run=True, preflight_taint="")
-    service = RemediationService(cfg, "sim-node", cluster, queue, CollectorRegistry())
+    registry = CollectorRegistry()
+    service = RemediationService(cfg, "sim-node", cluster, queue, registry)
     stop = asyncio.Event()
     task = asyncio.create_task(service.run(stop))
     queue.set(NodeVerdict(Severity.DRAIN, "GpuXid79", "GPU has fallen off the bus", ("GPU-3",), hardware=True))
@@ -159,7 +160,10 @@ async def test_simulated_dry_run_shows_the_decisions_without_a_cluster(caplog):
     assert len(cluster.pods) == 2  # nothing evicted
     assert cluster.node == dataclasses.replace(NodeView("sim-node"), resource_version=cluster.node.resource_version)
     assert cluster.leases == {}
-    assert "[dry-run] GpuXid79" in caplog.text and "would cordon" in caplog.text
+    assert "[dry-run] GpuXid79" in caplog.text and "would cordon" in caplog.text  # the operator-facing line
+    dry_run = {"action": "cordon", "result": "dry_run"}  # the decision itself, on /metrics
+    assert registry.get_sample_value("gpu_node_agent_remediation_actions_total", dry_run) == 1
+    assert registry.get_sample_value("gpu_node_agent_remediation_actions_total", {**dry_run, "result": "ok"}) is None
 
 
 async def test_the_simulation_also_applies_changes_without_dry_run():

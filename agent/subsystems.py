@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from agent.kube.port import Cluster
     from agent.netacct.service import NetacctService
     from agent.remediation import RemediationService
+    from agent.shaping.service import ShapingService
     from agent.simulate.kubelet import LocalKubelet
 
 log = logging.getLogger(__name__)
@@ -312,6 +313,31 @@ def install_netacct(supervisor: Supervisor, ctx: Context) -> NetacctService:
     return service
 
 
+def install_shaping(supervisor: Supervisor, ctx: Context, netacct: NetacctService | None) -> ShapingService:
+    """Per-pod internet shaping (only with --shaping): netacct's pod source when it runs, else its own."""
+    from agent.host.tc_netlink import NetlinkTc
+    from agent.kube.errors import ClusterConfigError
+    from agent.netacct.service import default_pod_source
+    from agent.shaping.service import ShapingService
+
+    pods = netacct.pods if netacct is not None else default_pod_source(ctx.cfg.netacct, ctx.kube_cluster)
+    try:
+        events = None if ctx.cfg.netacct.pods_file else ctx.kube_cluster()
+    except ClusterConfigError:
+        events = None  # no cluster: bad annotations are only logged
+    service = ShapingService(ctx.cfg.shaping, ctx.cfg.netacct.internal_networks(), ctx.registry, pods, NetlinkTc(),
+                             events=events, owns_source=netacct is None)
+
+    async def run(stop: asyncio.Event) -> None:
+        try:
+            await service.run(stop)
+        finally:
+            service.close()  # keeps the shapers; `shaping cleanup` (or `netacct cleanup`) removes them
+
+    supervisor.add("shaping", run)
+    return service
+
+
 def install(supervisor: Supervisor, ctx: Context) -> Context:
     """Add every enabled subsystem to the supervisor."""
     cfg = ctx.cfg
@@ -320,7 +346,8 @@ def install(supervisor: Supervisor, ctx: Context) -> Context:
     install_health(supervisor, ctx)
     if cfg.remediation.enabled or ctx.simulate:
         install_remediation(supervisor, ctx)
-    if cfg.netacct.enabled:
-        install_netacct(supervisor, ctx)
+    netacct = install_netacct(supervisor, ctx) if cfg.netacct.enabled else None
+    if cfg.shaping.enabled:
+        install_shaping(supervisor, ctx, netacct)
     supervisor.add("rescan", lambda stop: run_rescans(ctx, stop))
     return ctx

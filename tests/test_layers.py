@@ -40,7 +40,7 @@ def _importers(prefix: str) -> set[str]:
 @pytest.mark.parametrize(("library", "allowed"), [
     ("pynvml", {"agent.nvml.real"}),
     ("lightkube", {"agent.kube.cluster"}),
-    ("pyroute2", {"agent.health.links"}),
+    ("pyroute2", {"agent.health.links", "agent.host.tc_netlink"}),
     ("subprocess", {"agent.netacct.backend"}),
 ])
 def test_only_the_port_imports_its_library(library, allowed):
@@ -55,7 +55,8 @@ def test_subprocesses_run_only_in_the_iptables_port_and_the_preflight_command():
 
 SOURCES = ("agent.topology", "agent.nvml", "agent.simulate.profiles", "agent.simulate.sysfs_writer",
            "agent.simulate.sysfs_tree", "agent.config", "agent.events")
-CONSUMERS = ("agent.deviceplugin", "agent.health", "agent.remediation", "agent.netacct", "agent.kube", "agent.app",
+CONSUMERS = ("agent.deviceplugin", "agent.health", "agent.remediation", "agent.netacct", "agent.shaping", "agent.kube",
+             "agent.app",
              "agent.subsystems", "agent.cli")
 
 
@@ -71,8 +72,10 @@ def test_sources_never_import_consumers(source):
 @pytest.mark.parametrize(("package", "forbidden"), [
     ("agent.kube", ("agent.remediation", "agent.netacct", "agent.health", "agent.deviceplugin")),
     ("agent.remediation", ("agent.netacct", "agent.health", "agent.deviceplugin")),
-    ("agent.netacct", ("agent.remediation", "agent.health", "agent.deviceplugin")),
+    ("agent.netacct", ("agent.remediation", "agent.health", "agent.deviceplugin", "agent.shaping")),
     ("agent.deviceplugin", ("agent.remediation", "agent.netacct", "agent.health", "agent.kube")),
+    # shaping reads netacct's pod list and internal set; netacct never reaches into shaping
+    ("agent.shaping", ("agent.remediation", "agent.health", "agent.deviceplugin")),
     # health publishes events (agent.events) and verdicts; it never reaches into the subsystems acting on them
     ("agent.health", ("agent.deviceplugin", "agent.remediation", "agent.netacct", "agent.kube")),
 ])

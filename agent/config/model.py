@@ -13,6 +13,7 @@ from agent.config.fields import PROJECT_DOMAIN, setting
 from agent.config.health import HealthConfig
 from agent.config.netacct import NetacctConfig
 from agent.config.remediation import RemediationConfig
+from agent.config.shaping import ShapingConfig
 
 CONFIG_VERSION = 1
 DEFAULT_RESOURCE_PREFIX = PROJECT_DOMAIN
@@ -133,6 +134,7 @@ class AgentConfig:
     health: HealthConfig = setting(factory=HealthConfig, help="GPU and NIC health checks")
     remediation: RemediationConfig = setting(factory=RemediationConfig, help="actions on this node's API objects")
     netacct: NetacctConfig = setting(factory=NetacctConfig, help="network traffic accounting")
+    shaping: ShapingConfig = setting(factory=ShapingConfig, help="per-pod internet bandwidth shaping")
 
 
     def check(self) -> None:

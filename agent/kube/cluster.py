@@ -13,6 +13,7 @@ hence the pinned lightkube minor version. One `LightkubeCluster` serves every su
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -176,23 +177,32 @@ class LightkubeCluster:
         await self._do(lambda: self._client.create(eviction, name=name, namespace=namespace))
 
     async def write_event(self, event: EventRecord) -> EventRecord:
-        """Create a core/v1 Event on the Node, or fold a repeat into it (count, lastTimestamp)."""
+        """Create a core/v1 Event on the Node (or on `event.involved`, in its namespace), or fold a repeat into
+        it (count, lastTimestamp)."""
         last = format_time(event.last_time)
+        namespace = event.involved.namespace if event.involved is not None else self._event_namespace
         if event.name:
             body = {"count": event.count, "lastTimestamp": last, "message": event.message}
-            await self._do(lambda: self._client.patch(Event, event.name, body, namespace=self._event_namespace,
+            await self._do(lambda: self._client.patch(Event, event.name, body, namespace=namespace,
                                                       patch_type=PatchType.MERGE))
             return event
         created = await self._do(lambda: self._client.create(
-            Event.from_dict(self._event_body(event)), namespace=self._event_namespace))
-        return EventRecord(event.reason, event.message, event.type, created.metadata.name, event.count,
-                           event.first_time, event.last_time)
+            Event.from_dict(self._event_body(event)), namespace=namespace))
+        return dataclasses.replace(event, name=created.metadata.name)
 
     def _event_body(self, event: EventRecord) -> dict[str, Any]:
+        namespace, prefix = self._event_namespace, self.node_name
+        # kubelet names the Node's uid after the node, so `kubectl describe node` lists these Events
+        involved: dict[str, str] = {"apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": self.node_name}
+        if event.involved is not None:
+            ref = event.involved
+            namespace, prefix = ref.namespace, ref.name
+            involved = {"apiVersion": "v1", "kind": ref.kind, "namespace": ref.namespace, "name": ref.name}
+            if ref.uid:
+                involved["uid"] = ref.uid
         return {
-            "metadata": {"generateName": f"{self.node_name}.", "namespace": self._event_namespace},
-            # kubelet names the Node's uid after the node, so `kubectl describe node` lists these Events
-            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": self.node_name},
+            "metadata": {"generateName": f"{prefix[:200]}.", "namespace": namespace},
+            "involvedObject": involved,
             "reason": event.reason, "message": event.message, "type": event.type, "count": event.count,
             "firstTimestamp": format_time(event.first_time), "lastTimestamp": format_time(event.last_time),
             "source": {"component": COMPONENT, "host": self.node_name},

@@ -123,6 +123,8 @@ class PodView:
     ips: tuple[str, ...] = ()  # status.podIPs (status.podIP when the list is absent), as the server spells them
     host_network: bool = False
     resource_version: str = ""
+    uid: str = ""
+    annotations: tuple[tuple[str, str], ...] = ()  # sorted (key, value) pairs
 
     @property
     def key(self) -> tuple[str, str]:
@@ -143,7 +145,8 @@ class PodView:
                    mirror="kubernetes.io/config.mirror" in (meta.get("annotations") or {}),
                    phase=status.get("phase") or "Pending", terminating=bool(meta.get("deletionTimestamp")),
                    ips=ips, host_network=bool(spec.get("hostNetwork")),
-                   resource_version=str(meta.get("resourceVersion") or ""))
+                   resource_version=str(meta.get("resourceVersion") or ""), uid=str(meta.get("uid") or ""),
+                   annotations=tuple(sorted((str(k), str(v)) for k, v in (meta.get("annotations") or {}).items())))
 
 
 @dataclass(frozen=True)
@@ -197,8 +200,19 @@ class LeaseView:
 
 
 @dataclass(frozen=True)
+class ObjectRef:
+    """The object an Event is about, when it is not the agent's Node (e.g. a pod with an invalid annotation)."""
+
+    kind: str
+    namespace: str
+    name: str
+    uid: str = ""
+
+
+@dataclass(frozen=True)
 class EventRecord:
-    """A core/v1 Event about the Node; `name` is set once created, and `count` grows as repeats are folded in."""
+    """A core/v1 Event about the Node (or `involved`); `name` is set once created, and `count` grows as repeats
+    are folded in."""
 
     reason: str
     message: str
@@ -207,6 +221,7 @@ class EventRecord:
     count: int = 1
     first_time: float = 0.0
     last_time: float = 0.0
+    involved: ObjectRef | None = None
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,9 @@ class SimulatedTc:
 
     def read(self) -> TcState:
         """Our objects everywhere, with counters."""
+        if self._failures.get("read"):
+            self._failures["read"] -= 1
+            raise TcError("read: simulated failure")
         state = TcState()
         for index, device in self._devices.items():
             if device.link.kind == "ifb":

@@ -128,17 +128,25 @@ class Shaper:
         wanted = self._wanted(pods, report)
         state = self.port.read()
         needed_ifbs = {ifb_name(pod) for pod, limits in wanted.values() if limits.egress is not None}
+        unhooked: set[int] = set()
         for index, current in state.devices.items():  # ours where no pod wants it (any more)
             pod_limits = wanted.get(index, (None, Limits()))[1]
             if current.upload_ifb is not None and pod_limits.egress is None:
                 self.port.unshape_upload(index)
+                unhooked.add(index)
                 report.removed.append(f"upload shaper on interface {index}")
             if current.download_bps is not None and pod_limits.ingress is None:
                 self.port.unshape_download(index)
                 report.removed.append(f"download shaper on interface {index}")
         for name in sorted(state.ifbs.keys() - needed_ifbs):
-            self._drop_ifb(name, state)
+            index = state.ifbs[name].index
+            for device, current in state.devices.items():  # nothing may still redirect into it
+                if current.upload_ifb == index and device not in unhooked:
+                    self.port.unshape_upload(device)
+            self.port.delete_ifb(name)
             report.removed.append(f"IFB {name}")
+        if report.removed:
+            state = self.port.read()
         for index, (pod, limits) in wanted.items():
             key = (pod.namespace, pod.name)
             try:
@@ -153,13 +161,6 @@ class Shaper:
         if report.removed:
             log.info("shaping: removed %s", ", ".join(report.removed))
         return report
-
-    def _drop_ifb(self, name: str, state: TcState) -> None:
-        index = state.ifbs[name].index
-        for device, current in state.devices.items():  # nothing may still redirect into it
-            if current.upload_ifb == index:
-                self.port.unshape_upload(device)
-        self.port.delete_ifb(name)
 
     def _shape(self, index: int, pod: Pod, limits: Limits, state: TcState) -> None:
         current = state.devices.get(index) or self.port.device(index)

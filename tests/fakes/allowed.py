@@ -15,7 +15,8 @@ def allowed(node: str, lease_namespace: str) -> list[tuple[str, str]]:
         ("GET", r"/api/v1/nodes"),  # watch only, checked below
         ("GET", r"/api/v1/pods"), ("POST", r"/api/v1/namespaces/[^/]+/pods/[^/]+/eviction"),
         ("POST", r"/api/v1/namespaces/default/events"),
-        ("POST", r"/api/v1/namespaces/[^/]+/events"),  # Events on a pod go to its namespace (shaping) ("PATCH", r"/api/v1/namespaces/default/events/[^/]+"),
+        ("PATCH", r"/api/v1/namespaces/default/events/[^/]+"),
+        ("POST", r"/api/v1/namespaces/[^/]+/events"),  # Events on a pod go to its namespace (shaping)
         ("GET", rf"/apis/coordination.k8s.io/v1/namespaces/{lease_namespace}/leases"),
         ("POST", rf"/apis/coordination.k8s.io/v1/namespaces/{lease_namespace}/leases"),
         ("PUT", rf"/apis/coordination.k8s.io/v1/namespaces/{lease_namespace}/leases/[^/]+"),

@@ -27,7 +27,7 @@ from prometheus_client import (
 
 from agent import __version__, aio
 from agent.config import AgentConfig
-from agent.hardware import Hardware, open_hardware
+from agent.host.hardware import Hardware, open_hardware
 from agent.http import MetricsServer, Readiness
 
 log = logging.getLogger(__name__)

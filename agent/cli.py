@@ -83,7 +83,7 @@ def _load_config(args: argparse.Namespace) -> config.AgentConfig:
 
 
 def _cmd_topology(args: argparse.Namespace) -> int:
-    from agent.nvml import RealNvml
+    from agent.host.nvml import RealNvml
     from agent.simulate.node import build_simulated_node
     from agent.topology.load import load_topology
     from agent.topology.render import to_json, to_matrix
@@ -92,9 +92,9 @@ def _cmd_topology(args: argparse.Namespace) -> int:
     if cfg.simulate:
         with tempfile.TemporaryDirectory(prefix="gna-sysfs-") as tmp:
             node = build_simulated_node(cfg.simulate, Path(tmp))
-            topology = load_topology(node.sysfs_root, node.nvml, cfg.topology_file or node.topology_file)
+            topology = load_topology(node.sysfs_root, node.nvml.gpu_uuids(), cfg.topology_file or node.topology_file)
     else:
-        topology = load_topology(cfg.sysfs_root, RealNvml(), cfg.topology_file)
+        topology = load_topology(cfg.sysfs_root, RealNvml().gpu_uuids(), cfg.topology_file)
     print(json.dumps(to_json(topology), indent=2) if args.json else to_matrix(topology))
     return 0
 

@@ -19,13 +19,12 @@ from prometheus_client import CollectorRegistry
 from agent import aio
 from agent.app import Supervisor
 from agent.config import AgentConfig
-from agent.hardware import Hardware
+from agent.host.hardware import Hardware
 from agent.http import Readiness
 from agent.topology.model import Topology
 
 if TYPE_CHECKING:
     from agent.deviceplugin.manager import DevicePluginManager
-    from agent.health.links import LinkPort
     from agent.kube.port import Cluster
     from agent.netacct.service import NetacctService
     from agent.remediation import RemediationService
@@ -53,7 +52,6 @@ class Context:
     verdicts: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     stop: asyncio.Event | None = None
     exit_code: int = 0
-    _link_port: LinkPort | None = None
     # the one Kubernetes API client of the process, shared by remediation and netacct (see `kube_cluster`)
     cluster: Cluster | None = None
 
@@ -68,16 +66,6 @@ class Context:
     def simulate(self) -> bool:
         """True when running on a simulated node."""
         return self.cfg.topology.simulate is not None
-
-    @property
-    def link_port(self) -> LinkPort:
-        """Where NIC link state comes from: netlink + sysfs on a host, the simulated tree's files otherwise."""
-        from agent.health.links import NetlinkLinkPort, SysfsLinkPort
-
-        if self._link_port is None:
-            root = self.hardware.sysfs_root
-            self._link_port = SysfsLinkPort(root) if self.simulate else NetlinkLinkPort(root)
-        return self._link_port
 
     def kube_cluster(self) -> Cluster:
         """The process's one cluster port (`agent.kube.open_cluster`), made on first use; `aclose()` releases it.
@@ -208,7 +196,7 @@ def install_health(supervisor: Supervisor, ctx: Context) -> None:
             state_dir = ctx.scratch / "state"
     manager = ctx.device_plugin
     events = manager.health_events if manager is not None else asyncio.Queue()
-    link_port = ctx.link_port
+    link_port = ctx.hardware.links
 
     def resource_of(device_id: str) -> str | None:
         if manager is None:
@@ -255,18 +243,9 @@ async def _discard(queue: asyncio.Queue[Any]) -> None:
 
 def _preflight_probes(ctx: Context) -> list[Any]:
     """Active health probes for preflight, on the same NVML and link sources health watches."""
-    from agent.health import probes
     from agent.remediation.preflight import probe_check
 
-    def topology() -> Topology:
-        return ctx.hardware.topology
-
-    nvml = ctx.hardware.nvml
-    return [
-        probe_check("NoPendingRowRemap", probes.no_pending_row_remap(nvml, topology)),
-        probe_check("NoUncorrectableEcc", probes.no_uncorrectable_ecc(nvml, topology)),
-        probe_check("NicLinksUp", probes.nic_links_up(ctx.link_port, topology)),
-    ]
+    return [probe_check(name, probe) for name, probe in ctx.hardware.preflight_probes().items()]
 
 
 def install_remediation(supervisor: Supervisor, ctx: Context) -> RemediationService:

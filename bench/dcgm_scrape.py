@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent.config.health import HealthConfig
 from agent.health.assess import HealthAssessor
 from agent.health.dcgm import parse_scrape
-from agent.health.dcgm_watch import DcgmWatcher, HttpDcgmExporter
+from agent.health.dcgm_watch import DcgmWatcher
+from agent.host.dcgm_exporter import HttpDcgmExporter
 from agent.simulate.dcgm_exporter import DcgmExporterServer, ExporterGpu, SimulatedDcgmExporter
 from agent.simulate.node import simulated_topology
 from agent.topology.model import Topology

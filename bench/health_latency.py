@@ -27,8 +27,8 @@ from agent.config.health import HealthConfig
 from agent.config.model import DevicePluginConfig
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.events import DeviceHealthEvent
-from agent.health.links import SysfsLinkPort
 from agent.health.service import HealthService
+from agent.host.links import SysfsLinkPort
 from agent.simulate.kubelet import LocalKubelet
 from agent.simulate.node import build_simulated_node
 

@@ -38,22 +38,22 @@ def _importers(prefix: str) -> set[str]:
 
 
 @pytest.mark.parametrize(("library", "allowed"), [
-    ("pynvml", {"agent.nvml.real"}),
+    ("pynvml", {"agent.host.nvml.real"}),
     ("lightkube", {"agent.kube.cluster"}),
-    ("pyroute2", {"agent.health.links", "agent.host.tc_netlink"}),
+    ("pyroute2", {"agent.host.links", "agent.host.tc_netlink"}),
     ("subprocess", {"agent.netacct.backend"}),
 ])
 def test_only_the_port_imports_its_library(library, allowed):
     assert _importers(library) <= allowed
 
 
-def test_subprocesses_run_only_in_the_iptables_port_and_the_preflight_command():
+def test_subprocesses_run_only_in_the_host_ports_and_the_iptables_port():
     runners = {module for module, path in ((m, AGENT.parent / (m.replace(".", "/") + ".py")) for m in MODULES)
                if "create_subprocess_exec" in path.read_text() or "subprocess.run" in path.read_text()}
-    assert runners <= {"agent.netacct.backend", "agent.remediation.preflight"}
+    assert runners <= {"agent.netacct.backend", "agent.host.command"}
 
 
-SOURCES = ("agent.topology", "agent.nvml", "agent.simulate.profiles", "agent.simulate.sysfs_writer",
+SOURCES = ("agent.topology", "agent.host", "agent.simulate.profiles", "agent.simulate.sysfs_writer",
            "agent.simulate.sysfs_tree", "agent.config", "agent.events")
 CONSUMERS = ("agent.deviceplugin", "agent.health", "agent.remediation", "agent.netacct", "agent.shaping", "agent.kube",
              "agent.app",
@@ -84,6 +84,15 @@ def test_consumers_stay_apart(package, forbidden):
         if module.startswith(package + "."):
             bad = {name for name in imports for other in forbidden if name == other or name.startswith(other + ".")}
             assert not bad, f"{module} imports {bad}"
+
+
+def test_the_model_takes_plain_data_from_the_host_ports():
+    """topology is built from what the ports read (a UUID map), so it never imports them: no topology <-> nvml cycle."""
+    for module, imports in MODULES.items():
+        if module.startswith("agent.topology."):
+            bad = {name for name in imports if name == "agent.host.nvml" or name.startswith("agent.host.nvml.")}
+            assert not bad, f"{module} imports {bad}"
+    assert not any(name.startswith("agent.topology") for name in MODULES["agent.host.nvml.real"])
 
 
 def test_nothing_but_the_entry_points_reads_the_environment():

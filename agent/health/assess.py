@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from agent.config.health import HealthConfig
 from agent.events import DeviceHealthEvent
 from agent.health.findings import HEALTHY, Clears, Finding, GpuRef, NodeVerdict, Severity
-from agent.health.nvrm import bus_key
 from agent.health.verdict import VerdictBook
 from agent.health.xid import XidCounter, XidPolicy
-from agent.nvml import MemoryHealth, NvmlEvent
+from agent.host.busid import bus_key
+from agent.host.nvml import MemoryHealth, NvmlEvent
 from agent.topology.model import Nic, Topology
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.topology.model import BusIdError, Gpu, Topology, normalize_bus_id
+from agent.host.busid import BusIdError, normalize_bus_id
+from agent.topology.model import Gpu, Topology
 
 XID_TOTAL = "DCGM_EXP_XID_ERRORS_TOTAL"
 XID_COUNT = "DCGM_EXP_XID_ERRORS_COUNT"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from agent import aio
 from agent.health.assess import HealthAssessor
-from agent.health.kmsg import KmsgCursor, KmsgReader, KmsgRecord
 from agent.health.nvrm import FallenOffBus, GpuUuidLine, XidLine, parse_nvrm
+from agent.host.kmsg import KmsgCursor, KmsgReader, KmsgRecord
 
 log = logging.getLogger(__name__)
 

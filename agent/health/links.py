@@ -1,109 +1,24 @@
 """NIC link health: is each RDMA physical function's link up? While it is not, its VFs are Unhealthy.
 
-Two facts make a link: the netdev's operstate and carrier (netlink, through pyroute2: one RTM_GETLINK dump per
-check) and, for RDMA devices, each port's `infiniband/<dev>/ports/<n>/state` in sysfs (only ACTIVE carries
-traffic; INIT means the subnet manager has not configured it yet). The host side sits behind `LinkPort`;
-`NetlinkLinkPort` is the real one and `SysfsLinkPort` its twin that reads netdev state from a (simulated)
-sysfs tree, so tests and `run --simulate` flip links by writing files.
+The state is read through `agent.host.links.LinkPort` (netlink and sysfs on a host, sysfs files in a
+simulation); this module judges it: a PF is down when a netdev has no carrier or is not up, or an RDMA port is
+not ACTIVE.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Protocol
 
 from agent import aio
 from agent.health.assess import HealthAssessor
+from agent.host.links import LinkPort, NetdevState
 from agent.topology.model import Nic
 
 log = logging.getLogger(__name__)
 
 _UP_OPERSTATES = {"up"}
 _MAYBE_UP_OPERSTATES = {"unknown"}  # drivers that do not report operstate: trust the carrier
-
-
-@dataclass(frozen=True)
-class NetdevState:
-    """Operational state of one netdev, lower case ("up", "down", "lowerlayerdown", "unknown", ...)."""
-
-    operstate: str
-    carrier: bool | None = None
-
-
-class LinkPort(Protocol):
-    """Where link state comes from."""
-
-    def netdev_states(self) -> dict[str, NetdevState]:
-        """State of every netdev in the agent's network namespace, by name."""
-
-    def rdma_port_states(self, rdma: str) -> dict[int, str]:
-        """Port number -> state name (ACTIVE, DOWN, INIT, ...) of one RDMA device; {} when unknown."""
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text(encoding="ascii", errors="replace").strip()
-    except OSError:
-        return None
-
-
-class _SysfsRdmaPorts:
-    def __init__(self, sysfs_root: str | Path) -> None:
-        self.sysfs_root = Path(sysfs_root)
-
-    def rdma_port_states(self, rdma: str) -> dict[int, str]:
-        """`4: ACTIVE` -> ACTIVE, for each port of the device."""
-        ports = self.sysfs_root / "class" / "infiniband" / rdma / "ports"
-        try:
-            names = [p.name for p in ports.iterdir() if p.name.isdigit()]
-        except OSError:
-            return {}
-        states: dict[int, str] = {}
-        for name in names:
-            text = _read(ports / name / "state")
-            if text is not None:
-                states[int(name)] = text.split(":", 1)[-1].strip().upper()
-        return states
-
-
-class NetlinkLinkPort(_SysfsRdmaPorts):
-    """Netdev state over netlink (pyroute2), RDMA port state from sysfs."""
-
-    def netdev_states(self) -> dict[str, NetdevState]:
-        """One RTM_GETLINK dump."""
-        from pyroute2 import IPRoute
-
-        states: dict[str, NetdevState] = {}
-        with IPRoute() as ipr:
-            for link in ipr.get_links():
-                name = link.get("IFLA_IFNAME")
-                if name:
-                    carrier = link.get("IFLA_CARRIER")
-                    states[name] = NetdevState(str(link.get("IFLA_OPERSTATE") or "unknown").lower(),
-                                               None if carrier is None else bool(carrier))
-        return states
-
-
-class SysfsLinkPort(_SysfsRdmaPorts):
-    """Netdev and port state from a sysfs tree (`class/net/<if>/operstate`, `carrier`): the simulated twin."""
-
-    def netdev_states(self) -> dict[str, NetdevState]:
-        """Every netdev under class/net."""
-        base = self.sysfs_root / "class" / "net"
-        states: dict[str, NetdevState] = {}
-        try:
-            names = [p.name for p in base.iterdir()]
-        except OSError:
-            return states
-        for name in names:
-            operstate = _read(base / name / "operstate")
-            carrier = _read(base / name / "carrier")
-            if operstate is not None:
-                states[name] = NetdevState(operstate.lower(), None if carrier in (None, "") else carrier == "1")
-        return states
 
 
 def link_problem(nic: Nic, netdevs: dict[str, NetdevState], ports: dict[int, str]) -> str | None:

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from agent import aio
 from agent.health.assess import HealthAssessor
-from agent.nvml import GpuLostError, NvmlError, NvmlEvent, NvmlHealth, NvmlUnavailableError
+from agent.host.nvml import GpuLostError, NvmlError, NvmlEvent, NvmlHealth, NvmlUnavailableError
 
 log = logging.getLogger(__name__)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from agent.host.busid import device_key
+
 _DEVICE = r"(?:PCI:)?([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})(?:\.[0-7])?"
 _XID = re.compile(r"NVRM: Xid \(" + _DEVICE + r"(?:\s+GPU-I:\s*(\d{1,6}))?[^)]*\):\s*(\d{1,6})\b,?\s*(.*)",
                   re.DOTALL)
@@ -19,16 +21,6 @@ _FALLEN = re.compile(r"NVRM: (?:The NVIDIA )?GPU (?:at )?" + _DEVICE + r"\b.{0,2
                      re.DOTALL)
 _GPU_MAP = re.compile(r"NVRM: GPU at " + _DEVICE + r":\s*(GPU-[0-9a-fA-F-]{8,64})")
 _CAUSED_BY = re.compile(r"caused by previous Xid (\d{1,6})")
-
-
-def device_key(domain: str, bus: str, dev: str) -> str:
-    """Kernel-log device `dddd:bb:dd` (lower case, last 4 domain digits, no function)."""
-    return f"{domain[-4:].lower()}:{bus.lower()}:{dev.lower()}"
-
-
-def bus_key(bus_id: str) -> str:
-    """The kernel-log key of a canonical bus id: `0000:1b:00.0` -> `0000:1b:00`."""
-    return bus_id.rsplit(".", 1)[0].lower()
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,17 @@ from agent import aio
 from agent.config.health import HealthConfig
 from agent.events import DeviceHealthEvent
 from agent.health.assess import HealthAssessor, VerdictListener
-from agent.health.dcgm_watch import DcgmExporterPort, DcgmWatcher, HttpDcgmExporter
+from agent.health.dcgm_watch import DcgmWatcher
 from agent.health.findings import NodeVerdict
-from agent.health.kmsg import read_boot_id
 from agent.health.kmsg_watch import KmsgWatcher
-from agent.health.links import LinkPort, LinkWatcher, NetlinkLinkPort
+from agent.health.links import LinkWatcher
 from agent.health.metrics import HealthCollector, ResourceOf
 from agent.health.nvml_watch import NvmlEventWatcher, NvmlPoller
 from agent.health.state import SavedHealth, StateStore
-from agent.nvml import NvmlHealth
+from agent.host.dcgm_exporter import DcgmExporterPort, HttpDcgmExporter
+from agent.host.kmsg import read_boot_id
+from agent.host.links import LinkPort, NetlinkLinkPort
+from agent.host.nvml import NvmlHealth
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.health.findings import Clears, Finding, Severity
-from agent.health.kmsg import KmsgCursor
+from agent.host.kmsg import KmsgCursor
 
 log = logging.getLogger(__name__)
 

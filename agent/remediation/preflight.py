@@ -5,18 +5,18 @@ Nodes register with a startup taint (kubelet `--register-with-taints`, Karpenter
 success (nidhogg, Cilium's agent-not-ready). On failure the taint stays and the condition says why. Checks are
 injected callables, so the health subsystem supplies the hardware probes (no pending row remap, no
 uncorrectable ECC, NIC links up) and tests supply fakes; this module adds the GPU-count check and the
-operator's command, run as an argv list (never a shell) with a timeout.
+operator's command, run through `agent.host.command` (an argv list, never a shell, with a timeout).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from agent.clock import Clock
+from agent.host.command import run_command
 
 log = logging.getLogger(__name__)
 
@@ -52,20 +52,13 @@ def gpu_count_check(count: Callable[[], int], expected: int) -> PreflightCheck:
 def command_check(argv: Sequence[str], timeout: float) -> PreflightCheck:
     """The operator's command exits 0 within `timeout` seconds; argv only, no shell."""
     async def check() -> CheckResult:
-        try:
-            proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
-                                                        stderr=asyncio.subprocess.STDOUT)
-        except OSError as exc:
-            return CheckResult("Command", False, f"cannot start {argv[0]}: {exc.strerror or exc}")
-        try:
-            output, _ = await asyncio.wait_for(proc.communicate(), timeout)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
+        outcome = await run_command(argv, timeout)
+        if outcome.timed_out:
             return CheckResult("Command", False, f"{argv[0]} timed out after {timeout:.0f}s")
-        tail = output.decode(errors="replace").strip()[-200:]
-        return CheckResult("Command", proc.returncode == 0, f"{argv[0]} exited {proc.returncode}: {tail}")
+        if outcome.returncode is None:
+            return CheckResult("Command", False, f"cannot start {argv[0]}: {outcome.error}")
+        tail = outcome.output.strip()[-200:]
+        return CheckResult("Command", outcome.returncode == 0, f"{argv[0]} exited {outcome.returncode}: {tail}")
     return check
 
 

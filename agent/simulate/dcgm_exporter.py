@@ -22,9 +22,9 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from agent.host.busid import normalize_bus_id
 from agent.simulate.dcgm_fields import FIELDS, OPTIONAL_FIELDS, XID_GAUGE, FieldSpec, coerce, field_spec, format_value
 from agent.simulate.profiles import load_profile
-from agent.topology.model import normalize_bus_id
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.nvml import SimulatedNvml
+from agent.host.nvml import SimulatedNvml
 from agent.simulate import profiles, sysfs_writer
 from agent.topology.load import load_topology
 from agent.topology.model import Topology
@@ -30,7 +30,7 @@ class SimulatedNode:
 
     def topology(self) -> Topology:
         """Read the written tree back with the real readers."""
-        return load_topology(self.sysfs_root, self.nvml, self.topology_file)
+        return load_topology(self.sysfs_root, self.nvml.gpu_uuids(), self.topology_file)
 
 
 def build_simulated_node(name: str, root: Path) -> SimulatedNode:

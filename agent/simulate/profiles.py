@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.topology.model import BusIdError, normalize_bus_id
+from agent.host.busid import BusIdError, normalize_bus_id
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 _UUID_NAMESPACE = uuid.UUID("6f1b6a52-5d0e-4b55-9a38-3a4c1e0e7d11")

@@ -7,29 +7,11 @@ a rescan publishes a new `Topology`. Bus ids are always the canonical lowercase 
 from __future__ import annotations
 
 import enum
-import re
 from dataclasses import dataclass, field
 from functools import cached_property
 
-_BDF = re.compile(r"^([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
-
-
-class BusIdError(ValueError):
-    """A string that is not a PCI bus id in any form we know."""
-
-
-def normalize_bus_id(text: str) -> str:
-    """Canonical sysfs form of a PCI bus id: NVML's `00000000:3B:00.0` becomes `0000:3b:00.0`."""
-    match = _BDF.match(text.strip())
-    if match is None:
-        raise BusIdError(f"not a PCI bus id: {text!r}")
-    domain, bus, dev, fn = match.groups()
-    return f"{int(domain, 16):04x}:{bus.lower()}:{dev.lower()}.{fn}"
-
-
-def is_bus_id(text: str) -> bool:
-    """True when `text` parses as a PCI bus id."""
-    return _BDF.match(text.strip()) is not None
+# Also imported from here by the placement code; they live with the other host formats.
+from agent.host.busid import BusIdError, normalize_bus_id
 
 
 class Level(enum.IntEnum):

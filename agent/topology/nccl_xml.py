@@ -26,7 +26,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from agent.topology.model import BusIdError, Location, Topology, normalize_bus_id
+from agent.host.busid import BusIdError, normalize_bus_id
+from agent.topology.model import Location, Topology
 
 log = logging.getLogger(__name__)
 

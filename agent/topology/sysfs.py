@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.host.busid import is_bus_id, normalize_bus_id
 from agent.topology.model import (
     Gpu,
     Location,
@@ -24,8 +25,6 @@ from agent.topology.model import (
     RdmaPort,
     Topology,
     Vf,
-    is_bus_id,
-    normalize_bus_id,
 )
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from agent.app import Supervisor
 from agent.config.model import AgentConfig, ApiServerConfig, TopologyConfig
 from agent.config.netacct import NetacctConfig
 from agent.config.remediation import RemediationConfig
-from agent.hardware import open_hardware
+from agent.host.hardware import open_hardware
 from agent.http import Readiness
 from agent.kube.cluster import LightkubeCluster
 from agent.kube.simulated import InMemoryCluster

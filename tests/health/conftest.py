@@ -14,9 +14,9 @@ from prometheus_client import CollectorRegistry
 
 from agent.config.health import HealthConfig
 from agent.events import DeviceHealthEvent
-from agent.health.links import SysfsLinkPort
 from agent.health.service import HealthService
-from agent.nvml import SimulatedNvml
+from agent.host.links import SysfsLinkPort
+from agent.host.nvml import SimulatedNvml
 from agent.simulate import profiles
 from agent.simulate.node import SimulatedNode, build_simulated_node
 from tests.fakes.polling import until

@@ -16,8 +16,9 @@ import pytest
 from agent.config.health import HealthConfig
 from agent.events import DeviceHealthEvent
 from agent.health.assess import HealthAssessor
-from agent.health.dcgm_watch import DcgmWatcher, HttpDcgmExporter
-from agent.nvml import MemoryHealth
+from agent.health.dcgm_watch import DcgmWatcher
+from agent.host.dcgm_exporter import HttpDcgmExporter
+from agent.host.nvml import MemoryHealth
 from agent.simulate.dcgm_exporter import DcgmExporterServer, ExporterGpu, SimulatedDcgmExporter
 from agent.simulate.node import SimulatedNode
 from agent.topology.model import Topology

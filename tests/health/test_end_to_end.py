@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry
 from agent.config.model import DevicePluginConfig
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.events import DeviceHealthEvent
-from agent.health.links import SysfsLinkPort
 from agent.health.service import HealthService
+from agent.host.links import SysfsLinkPort
 from agent.simulate.kubelet import LocalKubelet
 from agent.simulate.node import SimulatedNode
 from tests.health.conftest import TIMEOUT, fast_config, wait_until

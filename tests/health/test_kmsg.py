@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.health.kmsg import KmsgCursor, KmsgReader, KmsgRecord, parse_record, read_boot_id
+from agent.host.kmsg import KmsgCursor, KmsgReader, KmsgRecord, parse_record, read_boot_id
 
 BOOT = "boot-a"
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.health.links import NetdevState, NetlinkLinkPort, SysfsLinkPort, link_problem
-from agent.nvml import SimulatedNvml
+from agent.health.links import link_problem
+from agent.host.links import NetdevState, NetlinkLinkPort, SysfsLinkPort
+from agent.host.nvml import SimulatedNvml
 from agent.simulate.node import SimulatedNode
 from agent.topology.load import load_topology
 from agent.topology.model import Nic, Topology
@@ -29,7 +30,7 @@ def _pf(topology: Topology, index: int = 0) -> Nic:
 ])
 def test_link_problem(dgx_root: Path, netdev: NetdevState | None, ports: dict[int, str],
                       problem: str | None) -> None:
-    nic = _pf(load_topology(dgx_root, SimulatedNvml({})))
+    nic = _pf(load_topology(dgx_root, SimulatedNvml({}).gpu_uuids()))
     netdevs = {nic.netdevs[0]: netdev} if netdev else {}
     assert link_problem(nic, netdevs, ports) == problem
 

@@ -12,7 +12,7 @@ import pynvml
 import pytest
 
 from agent.health.service import NvmlRequiredError
-from agent.nvml import (
+from agent.host.nvml import (
     GpuLostError,
     MemoryHealth,
     NvmlError,

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.health.nvrm import FallenOffBus, GpuUuidLine, XidLine, bus_key, parse_nvrm
+from agent.health.nvrm import FallenOffBus, GpuUuidLine, XidLine, parse_nvrm
+from agent.host.busid import bus_key
 
 
 @pytest.mark.parametrize(("line", "expected"), [

@@ -9,7 +9,7 @@ from agent.config.health import HealthConfig
 from agent.health.assess import HealthAssessor
 from agent.health.findings import HEALTHY, Clears, Finding, GpuRef, NodeVerdict, Severity
 from agent.health.verdict import VerdictBook
-from agent.nvml import MemoryHealth, NvmlEvent, SimulatedNvml
+from agent.host.nvml import MemoryHealth, NvmlEvent, SimulatedNvml
 from agent.simulate import profiles
 from agent.topology.load import load_topology
 
@@ -75,7 +75,7 @@ def test_verdicts_convert_to_remediation_verdicts(dgx_root: Path) -> None:
     from agent import events
     from agent.events import NodeVerdict as RemediationVerdict
 
-    topology = load_topology(dgx_root, SimulatedNvml(profiles.load_profile("dgx-h100").gpu_uuids))
+    topology = load_topology(dgx_root, SimulatedNvml(profiles.load_profile("dgx-h100").gpu_uuids).gpu_uuids())
     assessor = HealthAssessor(HealthConfig(), topology, asyncio.Queue(), clock=lambda: 0.0)
     a, b, c = (gpu.uuid or "" for gpu in topology.gpus[:3])
     assessor.on_xid(assessor.gpu_by_uuid(a), 79, "kmsg")

@@ -14,10 +14,10 @@ import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.host.busid import BusIdError
 from agent.simulate.dcgm_exporter import ExporterGpu, SimulatedDcgmExporter, nvml_bus_id
 from agent.simulate.dcgm_fields import FIELDS, OPTIONAL_FIELDS
 from agent.simulate.node import simulated_topology
-from agent.topology.model import BusIdError
 
 UUID0 = "GPU-00000000-1111-2222-3333-444444444444"
 UUID1 = "GPU-11111111-1111-2222-3333-444444444444"

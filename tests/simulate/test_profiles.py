@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from agent.host.busid import normalize_bus_id
 from agent.simulate.profiles import (
     ProfileError,
     UnknownProfileError,
@@ -19,7 +20,6 @@ from agent.simulate.profiles import (
     load_profile_file,
     vf_bus_id,
 )
-from agent.topology.model import normalize_bus_id
 
 BUILT_IN = ["dgx-h100", "pcie-pairs", "vm-flat"]
 

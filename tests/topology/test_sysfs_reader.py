@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agent import cli
-from agent.nvml import SimulatedNvml
+from agent.host.nvml import SimulatedNvml
 from agent.simulate import profiles
 from agent.simulate.node import build_simulated_node
 from agent.simulate.sysfs_writer import profile_tree
@@ -253,5 +253,5 @@ def test_empty_or_missing_root_gives_an_empty_model(tmp_path, caplog):
 def test_uuids_come_from_nvml_in_any_bus_id_form(written):
     node = written["dgx-h100"]
     nvml_style = {k.upper().replace("0000:", "00000000:", 1): v for k, v in node.nvml.gpu_uuids().items()}
-    topology = load_topology(node.sysfs_root, SimulatedNvml(nvml_style))
+    topology = load_topology(node.sysfs_root, SimulatedNvml(nvml_style).gpu_uuids())
     assert [g.uuid for g in topology.gpus] == [node.profile.gpu_uuids[g.bus_id] for g in topology.gpus]

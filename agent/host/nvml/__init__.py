@@ -12,7 +12,7 @@ needs a reset) is `GpuLostError`; a call the GPU or driver does not support leav
 else is `NvmlError`.
 """
 
-from agent.nvml.api import (
+from agent.host.nvml.api import (
     GpuLostError,
     MemoryHealth,
     Nvml,
@@ -22,8 +22,8 @@ from agent.nvml.api import (
     NvmlHealth,
     NvmlUnavailableError,
 )
-from agent.nvml.real import RealNvml
-from agent.nvml.simulated import SimulatedNvml
+from agent.host.nvml.real import RealNvml
+from agent.host.nvml.simulated import SimulatedNvml
 
 __all__ = [
     "GpuLostError",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import types
 
-from agent.nvml import RealNvml, SimulatedNvml
+from agent.host.nvml import RealNvml, SimulatedNvml
 
 
 def test_real_nvml_without_a_driver_is_unavailable_not_fatal(caplog):

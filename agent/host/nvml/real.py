@@ -8,7 +8,8 @@ from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
-from agent.nvml.api import (
+from agent.host.busid import BusIdError, normalize_bus_id
+from agent.host.nvml.api import (
     _DBE,
     _FUNCTION_NOT_FOUND,
     _GPU_IS_LOST,
@@ -26,7 +27,6 @@ from agent.nvml.api import (
     NvmlUnavailableError,
     _code,
 )
-from agent.topology.model import BusIdError, normalize_bus_id
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class RealNvml:
             if self._initialised is None:
                 try:
                     if self._library is None:
-                        import pynvml
+                        import pynvml  # type: ignore[import-untyped]
 
                         self._library = pynvml
                     self._library.nvmlInit()

@@ -8,7 +8,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from agent.nvml.api import (
+from agent.host.busid import normalize_bus_id
+from agent.host.nvml.api import (
     GpuLostError,
     MemoryHealth,
     NvmlError,
@@ -16,7 +17,6 @@ from agent.nvml.api import (
     NvmlEventSet,
     NvmlUnavailableError,
 )
-from agent.topology.model import normalize_bus_id
 
 
 @dataclass
@@ -26,7 +26,7 @@ class _SimGpu:
     unsupported: set[str] = field(default_factory=set)  # "ecc", "retired_pages", "remapped_rows", "events"
 
 
-_ZERO = {f.name: 0 for f in fields(MemoryHealth) if f.name != "uuid"} | {
+_ZERO: dict[str, Any] = {f.name: 0 for f in fields(MemoryHealth) if f.name != "uuid"} | {
     "retired_pages_pending": False, "remap_pending": False, "remap_failure": False}
 _FIELD_GROUPS = {"ecc": ("ecc_",), "retired_pages": ("retired_",), "remapped_rows": ("remap",)}
 
@@ -86,7 +86,7 @@ class SimulatedNvml:
                 raise GpuLostError(uuid, "GPU is lost")
             hidden = {f.name: None for f in fields(MemoryHealth) for group in gpu.unsupported
                       for prefix in _FIELD_GROUPS.get(group, ()) if f.name.startswith(prefix)}
-            return replace(gpu.health, **hidden)
+            return replace(gpu.health, **hidden)  # type: ignore[arg-type]  # only the Optional fields are named
 
     def _emit(self, event: NvmlEvent) -> None:
         for watched, events in self._listeners:
@@ -114,7 +114,7 @@ class SimulatedNvml:
     def set_memory(self, uuid: str, **values: int | bool) -> None:
         """Set MemoryHealth fields directly, e.g. remap_pending=True, retired_pages_pending=True."""
         with self._lock:
-            self._gpus[uuid].health = replace(self._gpus[uuid].health, **values)
+            self._gpus[uuid].health = replace(self._gpus[uuid].health, **values)  # type: ignore[arg-type]
 
     def set_unsupported(self, uuid: str, *groups: str) -> None:
         """Make call groups unsupported on this GPU: ecc, retired_pages, remapped_rows, events."""

@@ -1,7 +1,9 @@
 """The node's hardware sources, real or simulated, behind one object that can rescan.
 
-`--simulate PROFILE` writes the profile as a sysfs tree into a scratch directory and pairs it with the
-simulated NVML; otherwise the host's sysfs and the real NVML are used. Either way the same readers build the
+`Hardware` owns the ports to the machine that the subsystems share: NVML, NIC link state, the sysfs root the
+topology is read from, and the active probes preflight runs on them. `--simulate PROFILE` writes the profile as
+a sysfs tree into a scratch directory and pairs it with the simulated NVML and links read from that tree;
+otherwise the host's sysfs, the real NVML and netlink are used. Either way the same readers build the
 `Topology`, so a simulated run exercises the code that runs on a node.
 """
 
@@ -12,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.config import TopologyConfig
-from agent.nvml import NvmlHealth, RealNvml
+from agent.host import probes
+from agent.host.links import LinkPort, NetlinkLinkPort, SysfsLinkPort
+from agent.host.nvml import NvmlHealth, RealNvml
 from agent.simulate.node import SimulatedNode, build_simulated_node
 from agent.topology.load import load_topology
 from agent.topology.model import Topology
@@ -28,12 +32,24 @@ class Hardware:
     sysfs_root: Path
     topology_file: Path | None
     topology: Topology
+    links: LinkPort
     simulated: SimulatedNode | None = None
 
     def rescan(self) -> Topology:
         """Read the sources again (blocking: call from a thread); the new value replaces `topology`."""
-        self.topology = load_topology(self.sysfs_root, self.nvml, self.topology_file)
+        self.topology = load_topology(self.sysfs_root, self.nvml.gpu_uuids(), self.topology_file)
         return self.topology
+
+    def preflight_probes(self) -> dict[str, probes.Probe]:
+        """The active checks preflight runs (blocking), by check name, on the sources health watches."""
+        def topology() -> Topology:
+            return self.topology
+
+        return {
+            "NoPendingRowRemap": probes.no_pending_row_remap(self.nvml, topology),
+            "NoUncorrectableEcc": probes.no_uncorrectable_ecc(self.nvml, topology),
+            "NicLinksUp": probes.nic_links_up(self.links, topology),
+        }
 
     def describe(self) -> str:
         """One line for logs: which sources are in use."""
@@ -48,10 +64,10 @@ def open_hardware(cfg: TopologyConfig, scratch: Path) -> Hardware:
         node = build_simulated_node(cfg.simulate, scratch)
         xml = Path(cfg.topology_file) if cfg.topology_file else node.topology_file
         hardware = Hardware(nvml=node.nvml, sysfs_root=node.sysfs_root, topology_file=xml,
-                            topology=Topology(), simulated=node)
+                            topology=Topology(), links=SysfsLinkPort(node.sysfs_root), simulated=node)
     else:
         hardware = Hardware(nvml=RealNvml(), sysfs_root=Path(cfg.sysfs_root),
                             topology_file=Path(cfg.topology_file) if cfg.topology_file else None,
-                            topology=Topology())
+                            topology=Topology(), links=NetlinkLinkPort(cfg.sysfs_root))
     hardware.rescan()
     return hardware

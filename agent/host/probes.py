@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from agent.health.links import LinkPort
-from agent.nvml import GpuLostError, MemoryHealth, NvmlError, NvmlHealth
+from agent.host.links import LinkPort
+from agent.host.nvml import GpuLostError, MemoryHealth, NvmlError, NvmlHealth
 from agent.topology.model import Topology
 
 Probe = Callable[[], tuple[bool, str]]

@@ -60,17 +60,27 @@ class NetlinkTc:
     """`TcPort` through pyroute2, in this namespace or a named one (`ip netns` name, tests and benches)."""
 
     def __init__(self, netns: str | None = None) -> None:
-        from pyroute2 import IPRoute
-        from pyroute2.netlink.rtnl.tcmsg import plugins, sched_pfifo
-
-        # pyroute2 has no bfifo module; the kernel's bfifo takes the same tc_fifo_qopt (limit in bytes).
-        plugins.setdefault("bfifo", sched_pfifo)
         self.netns = netns
-        self._ipr = IPRoute(netns=netns) if netns else IPRoute()
+        self._socket: Any = None
+
+    @property
+    def _ipr(self) -> Any:
+        """The socket, opened on first use: pyroute2's synchronous IPRoute drives an asyncio loop of its own, so
+        it must be made in the worker thread that uses it, never where the agent's loop runs."""
+        if self._socket is None:
+            from pyroute2 import IPRoute
+            from pyroute2.netlink.rtnl.tcmsg import plugins, sched_pfifo
+
+            # pyroute2 has no bfifo module; the kernel's bfifo takes the same tc_fifo_qopt (limit in bytes).
+            plugins.setdefault("bfifo", sched_pfifo)
+            self._socket = IPRoute(netns=self.netns) if self.netns else IPRoute()
+        return self._socket
 
     def close(self) -> None:
         """Release the netlink socket."""
-        self._ipr.close()
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
 
     def _call(self, what: str, *args: Any, **kwargs: Any) -> Any:
         from pyroute2.netlink.exceptions import NetlinkError
@@ -191,18 +201,20 @@ class NetlinkTc:
         for q in self._ipr.get_qdiscs():
             by_index.setdefault(int(q["index"]), []).append(q)
         state = TcState()
-        links = {link.index: link for link in map(self._link, self._ipr.get_links())}
+        raw = list(self._ipr.get_links())
+        links = {link.index: link for link in map(self._link, raw)}
+        flags = {int(msg["index"]): int(msg["flags"]) for msg in raw}
         for link in links.values():
             if link.kind == "ifb" and IFB_NAME.match(link.name):
                 qdiscs = by_index.get(link.index, [])
                 ours = any(q["handle"] == ROOT and q["parent"] == 0xFFFFFFFF for q in qdiscs)
                 leaf = any(q["handle"] == LEAF and q["parent"] == LIMITED for q in qdiscs)
-                up = bool(self._ipr.get_links(link.index)[0]["flags"] & 1)
+                up = bool(flags[link.index] & 1)  # IFF_UP
                 state.ifbs[link.name] = IfbState(link.name, link.index, self._rate(link.index) if ours else None,
                                                  leaf, up)
         for index, qdiscs in by_index.items():
-            link = links.get(index)
-            if link is None or link.kind == "ifb":
+            found = links.get(index)
+            if found is None or found.kind == "ifb":
                 continue
             ours_root = any(q["handle"] == ROOT and q["parent"] == 0xFFFFFFFF for q in qdiscs)
             hook = any(q["parent"] == 0xFFFFFFF1 for q in qdiscs)

@@ -14,7 +14,7 @@ from agent.kube import errors, model
 from agent.kube.cluster import connect
 from agent.kube.errors import ClusterConfigError
 from agent.kube.metrics import ApiRequestCounter
-from agent.kube.model import ObjectRef, Condition, EventRecord, LeaseView
+from agent.kube.model import Condition, EventRecord, LeaseView, ObjectRef
 from agent.kube.transport import request_verb
 from tests.fakes.apiserver import write_kubeconfig
 from tests.fakes.clock import FakeClock

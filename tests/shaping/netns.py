@@ -32,7 +32,8 @@ def missing_prerequisite() -> str | None:
     """Why these tests cannot run here, or None."""
     if os.geteuid() != 0:
         return "shaping namespace tests need root (CAP_NET_ADMIN, CAP_SYS_ADMIN)"
-    missing = [t for t in ("ip", "bridge", "iperf3", "sysctl", "iptables-nft", "iptables-legacy") if not shutil.which(t)]
+    tools = ("ip", "bridge", "iperf3", "sysctl", "iptables-nft", "iptables-legacy")
+    missing = [t for t in tools if not shutil.which(t)]
     return f"missing tools {', '.join(missing)} (apt-get install -y iproute2 iperf3 iptables)" if missing else None
 
 
@@ -107,8 +108,8 @@ def build(backend: str) -> Net:
         sh(f"iptables-{backend}", "-w", "5", "-t", "nat", "-A", "POSTROUTING", "-s", "10.244.0.0/16", "-o", "up0",
            "-j", "MASQUERADE", ns=net.node)
         for role, address in (("inet", INET), ("cluster", CLUSTER)):
-            net.servers.append(subprocess.Popen(  # noqa: S603
-                ["ip", "netns", "exec", net.ns(role), "iperf3", "-s", "-B", address, "-p", str(PORT)],
+            net.servers.append(subprocess.Popen(
+                ["ip", "netns", "exec", net.ns(role), "iperf3", "-s", "-B", address, "-p", str(PORT)],  # noqa: S607
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     except BaseException:
         destroy(net)

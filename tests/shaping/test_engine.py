@@ -14,6 +14,8 @@ from agent.config.netacct import DEFAULT_INTERNAL_CIDRS
 from agent.config.shaping import Limits, parse_bandwidth, parse_defaults
 from agent.host.tc import exemptions
 from agent.host.tc_simulated import SimulatedTc
+from agent.kube.model import PodView
+from agent.netacct.kubepods import accountable
 from agent.netacct.pods import PodListError, make_pod, parse_pods
 from agent.shaping.collector import ShapingCollector
 from agent.shaping.engine import Shaper, ifb_name
@@ -214,3 +216,12 @@ def test_metrics_limits_bytes_drops_and_states():
     assert value("gpu_node_agent_shaping_pods", state="pending") == 1
     assert value("gpu_node_agent_shaping_pods", state="shaped") == 1
     assert value("gpu_node_agent_shaping_up") == 1
+
+
+def test_the_pod_watch_carries_uid_and_annotations():
+    # metadata as the API server sends it (kubernetes.io/docs/reference/kubernetes-api/workload-resources/pod-v1)
+    view = PodView.from_dict({"metadata": {"namespace": "team", "name": "p", "uid": "0b1c-42",
+                                           "annotations": {EGRESS_ANNOTATION: "50M"}},
+                              "spec": {}, "status": {"phase": "Running", "podIPs": [{"ip": "10.244.0.5"}]}})
+    (pod,) = accountable([view])
+    assert pod.uid == "0b1c-42" and pod.annotation_map == {EGRESS_ANNOTATION: "50M"}

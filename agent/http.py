@@ -133,6 +133,8 @@ class MetricsServer:
         log.info("serving /metrics, /healthz and /readyz on port %d", self.port)
 
     def stop(self) -> None:
-        """Stop serving and close the socket."""
-        self._server.shutdown()
+        """Stop serving and close the socket (never started: only close; `shutdown` would wait forever)."""
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join()
         self._server.server_close()

@@ -27,11 +27,11 @@ from pathlib import Path
 from allocation_latency import percentile  # run as a script, bench/ is on sys.path
 from prometheus_client import CollectorRegistry
 
-import agent.deviceplugin.preference as preference_module
+import agent.placement.joint as preference_module
 from agent.config.model import DevicePluginConfig
-from agent.deviceplugin.allocation import AllocationRequest, preferred_allocation
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.v1beta1 import api_pb2
+from agent.placement.policy import AllocationRequest, preferred_allocation
 from agent.simulate.kubelet import LocalKubelet
 from agent.simulate.node import simulated_topology
 
@@ -98,7 +98,8 @@ async def drive(profile: str, containers: int, seed: int, single_share: float) -
         kubelet = LocalKubelet(directory, rng=random.Random(seed))
         await kubelet.start()
         registry = CollectorRegistry()
-        manager = DevicePluginManager(DevicePluginConfig(device_plugin_dir=directory, serve_gpus=True), topology,
+        manager = DevicePluginManager(DevicePluginConfig(device_plugin_dir=directory, serve_gpus=True,
+                                                         device_info_dir=""), topology,
                                       registry=registry, poll_interval=0.05, backoff_initial=0.05)
         await manager.start()
         try:

@@ -11,9 +11,13 @@ PROJECT_DOMAIN = "gpunodeagent.io"
 
 
 def setting(default: Any = None, *, help: str, flag: str | None = None, env: str | None = None,
-            factory: Any = None, choices: tuple[str, ...] | None = None, repeat: bool = False) -> Any:
-    """A dataclass field carrying its help text, flag, environment variable and allowed values."""
-    meta = {"help": help, "flag": flag, "env": env, "choices": choices, "repeat": repeat}
+            factory: Any = None, choices: tuple[str, ...] | None = None, repeat: bool = False,
+            zero_ok: bool = False) -> Any:
+    """A dataclass field carrying its help text, flag, environment variable and allowed values.
+
+    A number must be finite, and a `*_seconds` number must be greater than 0 unless `zero_ok` (where 0 means
+    "off" or "once" and the help says so)."""
+    meta = {"help": help, "flag": flag, "env": env, "choices": choices, "repeat": repeat, "zero_ok": zero_ok}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)

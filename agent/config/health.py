@@ -57,6 +57,7 @@ class HealthConfig:
              "occurrence")
     link_check_interval_seconds: float = setting(
         1.0, flag="--link-check-interval", env="GPU_NODE_AGENT_LINK_CHECK_INTERVAL",
+        zero_ok=True,
         help="seconds between NIC link checks (netdev carrier/operstate, InfiniBand port state); 0 turns it off")
     link_down_action: str = setting(
         "degraded", flag="--link-down-action", env="GPU_NODE_AGENT_LINK_DOWN_ACTION", choices=VERDICTS,

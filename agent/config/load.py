@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import types
 import typing
@@ -24,6 +25,8 @@ from agent.config import model
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
+MAX_FILE_BYTES = 1 << 20
+MAX_DEPTH = 16  # the deepest real setting is 7 levels down (devicePlugin.pools[i].selectors.pfNames[j])
 
 
 class ConfigError(ValueError):
@@ -93,6 +96,8 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
                               f"got {value!r}") from None
         if hint is int and isinstance(value, float) and value != number:
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if not math.isfinite(number):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return number
     if hint is str:
         if isinstance(value, (dict, list)):
@@ -105,6 +110,10 @@ def _check_choices(f: dataclasses.Field, value: Any, where: str) -> None:
     choices = f.metadata.get("choices")
     if choices and value is not None and value not in choices:
         raise ConfigError(f"{where}: {value!r} is not one of {', '.join(choices)}")
+    timed = f.name.endswith("_seconds") and isinstance(value, (int, float)) and not isinstance(value, bool)
+    if timed and (value < 0 or (value == 0 and not f.metadata.get("zero_ok"))):
+        allowed = "0 or more" if f.metadata.get("zero_ok") else "positive"
+        raise ConfigError(f"{where}: must be {allowed}, got {value!r}")
 
 
 def from_mapping(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
@@ -133,19 +142,42 @@ def from_mapping(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
 def read_file(path: str | Path) -> dict[str, Any]:
     """Parse a YAML or JSON config file (JSON is YAML); an empty file is an empty mapping."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"config file {path}: cannot read: {exc.strerror or exc}") from exc
+    if len(raw) > MAX_FILE_BYTES:
+        raise ConfigError(f"config file {path}: {len(raw)} bytes is more than a config file ({MAX_FILE_BYTES})")
     try:
-        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {exc.start})") from None
+    kind = "JSON" if str(path).endswith(".json") else "YAML"
+    try:
+        data = json.loads(text) if kind == "JSON" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"config file {path}: not valid {'JSON' if str(path).endswith('.json') else 'YAML'}: "
-                          f"{exc}") from exc
+        raise ConfigError(f"config file {path}: not valid {kind}: {exc}") from exc
+    except RecursionError:
+        raise ConfigError(f"config file {path}: nested more deeply than any config ({MAX_DEPTH} levels)") from None
+    if _depth(data) > MAX_DEPTH:
+        raise ConfigError(f"config file {path}: nested more deeply than any config ({MAX_DEPTH} levels)")
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping, got {type(data).__name__}")
     return data
+
+
+def _depth(data: Any) -> int:
+    """Nesting depth of parsed data, without recursion (so no input can exhaust the stack here)."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        item, level = stack.pop()
+        deepest = max(deepest, level)
+        if level > MAX_DEPTH:
+            break
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 @dataclasses.dataclass(frozen=True)

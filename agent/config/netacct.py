@@ -57,6 +57,7 @@ class NetacctConfig:
         30.0, flag="--netacct-sync-interval", env="GPU_NODE_AGENT_NETACCT_SYNC_INTERVAL",
         help="seconds between full re-checks of rules and sets (pod changes are applied at once)")
     lock_wait_seconds: int = setting(5, flag="--netacct-lock-wait", env="GPU_NODE_AGENT_NETACCT_LOCK_WAIT",
+                                     zero_ok=True,
                                      help="seconds iptables-restore waits for the xtables lock (/run/xtables.lock)")
 
     def check(self) -> None:

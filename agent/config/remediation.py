@@ -77,6 +77,7 @@ class RemediationConfig:
         help="seconds before the operator preflight command is killed and counted as failed")
     preflight_retry_seconds: float = setting(
         600.0, flag="--preflight-retry", env="GPU_NODE_AGENT_PREFLIGHT_RETRY",
+        zero_ok=True,
         help="seconds between preflight attempts while it fails (0: try once)")
     maintenance_clouds: list[str] = setting(
         factory=list, flag="--maintenance-cloud", env="GPU_NODE_AGENT_MAINTENANCE_CLOUDS", repeat=True,
@@ -89,6 +90,7 @@ class RemediationConfig:
         help="seconds between metadata polls (local only, no API server load)")
     maintenance_drain_before_seconds: float = setting(
         0.0, flag="--maintenance-drain-before", env="GPU_NODE_AGENT_MAINTENANCE_DRAIN_BEFORE",
+        zero_ok=True,
         help="start draining this many seconds before a maintenance event's NotBefore (0: only cordon)")
     condition_type: str = setting("GpuUnhealthy", flag="--condition-type", env="GPU_NODE_AGENT_CONDITION_TYPE",
                                   help="NodeCondition type the agent owns (True means a problem)")

@@ -106,6 +106,10 @@ class HealthAssessor:
             return GpuRef(uuid=self._learned_uuids.get(device, ""), bus_id=f"{device}.0")
         return GpuRef(str(gpu.index), gpu.uuid or self._learned_uuids.get(device, ""), gpu.bus_id)
 
+    def is_local_kernel_device(self, device: str) -> bool:
+        """Whether a kernel-log device (`0000:1b:00`) is a GPU of this node (topology, or an NVRM map line)."""
+        return device in self._learned_uuids or any(bus_key(g.bus_id) == device for g in self.topology.gpus)
+
     def learn_uuid(self, device: str, uuid: str) -> None:
         """An `NVRM: GPU at PCI:...: GPU-...` line named a GPU's UUID."""
         self._learned_uuids[device] = uuid

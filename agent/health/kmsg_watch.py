@@ -14,8 +14,8 @@ from pathlib import Path
 
 from agent import aio
 from agent.health.assess import HealthAssessor
-from agent.health.nvrm import FallenOffBus, GpuUuidLine, XidLine, parse_nvrm
-from agent.host.kmsg import KmsgCursor, KmsgReader, KmsgRecord
+from agent.health.nvrm import FallenOffBus, GpuUuidLine, NvrmLine, XidLine, parse_nvrm_all
+from agent.host.kmsg import KERNEL_FACILITY, KmsgCursor, KmsgReader, KmsgRecord
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,9 @@ class KmsgWatcher:
         self.file_poll_interval = file_poll_interval
         self.lost_records = 0
         self.records_read = 0
+        self.skipped: dict[str, int] = {}  # reason -> NVRM events not acted on (not_kernel, foreign_device)
+        self.resyncs = 0  # sequence numbers that could not be real (see KmsgReader)
+        self._foreign_logged: set[str] = set()
         self.first_pass = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -42,7 +45,7 @@ class KmsgWatcher:
         reader = KmsgReader(self.path, self.boot_id, self.cursor)
         if not await self._open(reader, stop):
             return
-        lost_before = self.lost_records
+        lost_before, resyncs_before = self.lost_records, self.resyncs
         try:
             self.assessor.checks["kmsg"] = "ok"
             while not stop.is_set():
@@ -52,6 +55,7 @@ class KmsgWatcher:
                 self.records_read += len(records)
                 self.cursor = reader.cursor()
                 self.lost_records = lost_before + reader.lost
+                self.resyncs = resyncs_before + reader.resyncs
                 if more:
                     await asyncio.sleep(0)  # a long backlog: let the other producers run between batches
                     continue
@@ -80,18 +84,43 @@ class KmsgWatcher:
         return False
 
     def _handle(self, record: KmsgRecord) -> None:
-        line = parse_nvrm(record.message)
-        if line is None:
+        lines = parse_nvrm_all(record.message)
+        if not lines:
+            return
+        if record.facility != KERNEL_FACILITY:  # user space wrote it to /dev/kmsg: not the driver speaking
+            self._skip("not_kernel", len(lines))
+            return
+        for line in lines:
+            self._dispatch(line)
+
+    def _dispatch(self, line: NvrmLine) -> None:
+        if isinstance(line, GpuUuidLine):
+            self.assessor.learn_uuid(line.device, line.uuid)
+            return
+        device = line.device if not isinstance(line, XidLine) or line.device_parsed else None
+        if device is None or not self.assessor.is_local_kernel_device(device):
+            self._skip_foreign(line)
             return
         if isinstance(line, XidLine):
-            gpu = self.assessor.gpu_by_kernel_device(line.device, line.device_parsed)
+            gpu = self.assessor.gpu_by_kernel_device(line.device)
             detail = line.detail if line.caused_by is None else f"caused by previous Xid {line.caused_by}"
             self.assessor.on_xid(gpu, line.code, "kmsg", detail[:120], gpu_instance=line.gpu_instance)
-        elif isinstance(line, FallenOffBus):
+        else:
             gpu = self.assessor.gpu_by_kernel_device(line.device)
             self.assessor.on_gpu_lost(gpu, "kernel log: fallen off the bus", from_nvml=False)
-        elif isinstance(line, GpuUuidLine):
-            self.assessor.learn_uuid(line.device, line.uuid)
+
+    def _skip(self, reason: str, count: int = 1) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + count
+
+    def _skip_foreign(self, line: XidLine | FallenOffBus) -> None:
+        """A device that is not an address of this node: never acted on, logged once per device."""
+        self._skip("foreign_device")
+        device = line.device[:64]
+        if device not in self._foreign_logged and len(self._foreign_logged) < 64:
+            self._foreign_logged.add(device)
+            what = f"Xid {line.code}" if isinstance(line, XidLine) else "bus loss"
+            log.warning("kernel log names %s on %r, which is not a GPU of this node; skipped (logged once per "
+                        "device)", what, device)
 
 
 async def _readable(fd: int, stop: asyncio.Event) -> None:

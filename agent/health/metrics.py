@@ -8,7 +8,7 @@ form, like everywhere else in the agent (join with dcgm-exporter's NVML form on 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -31,10 +31,14 @@ class HealthCollector(Collector):
     """Xid counts, ECC and row-remap state, device health, node verdict and check availability."""
 
     def __init__(self, assessor: HealthAssessor, resource_of: ResourceOf | None = None,
-                 kmsg_lost: Callable[[], int] = lambda: 0, dcgm: DcgmWatcher | None = None) -> None:
+                 kmsg_lost: Callable[[], int] = lambda: 0, dcgm: DcgmWatcher | None = None, *,
+                 kmsg_skipped: Callable[[], Mapping[str, int]] = dict,
+                 kmsg_resyncs: Callable[[], int] = lambda: 0) -> None:
         self.assessor = assessor
         self.resource_of = resource_of
         self.kmsg_lost = kmsg_lost
+        self.kmsg_skipped = kmsg_skipped
+        self.kmsg_resyncs = kmsg_resyncs
         self.dcgm = dcgm
 
     def collect(self) -> Iterator[Metric]:
@@ -62,6 +66,17 @@ class HealthCollector(Collector):
         lost = CounterMetricFamily(PREFIX + "kmsg_records_lost", "kernel-log records overwritten before read")
         lost.add_metric([], self.kmsg_lost())
         yield lost
+        skipped = CounterMetricFamily(PREFIX + "kmsg_events_skipped", "NVRM events in the kernel log not acted on, by "
+                                      "reason (not_kernel: written by user space; foreign_device: not a GPU of this "
+                                      "node)", labels=["reason"])
+        counts = self.kmsg_skipped()
+        for reason in ("foreign_device", "not_kernel"):
+            skipped.add_metric([reason], counts.get(reason, 0))
+        yield skipped
+        resyncs = CounterMetricFamily(PREFIX + "kmsg_sequence_resyncs", "kernel-log sequence numbers that could not "
+                                      "be real (went back, leapt, or a saved position ahead of the kernel)")
+        resyncs.add_metric([], self.kmsg_resyncs())
+        yield resyncs
         if self.dcgm is not None:
             yield from self._dcgm(self.dcgm)
 

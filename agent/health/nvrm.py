@@ -20,6 +20,9 @@ _XID_ANY_DEVICE = re.compile(r"NVRM: Xid \(([^)]{0,64})\):\s*(\d{1,6})\b,?\s*(.*
 _FALLEN = re.compile(r"NVRM: (?:The NVIDIA )?GPU (?:at )?" + _DEVICE + r"\b.{0,200}?fallen off the bus",
                      re.DOTALL)
 _GPU_MAP = re.compile(r"NVRM: GPU at " + _DEVICE + r":\s*(GPU-[0-9a-fA-F-]{8,64})")
+_NVRM = re.compile(r"NVRM:")
+_XID_START = re.compile(r"NVRM: Xid ")
+_FALLEN_START = re.compile(r"NVRM: (?:The NVIDIA )?GPU (?:at )?" + _DEVICE)
 _CAUSED_BY = re.compile(r"caused by previous Xid (\d{1,6})")
 
 
@@ -54,13 +57,42 @@ NvrmLine = XidLine | FallenOffBus | GpuUuidLine
 
 
 def parse_nvrm(message: str) -> NvrmLine | None:
-    """The health-relevant NVRM event in one kernel-log message, or None. Never raises."""
+    """The first health-relevant NVRM event in one kernel-log message, or None. Never raises."""
+    found = parse_nvrm_all(message)
+    return found[0] if found else None
+
+
+def parse_nvrm_all(message: str) -> list[NvrmLine]:
+    """Every health-relevant NVRM event in one kernel-log message, in order. Never raises.
+
+    A message normally holds one, but a dmesg dump pasted into a file, or a record of several lines, may hold
+    a burst: each `NVRM: Xid` in it counts, so the text is cut at each `NVRM:` and every piece is parsed."""
     if "NVRM" not in message:
-        return None
-    try:
-        return _parse(message)
-    except (ValueError, IndexError):  # defensive: the patterns should make these impossible
-        return None
+        return []
+    starts = [m.start() for m in _NVRM.finditer(message)] or [0]
+    found: list[NvrmLine] = []
+    pieces = [message[a:b] for a, b in zip(starts, [*starts[1:], len(message)], strict=True)]
+    for piece in _join_fallen(pieces):
+        try:
+            line = _parse(piece)
+        except (ValueError, IndexError):  # defensive: the patterns should make these impossible
+            line = None
+        if line is not None:
+            found.append(line)
+    return found
+
+
+def _join_fallen(pieces: list[str]) -> list[str]:
+    """The bus-loss message spans several `NVRM:` lines of one record ("The NVIDIA GPU ... / NVRM: (PCI ID: ...)
+    installed in this system has / NVRM: fallen off the bus ..."): keep such a run together."""
+    out: list[str] = []
+    for piece in pieces:
+        if out and _FALLEN_START.search(out[-1]) and not _XID_START.match(piece) \
+                and not _FALLEN_START.match(piece) and "fallen off the bus" not in out[-1]:
+            out[-1] += piece
+        else:
+            out.append(piece)
+    return out
 
 
 def _parse(message: str) -> NvrmLine | None:

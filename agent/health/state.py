@@ -65,7 +65,7 @@ class StateStore:
             data = json.loads(self.path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return SavedHealth(boot_id)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested absurdly deep
             log.warning("ignoring unreadable health state %s (%s); old kernel-log Xids may be counted again",
                         self.path, exc)
             return SavedHealth(boot_id)

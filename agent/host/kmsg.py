@@ -6,9 +6,18 @@ so every agent restart would replay the whole boot's history; `KmsgCursor` (boot
 kept in the state dir by the caller) lets a restart skip what it already acted on. A read that fails with
 EPIPE means the kernel overwrote records we had not read yet: we log it, count the gap, and carry on.
 
+Every record is its own message. NVIDIA's driver prints each `NVRM:` line with KERN_CONT, so /dev/kmsg flags
+each with `c` (NVIDIA/DCGM's own kmsg test reads `4,1227,...,c;NVRM: Xid ...`); joining `c` records would glue
+a burst of Xids into one message and lose all but the first. Sequence numbers only ever grow on one kernel: a
+record whose number goes back means the one before was not a real kernel number (a hand-written file), and a
+saved cursor ahead of everything the kernel still holds belongs to no kernel we can see; either way the reader
+resynchronises instead of skipping every later record.
+
 A plain file (`--kmsg FILE`, for simulation and demos) holds the same record lines; lines without a header
-(`NVRM: Xid ...`, or dmesg's `[  12.345] NVRM: ...`) are accepted too. For a file the cursor also keeps the
-inode and byte offset, so headerless lines are not replayed either. Record parsing never raises.
+(`NVRM: Xid ...`, or dmesg's `[  12.345] NVRM: ...`) are accepted too, and so are dmesg's indented
+continuation lines of a multi-line message (they join the message; ` KEY=value` lines stay dictionary
+fields). For a file the cursor keeps the inode and byte offset, which is what skips replays there. Record
+parsing never raises.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import os
 import re
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -28,6 +37,9 @@ READ_SIZE = 16384  # larger than the kernel's biggest record (CONSOLE_EXT_LOG_MA
 _HEADER = re.compile(r"^(\d{1,10}),(\d{1,20}),(\d{1,20}),([^,;]*)(?:,[^;]*)?;(.*)$", re.DOTALL)
 _DMESG_PREFIX = re.compile(r"^(?:<\d{1,4}>)?\s*(?:\[\s*\d+(?:\.\d+)?\]\s?)?")
 _ESCAPE = re.compile(r"\\x([0-9a-fA-F]{2})")
+_DICT_LINE = re.compile(r"^ [A-Z][A-Z0-9_]{0,63}=")  # a /dev/kmsg dictionary line, e.g. " SUBSYSTEM=pci"
+KERNEL_FACILITY = 0  # LOG_KERN; user space writing to /dev/kmsg gets LOG_USER (1) or what it asks for
+MAX_SEQ_JUMP = 1 << 24  # a forward jump larger than this is not records lost but a number that is not real
 
 
 @dataclass(frozen=True)
@@ -38,8 +50,9 @@ class KmsgRecord:
     seq: int | None = None
     level: int = 6
     timestamp_us: int | None = None
-    flag: str = "-"  # "c" (or the obsolete "+") marks a fragment of a continued line
+    flag: str = "-"  # "c" (or the obsolete "+"): printed with KERN_CONT; still a message of its own
     fields: dict[str, str] = field(default_factory=dict)  # dictionary lines, e.g. DEVICE=+pci:0000:3b:00.0
+    facility: int = KERNEL_FACILITY  # syslog facility from the header prefix; headerless lines count as kernel
 
 
 @dataclass(frozen=True)
@@ -58,21 +71,27 @@ def unescape(text: str) -> str:
 
 
 def parse_record(text: str) -> KmsgRecord | None:
-    """One record (header line plus optional dictionary lines); a headerless line is a bare message."""
+    """One record (header line plus optional dictionary or dmesg continuation lines); a headerless line is a bare
+    message."""
     lines = text.rstrip("\n").split("\n")
-    head, extra = lines[0], [line for line in lines[1:] if line.startswith(" ")]
+    head = lines[0]
     if not head.strip():
         return None
     fields: dict[str, str] = {}
-    for line in extra:
-        key, sep, value = line.strip().partition("=")
-        if sep:
+    more: list[str] = []
+    for line in lines[1:]:
+        if _DICT_LINE.match(line):
+            key, _, value = line.strip().partition("=")
             fields[key] = unescape(value)
+        elif line.startswith((" ", "\t")) and line.strip():
+            more.append(unescape(line.strip()))  # dmesg indents the further lines of a multi-line message
     match = _HEADER.match(head)
     if match is None:
-        return KmsgRecord(unescape(_DMESG_PREFIX.sub("", head, count=1)), fields=fields)
+        message = unescape(_DMESG_PREFIX.sub("", head, count=1))
+        return KmsgRecord("\n".join([message, *more]), fields=fields)
     prefix, seq, usec, flag, message = match.groups()
-    return KmsgRecord(unescape(message), int(seq), int(prefix) & 7, int(usec), flag.strip() or "-", fields)
+    return KmsgRecord("\n".join([unescape(message), *more]), int(seq), int(prefix) & 7, int(usec),
+                      flag.strip() or "-", fields, int(prefix) >> 3)
 
 
 def read_boot_id(path: str | Path = "/proc/sys/kernel/random/boot_id") -> str:
@@ -84,44 +103,27 @@ def read_boot_id(path: str | Path = "/proc/sys/kernel/random/boot_id") -> str:
         return ""
 
 
-class _Fragments:
-    """Joins `c`/`+` fragments of one continued line; flushed by a normal record or when input pauses."""
-
-    def __init__(self) -> None:
-        self._parts: list[KmsgRecord] = []
-
-    def add(self, record: KmsgRecord) -> list[KmsgRecord]:
-        if record.flag in ("c", "+"):
-            self._parts.append(record)
-            return []
-        return [*self.flush(), record]
-
-    def flush(self) -> list[KmsgRecord]:
-        parts, self._parts = self._parts, []
-        if len(parts) <= 1:
-            return parts
-        merged = {k: v for part in parts for k, v in part.fields.items()}
-        return [replace(parts[-1], message="".join(p.message for p in parts), flag="-", fields=merged,
-                        timestamp_us=parts[0].timestamp_us)]
-
-
 class KmsgReader:
     """Non-blocking reader of /dev/kmsg or a plain file; `read_available()` returns what is there now."""
 
     def __init__(self, path: str | Path, boot_id: str, cursor: KmsgCursor | None = None, *,
-                 read: Callable[[int, int], bytes] = os.read, batch_limit: int = 5000) -> None:
+                 read: Callable[[int, int], bytes] = os.read, seek: Callable[[int, int, int], int] = os.lseek,
+                 batch_limit: int = 5000) -> None:
         self.path = Path(path)
         self.boot_id = boot_id
         self.lost = 0  # records overwritten before we read them (EPIPE and sequence gaps)
+        self.resyncs = 0  # sequence numbers that could not be real (went back, leapt, cursor ahead of the kernel)
         self._cursor = cursor if cursor is not None and cursor.boot_id == boot_id else None
         self._read = read
+        self._seek = seek
         self._batch_limit = batch_limit
         self._fd: int | None = None
         self._device = False
         self._inode: int | None = None
         self._offset = 0
         self._last_seq = self._cursor.seq if self._cursor else None
-        self._fragments = _Fragments()
+        self._skip_through: int | None = None  # a device replays from its oldest record: skip up to the cursor
+        self._prev_seq: int | None = None  # the record before, in this open's stream
 
     @property
     def is_device(self) -> bool:
@@ -139,6 +141,8 @@ class KmsgReader:
         info = os.fstat(fd)
         self._fd, self._device, self._inode = fd, stat.S_ISCHR(info.st_mode), info.st_ino
         self._offset = 0
+        self._prev_seq = None
+        self._skip_through = self._last_seq if self._device else None  # a file resumes at its byte offset
         cursor = self._cursor
         if not self._device and cursor and cursor.inode == info.st_ino and cursor.offset is not None \
                 and cursor.offset <= info.st_size:
@@ -159,7 +163,7 @@ class KmsgReader:
         return KmsgCursor(self.boot_id, self._last_seq, self._inode, self._offset)
 
     def read_available(self) -> tuple[list[KmsgRecord], bool]:
-        """New records (fragments merged, already-seen ones skipped), and whether more are waiting."""
+        """New records (each its own message; already-seen ones skipped), and whether more are waiting."""
         if self._fd is None:
             raise RuntimeError("KmsgReader.open() first")
         raw, more = self._read_device() if self._device else self._read_file()
@@ -167,21 +171,49 @@ class KmsgReader:
         for text in raw:
             record = parse_record(text)
             if record is not None and self._new(record):
-                records.extend(self._fragments.add(record))
-        if not more:
-            records.extend(self._fragments.flush())
+                records.append(record)
+        if not more and self._cursor_ahead_of_kernel():
+            return records, True
         return records, more
 
     def _new(self, record: KmsgRecord) -> bool:
-        if record.seq is None:
+        seq = record.seq
+        if seq is None:
             return True
-        last = self._last_seq
-        if last is not None and record.seq <= last:
+        prev, self._prev_seq = self._prev_seq, seq
+        if prev is not None and seq <= prev:
+            self._resync(f"sequence number went back from {prev} to {seq}")
+            self._skip_through, self._last_seq = None, seq
+            return True
+        if self._skip_through is not None and seq <= self._skip_through:
             return False
-        if last is not None and record.seq > last + 1:
-            self.lost += record.seq - last - 1
-        self._last_seq = record.seq
+        self._skip_through = None  # past the cursor: from here on the stream's own order decides
+        last = self._last_seq
+        if last is not None and seq > last + 1:
+            if seq - last - 1 > MAX_SEQ_JUMP:
+                self._resync(f"sequence number leapt from {last} to {seq}")
+            else:
+                self.lost += seq - last - 1
+        self._last_seq = seq
         return True
+
+    def _cursor_ahead_of_kernel(self) -> bool:
+        """At the end of the buffer with every record skipped as 'seen': the cursor is not this kernel's.
+        Read the buffer again from its oldest record rather than skip everything up to an unreachable number."""
+        skip, seen = self._skip_through, self._prev_seq
+        if not self._device or skip is None or seen is None or seen >= skip:
+            return False
+        self._resync(f"saved position {skip} is ahead of the newest kernel record {seen}")
+        assert self._fd is not None
+        self._seek(self._fd, 0, os.SEEK_SET)
+        self._skip_through = self._last_seq = self._prev_seq = None
+        return True
+
+    def _resync(self, why: str) -> None:
+        self.resyncs += 1
+        if self.resyncs & (self.resyncs - 1) == 0:  # 1st, 2nd, 4th, 8th...: a hostile file cannot flood the log
+            log.warning("kernel log %s: %s; following the records as they come (%d such)", self.path, why,
+                        self.resyncs)
 
     def _read_device(self) -> tuple[list[str], bool]:
         assert self._fd is not None

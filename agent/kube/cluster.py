@@ -29,6 +29,7 @@ from lightkube.core.exceptions import NotReadyError
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Event, Node, Pod
+from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
 from lightkube.types import PatchType
 
 from agent.kube import errors
@@ -44,6 +45,7 @@ from agent.kube.model import (
     WatchEvent,
     format_time,
 )
+from agent.kube.names import check_node_name, url_segment
 from agent.kube.transport import CountingTransport
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,11 @@ class LightkubeCluster:
 
     def __init__(self, client: AsyncClient, node_name: str, event_namespace: str = "default",
                  timeout: float = 10.0) -> None:
+        try:
+            self._node = url_segment(check_node_name(node_name))  # the node's name as it goes into paths
+            self._event_ns = url_segment(event_namespace, namespace=True)
+        except ValueError as exc:
+            raise ClusterConfigError(str(exc)) from exc
         self._client = client
         self._timeout = timeout
         self.node_name = node_name
@@ -101,10 +108,12 @@ class LightkubeCluster:
             return await call()
         except _FAILURES as exc:
             raise translate(exc) from exc
+        except ValueError as exc:  # url_segment refused a name before any request was sent
+            raise errors.ApiError(400, f"refused before sending: {exc}") from exc
 
     async def get_node(self) -> NodeView:
         """GET the node."""
-        node = await self._do(lambda: self._client.get(Node, self.node_name))
+        node = await self._do(lambda: self._client.get(Node, self._node))
         return NodeView.from_dict(node.to_dict())
 
     async def patch_node(self, patch: dict[str, Any], resource_version: str | None = None) -> NodeView:
@@ -112,20 +121,27 @@ class LightkubeCluster:
         body = dict(patch)
         if resource_version:
             body["metadata"] = {**(body.get("metadata") or {}), "resourceVersion": resource_version}
-        node = await self._do(lambda: self._client.patch(Node, self.node_name, body, patch_type=PatchType.MERGE))
+        node = await self._do(lambda: self._client.patch(Node, self._node, body, patch_type=PatchType.MERGE))
         return NodeView.from_dict(node.to_dict())
 
     async def patch_node_condition(self, condition: Condition) -> NodeView:
         """Strategic merge on nodes/status: conditions merge by type."""
         body = {"status": {"conditions": [condition.to_dict()]}}
-        node = await self._do(lambda: self._client.patch(Node.Status, self.node_name, body,
+        node = await self._do(lambda: self._client.patch(Node.Status, self._node, body,
                                                          patch_type=PatchType.STRATEGIC))
         return NodeView.from_dict(node.to_dict())
 
     def watch_node(self, resource_version: str, timeout_seconds: int) -> AsyncIterator[WatchEvent[NodeView]]:
         """One watch request by name with bookmarks; ERROR lines become exceptions (410: ApiGone)."""
         return self._watch(Node, None, f"metadata.name={self.node_name}", resource_version,
-                           timeout_seconds=timeout_seconds, parse=NodeView.from_dict)
+                           timeout_seconds=timeout_seconds, parse=self._own_node)
+
+    def _own_node(self, obj: Mapping[str, Any]) -> NodeView:
+        """A watched Node must be this one: a server (or proxy) that answers with another is not believed."""
+        node = NodeView.from_dict(obj)
+        if node.name != self.node_name:
+            raise errors.ApiServerError(502, f"the watch of node {self.node_name} returned node {node.name[:80]!r}")
+        return node
 
     def watch_pods(self, resource_version: str, timeout_seconds: int) -> AsyncIterator[WatchEvent[PodView]]:
         """One watch of this node's pods (fieldSelector spec.nodeName, all namespaces) with bookmarks."""
@@ -173,36 +189,44 @@ class LightkubeCluster:
 
     async def evict_pod(self, namespace: str, name: str) -> None:
         """policy/v1 Eviction (lightkube fills apiVersion and kind)."""
-        eviction = Pod.Eviction(metadata=ObjectMeta(name=name, namespace=namespace))
-        await self._do(lambda: self._client.create(eviction, name=name, namespace=namespace))
+        async def call() -> None:
+            path_name, path_ns = url_segment(name), url_segment(namespace, namespace=True)
+            eviction = Pod.Eviction(metadata=ObjectMeta(name=name, namespace=namespace))
+            await self._client.create(eviction, name=path_name, namespace=path_ns)
+        await self._do(call)
 
     async def write_event(self, event: EventRecord) -> EventRecord:
-        """Create a core/v1 Event on the Node (or on `event.involved`, in its namespace), or fold a repeat into
-        it (count, lastTimestamp)."""
+        """Create a core/v1 Event on the Node, or fold a repeat into it (count, lastTimestamp)."""
         last = format_time(event.last_time)
-        namespace = event.involved.namespace if event.involved is not None else self._event_namespace
+
+        def namespace() -> str:  # an Event lives in its object's namespace (a Pod's), the Node's in the configured one
+            involved = event.involved
+            return self._event_ns if involved is None else url_segment(involved.namespace, namespace=True)
+
         if event.name:
             body = {"count": event.count, "lastTimestamp": last, "message": event.message}
-            await self._do(lambda: self._client.patch(Event, event.name, body, namespace=namespace,
+            await self._do(lambda: self._client.patch(Event, url_segment(event.name), body, namespace=namespace(),
                                                       patch_type=PatchType.MERGE))
             return event
         created = await self._do(lambda: self._client.create(
-            Event.from_dict(self._event_body(event)), namespace=namespace))
+            Event.from_dict(self._event_body(event, namespace())), namespace=namespace()))
         return dataclasses.replace(event, name=created.metadata.name)
 
-    def _event_body(self, event: EventRecord) -> dict[str, Any]:
-        namespace, prefix = self._event_namespace, self.node_name
-        # kubelet names the Node's uid after the node, so `kubectl describe node` lists these Events
-        involved: dict[str, str] = {"apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": self.node_name}
-        if event.involved is not None:
-            ref = event.involved
-            namespace, prefix = ref.namespace, ref.name
-            involved = {"apiVersion": "v1", "kind": ref.kind, "namespace": ref.namespace, "name": ref.name}
-            if ref.uid:
-                involved["uid"] = ref.uid
+    def _event_body(self, event: EventRecord, namespace: str) -> dict[str, Any]:
+        involved = event.involved
+        if involved is None:
+            # kubelet names the Node's uid after the node, so `kubectl describe node` lists these Events
+            about = {"apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": self.node_name}
+            prefix = self.node_name
+        else:  # `kubectl describe pod` selects Events by the pod's kind, namespace, name and uid
+            about = {"apiVersion": "v1", "kind": involved.kind, "namespace": involved.namespace,
+                     "name": involved.name}
+            if involved.uid:
+                about["uid"] = involved.uid
+            prefix = involved.name
         return {
-            "metadata": {"generateName": f"{prefix[:200]}.", "namespace": namespace},
-            "involvedObject": involved,
+            "metadata": {"generateName": f"{prefix}.", "namespace": namespace},
+            "involvedObject": about,
             "reason": event.reason, "message": event.message, "type": event.type, "count": event.count,
             "firstTimestamp": format_time(event.first_time), "lastTimestamp": format_time(event.last_time),
             "source": {"component": COMPONENT, "host": self.node_name},
@@ -212,18 +236,50 @@ class LightkubeCluster:
     async def list_leases(self, namespace: str, labels: dict[str, str]) -> list[LeaseView]:
         """Leases in one namespace with these labels."""
         async def call() -> list[LeaseView]:
-            return [LeaseView.from_dict(item.to_dict())
-                    async for item in self._client.list(Lease, namespace=namespace, labels=labels)]
+            return [LeaseView.from_dict(item.to_dict()) async for item in
+                    self._client.list(Lease, namespace=url_segment(namespace, namespace=True), labels=labels)]
         return await self._do(call)
 
     async def write_lease(self, namespace: str, lease: LeaseView) -> LeaseView:
         """Create, or replace guarded by resourceVersion."""
         obj = Lease.from_dict(lease.to_dict(namespace))
+        path_ns = url_segment(namespace, namespace=True)
         if lease.resource_version:
-            written = await self._do(lambda: self._client.replace(obj, namespace=namespace))
+            written = await self._do(lambda: self._client.replace(obj, url_segment(lease.name), namespace=path_ns))
         else:
-            written = await self._do(lambda: self._client.create(obj, namespace=namespace))
+            written = await self._do(lambda: self._client.create(obj, namespace=path_ns))
         return LeaseView.from_dict(written.to_dict())
+
+    async def node_uid(self) -> str:
+        """GET the node for its uid."""
+        node = await self._do(lambda: self._client.get(Node, self.node_name))
+        return str(node.metadata.uid or "")
+
+    async def list_resource_slices(self, driver: str) -> list[dict[str, Any]]:
+        """This node's slices of one driver (field selectors, as the kubelet plugin helper lists them)."""
+        async def call() -> list[dict[str, Any]]:
+            listing = self._client.list(ResourceSlice, fields={"spec.nodeName": self.node_name, "spec.driver": driver})
+            return [item.to_dict() async for item in listing]
+        return await self._do(call)
+
+    async def create_resource_slice(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST a ResourceSlice."""
+        created = await self._do(lambda: self._client.create(ResourceSlice.from_dict(body)))
+        return dict(created.to_dict())
+
+    async def replace_resource_slice(self, body: dict[str, Any]) -> dict[str, Any]:
+        """PUT a ResourceSlice (its resourceVersion is the precondition)."""
+        written = await self._do(lambda: self._client.replace(ResourceSlice.from_dict(body)))
+        return dict(written.to_dict())
+
+    async def delete_resource_slice(self, name: str) -> None:
+        """DELETE a ResourceSlice."""
+        await self._do(lambda: self._client.delete(ResourceSlice, name))
+
+    async def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        """GET a ResourceClaim."""
+        claim = await self._do(lambda: self._client.get(ResourceClaim, name, namespace=namespace))
+        return dict(claim.to_dict())
 
     async def aclose(self) -> None:
         """Close the HTTP client."""

@@ -181,7 +181,7 @@ class FilePodSource(PodFeed):
         try:
             with open(self.path, encoding="utf-8") as handle:
                 pods = parse_pods(json.load(handle))
-        except (OSError, ValueError) as exc:  # JSONDecodeError and PodListError are ValueErrors
+        except (OSError, ValueError, RecursionError) as exc:  # JSONDecodeError and PodListError are ValueErrors
             log.error("pods file %s is invalid, keeping the last good pod list: %s", self.path, exc)
             return False
         before = self.snapshot()[0]

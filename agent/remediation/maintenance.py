@@ -98,7 +98,7 @@ class AzureSource:
             raise MetadataError(f"azure scheduled events: HTTP {status}")
         try:
             events = json.loads(body).get("Events") or []
-        except (ValueError, AttributeError) as exc:
+        except (ValueError, AttributeError, RecursionError) as exc:
             raise MetadataError(f"azure scheduled events: not a JSON document: {exc}") from exc
         found = []
         for event in events:
@@ -159,7 +159,7 @@ class AwsSource:
             raise MetadataError(f"aws scheduled events: HTTP {status}")
         try:
             events = json.loads(body) if body.strip() else []
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise MetadataError(f"aws scheduled events: not JSON: {exc}") from exc
         found = []
         for event in events if isinstance(events, list) else []:

@@ -51,6 +51,9 @@ class Location:
     root: str
     switches: tuple[str, ...] = ()
     numa: int | None = None
+    # the sysfs root complex when the NCCL XML placed the device under a CPU (`root` is then `cpu0`): DRA's
+    # standard pcieRoot attribute names the real PCI root; distance never reads it
+    pci_root: str = field(default="", compare=False)
 
     def level_to(self, other: Location) -> Level:
         """Distance to another location, as nvidia-smi would print it."""
@@ -104,6 +107,8 @@ class Gpu:
     pci: PciInfo
     location: Location
     uuid: str | None = None
+    minor: int | None = None  # N of /dev/nvidiaN, from NVML
+    mig_enabled: bool = False  # MIG mode on: served as MIG devices or not at all, never as a whole GPU
 
     @property
     def bus_id(self) -> str:

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 SOURCE = "sysfs+nccl-xml"
 
 
+MAX_PCI_DEPTH = 32
+
+
 class TopologyXmlError(ValueError):
     """An NCCL topology XML file that cannot be read or does not describe a topology."""
 
@@ -107,6 +110,8 @@ class _Parser:
                     self.by_name[name] = Location(root=root, numa=numa)
 
     def pci(self, elem: ET.Element, parents: list[ET.Element], here: Location) -> None:
+        if len(parents) > MAX_PCI_DEPTH:  # real trees are a handful of bridges deep; this bounds the recursion
+            raise TopologyXmlError(f"{self.origin}: <pci> elements nested more than {MAX_PCI_DEPTH} deep")
         chain = [*parents, elem]
         raw = elem.get("busid")
         if raw is None or not raw.strip():
@@ -171,8 +176,8 @@ def parse_nccl_xml(path_or_text: str | Path) -> NcclXmlTopology:
 
 
 def _merge(sysfs: Location, xml: Location) -> Location:
-    """The XML location; a numa the XML leaves open keeps the sysfs value."""
-    return xml if xml.numa is not None else replace(xml, numa=sysfs.numa)
+    """The XML location; a numa the XML leaves open keeps the sysfs value, and the sysfs root is kept aside."""
+    return replace(xml, numa=sysfs.numa if xml.numa is None else xml.numa, pci_root=sysfs.pci_root or sysfs.root)
 
 
 def apply_xml(topology: Topology, xml: NcclXmlTopology) -> Topology:

@@ -39,10 +39,10 @@ def test_flags_and_env() -> None:
 
 @pytest.mark.parametrize(("argv", "named"), [
     (["--xid-action", "109=reboot"], "xid action override '109=reboot'"),
-    (["--nvml-poll-interval", "0"], "nvml_poll_interval_seconds"),
+    (["--nvml-poll-interval", "0"], "health.nvmlPollIntervalSeconds: must be positive"),
     (["--link-down-action", "panic"], "linkDownAction"),
     (["--dcgm-exporter-url", "localhost:9400/metrics"], "dcgm_exporter_url must be an http"),
-    (["--dcgm-scrape-interval", "0"], "dcgm_scrape_interval_seconds"),
+    (["--dcgm-scrape-interval", "0"], "health.dcgmScrapeIntervalSeconds: must be positive"),
     (["--dcgm-pcie-replays-per-minute", "-1"], "dcgm_pcie_replays_per_minute must not be negative"),
     (["--dcgm-link-error-action", "reboot"], "dcgmLinkErrorAction"),
 ])

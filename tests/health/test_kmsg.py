@@ -19,7 +19,8 @@ BOOT = "boot-a"
     ("6,339,5140900,-;NET: Registered PF_INET6 protocol family\n",
      KmsgRecord("NET: Registered PF_INET6 protocol family", 339, 6, 5140900, "-")),
     # facility bits above the level; unknown extra header fields are ignored; the text starts after the first ;
-    ("30,340,5141000,-,caller=T1;systemd[1]: a;b;c\n", KmsgRecord("systemd[1]: a;b;c", 340, 6, 5141000, "-")),
+    ("30,340,5141000,-,caller=T1;systemd[1]: a;b;c\n",
+     KmsgRecord("systemd[1]: a;b;c", 340, 6, 5141000, "-", facility=3)),
     # continuation lines: key/value properties of the record, escaped bytes undone
     ("3,341,5142000,-;NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.\n SUBSYSTEM=pci\n"
      " DEVICE=+pci:0000:3b:00.0\n",
@@ -30,6 +31,18 @@ BOOT = "boot-a"
     ("NVRM: Xid (PCI:0000:1b:00): 79, pid=1\n", KmsgRecord("NVRM: Xid (PCI:0000:1b:00): 79, pid=1")),
     ("[ 1234.567890] NVRM: Xid (PCI:0000:1b:00): 48, x\n", KmsgRecord("NVRM: Xid (PCI:0000:1b:00): 48, x")),
     ("\n", None),
+    # NVIDIA/DCGM dcgmlib/src/tests/DcgmKmsgReaderTests.cpp: the driver's KERN_CONT record, flag c, one message
+    ("4,1227,437812449,c;NVRM: Xid (PCI:0000:01:00): 43, pid=1814139, name=cuda_assert_64b, Ch 00000018\n",
+     KmsgRecord("NVRM: Xid (PCI:0000:01:00): 43, pid=1814139, name=cuda_assert_64b, Ch 00000018", 1227, 4,
+                437812449, "c")),
+    # NVIDIA/NVSentinel#155: dmesg prints the further lines of one multi-line message indented
+    ("[ 1843.308145] NVRM: The NVIDIA GPU 0000:b3:00.0\n               NVRM: (PCI ID: 10de:26b5) installed in "
+     "this system has\n               NVRM: fallen off the bus and is not responding to commands.\n",
+     KmsgRecord("NVRM: The NVIDIA GPU 0000:b3:00.0\nNVRM: (PCI ID: 10de:26b5) installed in this system has\n"
+                "NVRM: fallen off the bus and is not responding to commands.")),
+    # a user-space write to /dev/kmsg: facility LOG_USER (1), level 4 -> prefix 12
+    ("12,900,5150000,-;NVRM: Xid (PCI:0000:01:00): 79, GPU has fallen off the bus.\n",
+     KmsgRecord("NVRM: Xid (PCI:0000:01:00): 79, GPU has fallen off the bus.", 900, 4, 5150000, "-", facility=1)),
 ])
 def test_parse_record(text: str, expected: KmsgRecord | None) -> None:
     assert parse_record(text) == expected
@@ -71,13 +84,34 @@ def test_file_follows_appends_and_waits_for_whole_lines(tmp_path: Path) -> None:
     reader.close()
 
 
-def test_fragments_of_a_continued_line_are_joined(tmp_path: Path) -> None:
+def test_continued_records_are_each_their_own_message(tmp_path: Path) -> None:
+    """KERN_CONT (`c`) records are separate messages: NVIDIA's driver flags every NVRM line so (the DCGM test
+    record above), and joining them glued a whole Xid burst into one message."""
     path = tmp_path / "kmsg"
-    path.write_text("4,1,10,c;NVRM: Xid (PCI:0000:1b:00): 79, pid=1,\n4,2,11,c; GPU has fallen off the bus.\n"
-                    "6,3,12,-;next\n4,4,13,c;tail fragment\n")
+    path.write_text("4,1,10,c;NVRM: Xid (PCI:0000:1b:00): 149, NETIR_LINK_EVT Fatal XC0 i0 Link 00\n"
+                    "4,2,11,c;NVRM: Xid (PCI:0000:1c:00): 149, NETIR_LINK_EVT Fatal XC0 i0 Link 00\n"
+                    "6,3,12,-;next\n4,4,13,c;tail\n")
     reader = _reader(path)
-    assert _messages(reader) == ["NVRM: Xid (PCI:0000:1b:00): 79, pid=1, GPU has fallen off the bus.", "next",
-                                 "tail fragment"]
+    assert _messages(reader) == ["NVRM: Xid (PCI:0000:1b:00): 149, NETIR_LINK_EVT Fatal XC0 i0 Link 00",
+                                 "NVRM: Xid (PCI:0000:1c:00): 149, NETIR_LINK_EVT Fatal XC0 i0 Link 00", "next",
+                                 "tail"]
+
+
+def test_an_absurd_sequence_number_in_a_file_does_not_blind_the_reader(tmp_path: Path) -> None:
+    path = tmp_path / "kmsg"
+    path.write_text("6,1,10,-;one\n6,18446744073709551615,11,-;absurd\n6,2,12,-;two\n6,3,13,-;three\n")
+    reader = _reader(path)
+    assert _messages(reader) == ["one", "absurd", "two", "three"]
+    assert reader.lost == 0 and reader.resyncs == 2  # the leap and the way back; no phantom lost records
+    with path.open("a") as log:
+        log.write("6,4,14,-;four\n")
+    assert _messages(reader) == ["four"]
+    # a cursor saved with an absurd number still resumes at the file's byte offset
+    cursor = reader.cursor()
+    reader.close()
+    with path.open("a") as log:
+        log.write("6,5,15,-;five\n")
+    assert _messages(_reader(path, KmsgCursor(BOOT, 10**19, cursor.inode, cursor.offset))) == ["five"]
 
 
 def test_file_cursor_skips_what_was_read_before(tmp_path: Path) -> None:
@@ -114,22 +148,31 @@ def test_truncated_or_replaced_file_is_read_from_the_start(tmp_path: Path) -> No
 
 
 class _FakeDevice:
-    """Stands in for read(2) on /dev/kmsg: one record per call, EAGAIN when empty, EPIPE when overrun."""
+    """Stands in for read(2) on /dev/kmsg: one record per call, EAGAIN when empty, EPIPE when overrun; lseek to 0
+    goes back to the oldest record, as the kernel's devkmsg_llseek(SEEK_SET) does."""
 
     def __init__(self, items: list[bytes | OSError]) -> None:
         self.items = items
+        self.position = 0
 
     def __call__(self, fd: int, size: int) -> bytes:
-        if not self.items:
+        if self.position >= len(self.items):
             raise BlockingIOError(errno.EAGAIN, "empty")
-        item = self.items.pop(0)
+        item = self.items[self.position]
+        self.position += 1
         if isinstance(item, OSError):
             raise item
         return item
 
+    def seek(self, fd: int, offset: int, whence: int) -> int:
+        assert (offset, whence) == (0, os.SEEK_SET)
+        self.position = 0
+        return 0
+
 
 def _device_reader(items: list[bytes | OSError], cursor: KmsgCursor | None = None) -> KmsgReader:
-    reader = KmsgReader("/dev/null", BOOT, cursor, read=_FakeDevice(items))
+    fake = _FakeDevice(items)
+    reader = KmsgReader("/dev/null", BOOT, cursor, read=fake, seek=fake.seek)
     reader.open()
     assert reader.is_device  # /dev/null is a character device too; the fake read supplies the records
     return reader
@@ -154,6 +197,21 @@ def test_device_restart_skips_sequence_numbers_already_handled() -> None:
     assert [r.message for r in other_boot.read_available()[0]] == ["old", "old too", "new"]
 
 
+def test_device_cursor_ahead_of_the_kernel_rereads_the_buffer(caplog: pytest.LogCaptureFixture) -> None:
+    """A saved sequence number no kernel record reaches (a damaged state file): without a resync every record
+    of this boot, and every later one, would count as already handled."""
+    device = _FakeDevice([b"6,1,1,-;old\n", b"6,2,2,-;older news\n"])
+    reader = KmsgReader("/dev/null", BOOT, KmsgCursor(BOOT, 2**63), read=device, seek=device.seek)
+    reader.open()
+    first, more = reader.read_available()
+    assert first == [] and more  # everything skipped, then the resync: read again
+    again, more = reader.read_available()
+    assert [r.message for r in again] == ["old", "older news"] and not more
+    device.items.append(b"6,3,3,-;new\n")
+    assert [r.message for r in reader.read_available()[0]] == ["new"]
+    assert reader.resyncs == 1 and "ahead of the newest kernel record" in caplog.text
+
+
 def test_device_other_errors_propagate() -> None:
     reader = _device_reader([OSError(errno.EIO, "io")])
     with pytest.raises(OSError, match="io"):
@@ -162,7 +220,7 @@ def test_device_other_errors_propagate() -> None:
 
 def test_device_backlog_is_read_in_batches() -> None:
     reader = KmsgReader("/dev/null", BOOT, read=_FakeDevice([f"6,{i},1,-;m{i}\n".encode() for i in range(5)]),
-                        batch_limit=2)
+                        batch_limit=2)  # 0..4: a fresh reader has no cursor to resync
     reader.open()
     batches = [reader.read_available() for _ in range(3)]
     assert [([r.message for r in recs], more) for recs, more in batches] == [

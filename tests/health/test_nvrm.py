@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.health.nvrm import FallenOffBus, GpuUuidLine, XidLine, parse_nvrm
+from agent.health.nvrm import FallenOffBus, GpuUuidLine, XidLine, parse_nvrm, parse_nvrm_all
 from agent.host.busid import bus_key
 
 
@@ -78,3 +78,32 @@ _NVRMISH = st.one_of(
 def test_parser_never_raises(line: str) -> None:
     result = parse_nvrm(line)
     assert result is None or isinstance(result, XidLine | FallenOffBus | GpuUuidLine)
+
+
+def test_every_xid_in_one_message_counts() -> None:
+    """A message holding several NVRM lines (a dmesg dump in a file, or a record of several lines) yields each one.
+    Texts: leptonai/gpud#1174 (Xid 149 NETIR), NVIDIA/open-gpu-kernel-modules#1150 (Xid 45 cascade)."""
+    message = ("NVRM: Xid (PCI:0019:01:00): 149, NETIR Fatal XC0 i0 Link -1 (0x000fe406 0x00000000 0x00000000 "
+               "0x00000000 0x00000000 0x00000000)\n"
+               "NVRM: Xid (PCI:0000:dc:00): 45, pid=1818990, name=python3, Ch 00000001 caused by previous Xid 149")
+    found = parse_nvrm_all(message)
+    assert [(x.device, x.code) for x in found if isinstance(x, XidLine)] == [("0019:01:00", 149), ("0000:dc:00", 45)]
+    assert isinstance(found[1], XidLine) and found[1].caused_by == 149
+
+
+@pytest.mark.parametrize(("message", "device"), [
+    # NVIDIA/NVSentinel#155: one record of three NVRM lines (as /dev/kmsg unescapes it, or dmesg joins it)
+    ("NVRM: The NVIDIA GPU 0000:b3:00.0\nNVRM: (PCI ID: 10de:26b5) installed in this system has\n"
+     "NVRM: fallen off the bus and is not responding to commands.", "0000:b3:00"),
+    # Bumblebee-Project/Bumblebee#554 (older drivers)
+    ("NVRM: GPU at 0000:01:00.0 has fallen off the bus.", "0000:01:00"),
+])
+def test_multi_line_bus_loss(message: str, device: str) -> None:
+    assert parse_nvrm_all(message) == [FallenOffBus(device)]
+
+
+def test_a_map_line_does_not_take_the_next_gpus_bus_loss() -> None:
+    message = ("NVRM: GPU at PCI:0000:01:00: GPU-aeab3757-56a6-7e30-3f7c-1f322454bde2\n"
+               "NVRM: The NVIDIA GPU 0000:b3:00.0 (PCI ID: 10de:26b5) installed in this system has fallen off the bus")
+    assert parse_nvrm_all(message) == [GpuUuidLine("0000:01:00", "GPU-aeab3757-56a6-7e30-3f7c-1f322454bde2"),
+                                       FallenOffBus("0000:b3:00")]

@@ -18,6 +18,7 @@ from agent.kube.model import Condition, EventRecord, LeaseView, ObjectRef
 from agent.kube.transport import request_verb
 from tests.fakes.apiserver import write_kubeconfig
 from tests.fakes.clock import FakeClock
+from tests.fakes.polling import until
 from tests.kube.conftest import AGENT_NS, NODE, count
 
 
@@ -143,10 +144,9 @@ async def test_watch_by_name_with_bookmarks_until_the_server_timeout(port, api, 
             seen.append(event)
 
     task = asyncio.create_task(consume())
-    await asyncio.sleep(0.05)
+    await until(lambda: api.open_watches == 1, "the watch is open")
     api.admin_patch({"spec": {"unschedulable": True}})
-    while not seen:
-        await asyncio.sleep(0.01)
+    await until(lambda: seen, "the MODIFIED event")
     await clock.advance(301)
     await asyncio.wait_for(task, 5)
     assert [e.type for e in seen] == ["MODIFIED", "BOOKMARK"]
@@ -172,3 +172,32 @@ async def test_connect_without_credentials_names_the_fix(tmp_path):
         connect(NODE, ApiRequestCounter(CollectorRegistry()), str(tmp_path / "missing"))
     with pytest.raises(ClusterConfigError, match="service account"):
         connect(NODE, ApiRequestCounter(CollectorRegistry()), None)
+
+
+@pytest.mark.parametrize("name", ["gpu-0/../gpu-1", "gpu-0%2F..%2Fgpu-1", "Gpu-0", "", "gpu-\udcff"])
+def test_a_node_name_that_is_not_one_is_refused_before_any_request(tmp_path, name: str) -> None:
+    with pytest.raises(ClusterConfigError, match="not a valid Kubernetes node name"):
+        connect(name, ApiRequestCounter(CollectorRegistry()), str(write_kubeconfig(tmp_path / "kc", "http://x")))
+
+
+async def test_names_from_the_cluster_are_checked_and_escaped_in_paths(port, api):
+    """A pod or namespace name that is not a Kubernetes name never becomes a request path."""
+    before = len(api.requests)
+    for namespace, name in (("team", "../../nodes/other"), ("team/../kube-system", "p"), ("team", "a?dryRun=All")):
+        with pytest.raises(errors.ApiError) as refused:
+            await port.evict_pod(namespace, name)
+        assert refused.value.code == 400
+    with pytest.raises(errors.ApiError):
+        await port.list_leases("../..", {})
+    assert len(api.requests) == before  # nothing was sent
+
+
+async def test_the_node_watch_believes_only_its_own_node(port, api, clock: FakeClock, monkeypatch):
+    """A server (or proxy) that ignores the field selector and streams another node is an error, not news."""
+    start = (await port.get_node()).resource_version
+    monkeypatch.setattr(type(api), "_selects", staticmethod(lambda selector, obj: True))
+    other = {**api.node, "metadata": {**api.node["metadata"], "name": "gpu-node-2"}}
+    api._write_node(other)
+    with pytest.raises(errors.ApiServerError, match="returned node 'gpu-node-2'"):
+        async for _ in port.watch_node(start, 300):
+            pass

@@ -308,3 +308,19 @@ def test_apply_xml_without_matches_changes_only_source() -> None:
     sysfs = vm_topology()
     merged = apply_xml(sysfs, NcclXmlTopology())
     assert merged == replace(sysfs, source="sysfs+nccl-xml")
+
+
+def test_deeply_nested_xml_is_a_clear_error() -> None:
+    """A hostile topology file: bridges nested 100,000 deep overran the parser's recursion (a traceback)."""
+    depth = 100_000
+    text = ('<system version="1"><cpu numaid="0" arch="x86_64">' + '<pci busid="0000:10:00.0" class="0x060400">' * depth
+            + "</pci>" * depth + "</cpu></system>")
+    with pytest.raises(TopologyXmlError, match="nested more than"):
+        parse_nccl_xml(text)
+
+
+def test_non_utf8_xml_is_a_clear_error(tmp_path) -> None:
+    path = tmp_path / "topo.xml"
+    path.write_bytes('<system version="1"><cpu numaid="0"/></system><!-- caf\xe9 -->'.encode("latin-1"))
+    with pytest.raises(TopologyXmlError):
+        parse_nccl_xml(path)

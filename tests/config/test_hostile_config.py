@@ -1,0 +1,100 @@
+"""Hostile and broken configuration: every case is one clear line naming the field and exit 2, in `config` and
+in `run` alike, before anything starts (issue 14, item 3 and the node name of item 4)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from agent import cli
+
+
+@pytest.mark.parametrize(("content", "named"), [
+    # intervals: finite and positive (0 spun a core, nan broke asyncio's timer order, inf never fired)
+    ("topology: {rescanIntervalSeconds: .nan}", ["topology.rescanIntervalSeconds", "finite"]),
+    ("topology: {rescanIntervalSeconds: .inf}", ["topology.rescanIntervalSeconds", "finite"]),
+    ("topology: {rescanIntervalSeconds: 0}", ["topology.rescanIntervalSeconds", "must be positive"]),
+    ("health: {nvmlPollIntervalSeconds: -5}", ["health.nvmlPollIntervalSeconds", "must be positive"]),
+    ("remediation: {drainDeadlineSeconds: 0}", ["remediation.drainDeadlineSeconds", "must be positive"]),
+    ("health: {dcgmPcieReplaysPerMinute: .nan}", ["health.dcgmPcieReplaysPerMinute", "finite"]),
+    ("health: {linkCheckIntervalSeconds: -1}", ["health.linkCheckIntervalSeconds", "0 or more"]),
+    # a schema version this agent does not read
+    ("version: 99", ["version: 99"]),
+    # resource names and prefixes the kubelet would refuse (the device plugin crash-looped on them)
+    ("devicePlugin: {pools: [{resourceName: 'rdma/x'}]}", ["devicePlugin.pools[0]", "'rdma/x'"]),
+    ("devicePlugin: {pools: [{resourceName: ''}]}", ["devicePlugin.pools[0]", "resource name ''"]),
+    ("devicePlugin: {resourcePrefix: 'Bad_Prefix'}", ["devicePlugin", "resourcePrefix", "'Bad_Prefix'"]),
+    ("devicePlugin: {pools: [{resourceName: a, resourcePrefix: kubernetes.io}]}", ["kubernetes.io"]),
+    ("devicePlugin: {gpuResourceName: gpu}", ["gpuResourceName", "needs a prefix"]),
+    ("devicePlugin: {pools: [{resourceName: a}, {resourceName: a}]}", ["configured twice"]),
+    # VF ranges that silently matched nothing
+    ("devicePlugin: {pools: [{resourceName: a, selectors: {pfNames: ['ens1f0#0-x']}}]}",
+     ["selectors", "pfNames[0]", "'0-x'"]),
+    ("devicePlugin: {pools: [{resourceName: a, selectors: {rootDevices: ['0000:18:00.0#5-2']}}]}",
+     ["rootDevices[0]", "backwards"]),
+    # a node name that put another node's path in the URL
+    ("nodeName: gpu-0/../gpu-1", ["nodeName", "'gpu-0/../gpu-1'", "not a valid Kubernetes node name"]),
+])
+@pytest.mark.parametrize("command", ["config", "run"])
+def test_bad_values_exit_2_naming_the_field(tmp_path, capsys, content: str, named: list[str], command: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    assert cli.main([command, "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    for text in named:
+        assert text in err
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--rescan-interval", "nan"], "rescanIntervalSeconds"),
+    (["--xid-burst-window", "inf"], "xidBurstWindowSeconds"),
+    (["--node-name", "GPU_Node"], "nodeName"),
+])
+def test_bad_flags_exit_2(capsys, flags: list[str], named: str) -> None:
+    assert cli.main(["config", *flags]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_a_non_utf8_node_name_exits_2(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("NODE_NAME", "gpu-\udcff")  # os.environ hands undecodable bytes over as surrogates
+    assert cli.main(["config"]) == 2
+    assert "nodeName" in capsys.readouterr().err
+
+
+def test_zero_is_allowed_where_it_means_off() -> None:
+    assert cli.main(["config", "--link-check-interval", "0", "--preflight-retry", "0"]) == 0
+
+
+def _nested(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("case", [
+    ("deep.yaml", ("[" * 5000 + "]" * 5000).encode(), "nested more deeply"),
+    ("deep.json", ("[" * 100_000 + "]" * 100_000).encode(), "nested more deeply"),
+    ("mid.json", json.dumps({"topology": {"a": _nested(20)}}).encode(),
+     "nested more deeply"),
+    ("latin1.yaml", "nodeName: g\xe9pu\n".encode("latin-1"), "not UTF-8"),
+    ("huge.yaml", b"#" * (2 << 20), "more than a config file"),
+])
+@pytest.mark.parametrize("command", ["config", "run"])
+def test_hostile_files_exit_2(tmp_path, capsys, case: tuple[str, bytes, str], command: str) -> None:
+    name, data, problem = case
+    path = tmp_path / name
+    path.write_bytes(data)
+    assert cli.main([command, "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert problem in err and "Traceback" not in err
+
+
+def test_good_pool_ranges_still_load(tmp_path) -> None:
+    path = tmp_path / "ok.yaml"
+    path.write_text(yaml.safe_dump({"devicePlugin": {"pools": [
+        {"resourceName": "rdma_a", "selectors": {"pfNames": ["ens1f0#0-3,6"], "rootDevices": ["0000:18:00.0#1"]}}]}}))
+    assert cli.main(["config", "--config", str(path)]) == 0

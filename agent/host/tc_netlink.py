@@ -10,7 +10,7 @@ import ipaddress
 import socket
 import struct
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.host.tc import (
     CLSACT_INGRESS,
@@ -33,6 +33,7 @@ from agent.host.tc import (
     Link,
     ShaperCounters,
     TcError,
+    TcPort,
     TcState,
     burst_bytes,
     queue_bytes,
@@ -332,3 +333,7 @@ class NetlinkTc:
                 self._ipr.link("del", index=index)
         except NetlinkError as exc:
             raise TcError(f"IFB {name} removal: {exc}") from exc
+
+
+if TYPE_CHECKING:  # mypy checks the implementation against the port
+    _PORT: TcPort = NetlinkTc()

@@ -36,9 +36,19 @@ def pods(limited: bool = True) -> list[Pod]:
             make_pod(HOSTILE, HOSTILE, [POD3], HOSTILE, {"gpunodeagent.io/other": HOSTILE})]
 
 
+UNSHAPED = 200.0  # Mbit/s: 5x the highest limit, far above anything a shaper lets through (unshaped: Gbit/s)
+
+
 def within(measured: float, limit: float) -> bool:
     """Goodput within ±10 % of the limit."""
     return 0.9 * limit <= measured <= 1.1 * limit
+
+
+def shaped_rate(net: netns.Net, role: str, *, reverse: bool, limit: float) -> float:
+    """Goodput of an internet flow, measured again once if the first run misses the band (the 2 cores are
+    shared with other tests; a broken shaper misses it twice)."""
+    rate = netns.mbps(net, role, INET, reverse=reverse)
+    return rate if within(rate, limit) else netns.mbps(net, role, INET, reverse=reverse)
 
 
 @pytest.fixture(params=["nft", "legacy"])
@@ -70,11 +80,12 @@ def test_internet_only_shaping_end_to_end(net: netns.Net, request: pytest.Fixtur
                                                                 ("team-a", "bridged"): "shaped"}
 
         for role in ("pod1", "pod2"):
-            up, down = netns.mbps(net, role, INET), netns.mbps(net, role, INET, reverse=True)
+            up = shaped_rate(net, role, reverse=False, limit=20)
+            down = shaped_rate(net, role, reverse=True, limit=40)
             assert within(up, 20) and within(down, 40), (role, up, down)
         cluster_up, cluster_down = netns.mbps(net, "pod1", CLUSTER), netns.mbps(net, "pod1", CLUSTER, reverse=True)
-        assert cluster_up > 400 and cluster_down > 400, (cluster_up, cluster_down)  # > 10x the limits: unshaped
-        assert netns.mbps(net, "pod3", INET) > 400  # no annotation: unshaped
+        assert cluster_up > UNSHAPED and cluster_down > UNSHAPED, (cluster_up, cluster_down)
+        assert netns.mbps(net, "pod3", INET) > UNSHAPED  # no annotation: unshaped
 
         counters = shaper.scrape()[("team-a", "routed")].counters
         assert counters["egress"].bytes > 2_000_000 and counters["ingress"].bytes > 4_000_000
@@ -89,7 +100,7 @@ def test_internet_only_shaping_end_to_end(net: netns.Net, request: pytest.Fixtur
         report = shaper.sync(pods(limited=False))  # annotations removed
         assert not report.pods and report.removed
         assert netns.tc_objects(net) == []
-        assert netns.mbps(net, "pod1", INET, reverse=True) > 400
+        assert netns.mbps(net, "pod1", INET, reverse=True) > UNSHAPED
 
         shaper.sync(pods())
         assert netns.tc_objects(net)

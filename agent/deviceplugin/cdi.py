@@ -9,8 +9,8 @@ spec whose devices are the pool's functions by bus id, each with its RDMA char d
 (`rw`); Allocate then names devices by annotation instead of returning DeviceSpecs. Unlike SR-IOV DP's one
 key per prefix (`cdi.k8s.io/<prefix>_net-pci`, where two pools of one prefix in one container collide in the
 kubelet), the annotation key is per resource. Specs are written atomically, rewritten when the pool changes,
-and removed when the agent stops; at start, specs a crashed run left are removed first (cncf-tags/container-device-interface SPEC.md; sriov-network-device-plugin
-pkg/cdi/cdi.go).
+and removed when the agent stops; at start, specs a crashed run left are removed first
+(cncf-tags/container-device-interface SPEC.md; sriov-network-device-plugin pkg/cdi/cdi.go).
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def remove_stale_specs(directory: str) -> list[Path]:
 
     As SR-IOV DP removes every `sriov-dp-*` spec at start: the specs of the pools served now are written again.
     """
-    removed = []
+    removed: list[Path] = []
     try:
         names = os.listdir(directory)
     except OSError:

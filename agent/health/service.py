@@ -24,6 +24,7 @@ from agent import aio
 from agent.config.health import HealthConfig
 from agent.events import DeviceHealthEvent
 from agent.health.assess import HealthAssessor, VerdictListener
+from agent.health.dcgm import keep_line
 from agent.health.dcgm_watch import DcgmWatcher
 from agent.health.findings import NodeVerdict
 from agent.health.kmsg_watch import KmsgWatcher
@@ -72,7 +73,7 @@ class HealthService:
         self.links = LinkWatcher(link_port or NetlinkLinkPort("/sys"), self.assessor,
                                  config.link_check_interval_seconds)
         if dcgm_port is None and config.dcgm_exporter_url:
-            dcgm_port = HttpDcgmExporter(config.dcgm_exporter_url, config.dcgm_scrape_timeout_seconds)
+            dcgm_port = HttpDcgmExporter(config.dcgm_exporter_url, config.dcgm_scrape_timeout_seconds, keep=keep_line)
         self.dcgm = DcgmWatcher(dcgm_port, self.assessor, topology, config.dcgm_scrape_interval_seconds,
                                 nvlink_errors_per_minute=config.dcgm_nvlink_errors_per_minute,
                                 pcie_replays_per_minute=config.dcgm_pcie_replays_per_minute) \

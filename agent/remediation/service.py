@@ -36,6 +36,9 @@ from agent.remediation.slots import Slots
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF = 300.0
+# The node watch retries sooner than writes do: one cheap GET per node per minute at worst, and its first answer
+# after an outage wakes the reconcile loop, so a pending cordon waits at most about this long once the API is back.
+WATCH_MAX_BACKOFF = 60.0
 MAX_IDLE = 3600.0
 WATCH_TIMEOUT = (300, 600)
 
@@ -200,7 +203,19 @@ class RemediationService:
     async def _watch_loop(self, stop: asyncio.Event) -> None:
         version = self.actions.node.resource_version
         backoff = 1.0
+        failed = False
         while not stop.is_set():
+            if failed:  # the API failed us: read the node first; its answer is the news that the API is back
+                try:
+                    version = (await self.actions.refresh()).resource_version
+                except ApiError as exc:
+                    log.warning("cannot read node: %s; retrying in %.0fs", exc, backoff)
+                    await self.clock.wait(stop, backoff * self._jitter())
+                    backoff = min(backoff * 2, WATCH_MAX_BACKOFF)
+                    continue
+                failed = False
+                log.info("the API server answers again; deciding again now rather than after the backoff")
+                self.wake()
             started = self.clock.now()
             seen = False
             try:
@@ -224,10 +239,12 @@ class RemediationService:
                     continue
                 except ApiError as exc:
                     log.warning("cannot read node: %s", exc)
+                    failed = True
             except ApiError as exc:
                 log.warning("node watch failed: %s; retrying in %.0fs", exc, backoff)
+                failed = True
             await self.clock.wait(stop, backoff * self._jitter())
-            backoff = min(backoff * 2, MAX_BACKOFF)
+            backoff = min(backoff * 2, WATCH_MAX_BACKOFF)
 
     def _observe(self, node: NodeView) -> None:
         before = self.actions.node

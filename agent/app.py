@@ -1,8 +1,9 @@
-"""The agent process: one asyncio loop that supervises every enabled subsystem.
+"""The agent process: one asyncio loop, one `Supervisor` over every enabled subsystem, and the exit code.
 
-Each subsystem is a coroutine `run(stop)` that returns once `stop` is set. The supervisor restarts one that
-fails, with backoff, and marks it down in `gpu_node_agent_subsystem_up`, so a broken subsystem never takes the
-others with it. SIGTERM/SIGINT set `stop`; SIGHUP asks for a hardware rescan. Exit decisions live here only.
+`agent.wiring` builds the subsystems from the config; this module runs them. A subsystem that fails is
+restarted with backoff and marked down in `gpu_node_agent_subsystem_up`, so it never takes the others with
+it. SIGTERM/SIGINT set `stop`; SIGHUP asks for a hardware rescan. A `FatalError` (a `StartupError` for a
+config that cannot run) ends the process with its exit code after one log line; exit decisions live here only.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import shutil
 import signal
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client import (
@@ -25,63 +26,15 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
-from agent import __version__, aio
-from agent.config import AgentConfig
+from agent import __version__, aio, wiring
+from agent.config import AgentConfig, ConfigError
 from agent.host.hardware import Hardware, open_hardware
 from agent.http import MetricsServer, Readiness
+from agent.simulate.profiles import UnknownProfileError
+from agent.supervisor import FatalError, StartupError, Supervisor
+from agent.topology.nccl_xml import TopologyXmlError
 
 log = logging.getLogger(__name__)
-
-RunFn = Callable[[asyncio.Event], Awaitable[None]]
-
-
-class Supervisor:
-    """Runs named subsystems until `stop`; restarts a failed one with capped exponential backoff."""
-
-    def __init__(self, stop: asyncio.Event, registry: CollectorRegistry, *, backoff_initial: float = 1.0,
-                 backoff_max: float = 60.0, grace: float = 10.0) -> None:
-        self.stop = stop
-        self._subsystems: dict[str, RunFn] = {}
-        self._backoff_initial = backoff_initial
-        self._backoff_max = backoff_max
-        self._grace = grace
-        self.up = Gauge("gpu_node_agent_subsystem_up", "1 while a subsystem runs, 0 after it failed",
-                        ["subsystem"], registry=registry)
-        self.failures: dict[str, int] = {}
-
-    def add(self, name: str, run: RunFn) -> None:
-        """Register a subsystem before `run()`."""
-        self._subsystems[name] = run
-        self.failures[name] = 0
-
-    async def _guard(self, name: str, run: RunFn) -> None:
-        delay = self._backoff_initial
-        while not self.stop.is_set():
-            self.up.labels(name).set(1)
-            try:
-                await run(self.stop)
-                if self.stop.is_set():
-                    return
-                log.error("subsystem %s returned before shutdown; restarting it in %.0fs", name, delay)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("subsystem %s failed; the others keep running; restarting it in %.0fs",
-                              name, delay)
-            self.failures[name] += 1
-            self.up.labels(name).set(0)
-            await aio.sleep_or_stop(self.stop, delay)
-            delay = min(delay * 2, self._backoff_max)
-
-    async def run(self) -> None:
-        """Run every subsystem until `stop`, then give them `grace` seconds to finish before cancelling."""
-        tasks = [asyncio.create_task(self._guard(name, fn), name=name) for name, fn in self._subsystems.items()]
-        await self.stop.wait()
-        _, pending = await asyncio.wait(tasks, timeout=self._grace)
-        for task in pending:
-            log.warning("subsystem %s did not stop within %.0fs; cancelling it", task.get_name(), self._grace)
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
 
 
 async def _heartbeat(readiness: Readiness, stop: asyncio.Event) -> None:
@@ -98,12 +51,29 @@ def _resolve(cfg: AgentConfig) -> AgentConfig:
     return cfg
 
 
+async def _open_hardware(cfg: AgentConfig, scratch: Path) -> Hardware:
+    """The hardware sources; an unknown profile or an unreadable topology file is a `StartupError`."""
+    try:
+        return await asyncio.to_thread(open_hardware, cfg.topology, scratch / "sys")
+    except (UnknownProfileError, TopologyXmlError) as exc:
+        raise StartupError(f"topology: {exc}") from exc
+    except OSError as exc:
+        raise StartupError(f"topology: cannot read {exc.filename or 'the hardware'}: {exc.strerror or exc}") \
+            from exc
+
+
+def _metrics_server(cfg: AgentConfig, registry: CollectorRegistry, readiness: Readiness) -> MetricsServer:
+    try:
+        return MetricsServer(cfg.metrics_address, registry, readiness)
+    except ValueError as exc:
+        raise StartupError(f"metrics address: {exc}") from exc
+    except OSError as exc:
+        raise StartupError(f"cannot serve metrics on {cfg.metrics_address}: {exc.strerror or exc}") from exc
+
+
 async def run_agent(cfg: AgentConfig, stop: asyncio.Event | None = None,
                     on_ready: Callable[[int], None] | None = None) -> int:
-    """Run until `stop` (or a signal). `on_ready(port)` is called once the HTTP endpoint listens."""
-    from agent import subsystems
-
-    cfg = _resolve(cfg)
+    """Run until `stop` (or a signal); the exit code. `on_ready(port)` is called once the HTTP endpoint listens."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     rescan = asyncio.Event()
@@ -112,39 +82,54 @@ async def run_agent(cfg: AgentConfig, stop: asyncio.Event | None = None,
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, action)
             installed.append(sig)
-
-    disable_created_metrics()  # `_created` twins double the series count and no alert or panel reads them
     scratch = Path(tempfile.mkdtemp(prefix="gna-"))  # simulated sysfs and stand-in kubelet dir (short path)
+    try:
+        await _run(_resolve(cfg), stop, rescan, scratch, on_ready)
+    except FatalError as exc:
+        log.critical("%s; stopping the agent (exit %d)", exc, exc.exit_code)
+        return exc.exit_code
+    except ConfigError as exc:
+        log.critical("invalid configuration: %s (exit 2)", exc)
+        return StartupError.exit_code
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        shutil.rmtree(scratch, ignore_errors=True)
+    log.info("gpu-node-agent stopped")
+    return 0
+
+
+async def _run(cfg: AgentConfig, stop: asyncio.Event, rescan: asyncio.Event, scratch: Path,
+               on_ready: Callable[[int], None] | None) -> None:
+    disable_created_metrics()  # `_created` twins double the series count and no alert or panel reads them
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     Gauge("gpu_node_agent_build_info", "Version of the running agent", ["version"],
           registry=registry).labels(__version__).set(1)
     readiness = Readiness()
-    server = MetricsServer(cfg.metrics_address, registry, readiness)
-    ctx: subsystems.Context | None = None
+    server = _metrics_server(cfg, registry, readiness)
+    built: wiring.Wiring | None = None
     try:
-        hardware: Hardware = await asyncio.to_thread(open_hardware, cfg.topology, scratch / "sys")
-        supervisor = Supervisor(stop, registry)
+        hardware = await _open_hardware(cfg, scratch)
+        up = Gauge("gpu_node_agent_subsystem_up", "1 while a subsystem runs, 0 after it failed", ["subsystem"],
+                   registry=registry)
+        supervisor = Supervisor(stop, up=up, restart_returned=True)
         supervisor.add("heartbeat", lambda s: _heartbeat(readiness, s))
-        ctx = subsystems.Context(cfg=cfg, hardware=hardware, registry=registry, readiness=readiness, rescan=rescan,
-                                 scratch=scratch, stop=stop)
-        subsystems.install(supervisor, ctx)
+        built = wiring.build(cfg, hardware, registry, readiness=readiness, rescan=rescan, scratch=scratch)
+        for subsystem in built.subsystems:
+            supervisor.add(subsystem.name, subsystem.run)
         server.start()
         if on_ready is not None:
             on_ready(server.port)
-        log.info("gpu-node-agent %s running: %d GPUs, %d RDMA NICs (%s)", __version__, len(hardware.topology.gpus),
-                 len(hardware.topology.rdma_nics), hardware.describe())
+        log.info("gpu-node-agent %s running: %d GPUs, %d RDMA NICs (%s); %s", __version__,
+                 len(hardware.topology.gpus), len(hardware.topology.rdma_nics), hardware.describe(),
+                 built.describe())
         await supervisor.run()
     finally:
-        if ctx is not None:  # shared clients (the cluster port) outlive every subsystem that uses them
-            await ctx.aclose()
+        if built is not None:  # the shared cluster client outlives every subsystem that uses it
+            await built.cluster.aclose()
         server.stop()
-        for sig in installed:
-            loop.remove_signal_handler(sig)
-        shutil.rmtree(scratch, ignore_errors=True)
-    log.info("gpu-node-agent stopped")
-    return ctx.exit_code if ctx is not None else 0
 
 
 def main(cfg: AgentConfig) -> int:

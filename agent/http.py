@@ -138,6 +138,6 @@ class MetricsServer:
         log.info("serving /metrics, /healthz and /readyz on port %d", self.port)
 
     def stop(self) -> None:
-        """Stop serving and close the socket."""
+        """Stop serving and close the socket (also when it never started)."""
         self._server.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)

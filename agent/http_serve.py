@@ -92,10 +92,14 @@ class BoundedHttpServer:
         self._started.wait()
 
     def stop(self) -> None:
-        """Close the listeners and every open connection, then end the thread."""
+        """Close the listeners and every open connection, then end the thread (never started: close the sockets)."""
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
+        elif not self._started.is_set():
+            for sock in self._sockets:
+                sock.close()
+            self._loop.close()
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)

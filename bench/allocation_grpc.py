@@ -27,11 +27,11 @@ from pathlib import Path
 from allocation_latency import percentile  # run as a script, bench/ is on sys.path
 from prometheus_client import CollectorRegistry
 
-import agent.deviceplugin.preference as preference_module
+import agent.placement.joint as preference_module
 from agent.config.model import DevicePluginConfig
-from agent.deviceplugin.allocation import AllocationRequest, preferred_allocation
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.v1beta1 import api_pb2
+from agent.placement.policy import AllocationRequest, preferred_allocation
 from agent.simulate.kubelet import LocalKubelet
 from agent.simulate.node import simulated_topology
 

@@ -17,11 +17,11 @@ import statistics
 import time
 from collections.abc import Callable
 
-# Run as a script, this directory is on sys.path: the node builders are shared with tests/allocation.
+# Run as a script, this directory is on sys.path: the node builders are shared with tests/placement.
 from _nodes import dgx_h100_like, gpu_ids, nic_ids, pcie_pairs_like
 
-from agent.deviceplugin.allocation import AllocationRequest, DeviceKind, preferred_allocation
-from agent.deviceplugin.allocation_tree import build_tree
+from agent.placement.policy import AllocationRequest, DeviceKind, preferred_allocation
+from agent.placement.tree import build_tree
 from agent.topology.model import Topology
 
 NODES: dict[str, Callable[[], Topology]] = {"dgx-h100": dgx_h100_like, "pcie-pairs": pcie_pairs_like}

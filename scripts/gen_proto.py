@@ -1,20 +1,21 @@
 #!/usr/bin/env python3
-"""Regenerate the committed kubelet device-plugin v1beta1 Python stubs.
+"""Regenerate the committed Python stubs of the kubelet gRPC APIs the agent speaks.
 
-Why this exists: the generated code in ``agent/deviceplugin/v1beta1`` is committed so that the
-agent installs without a protobuf compiler, and ``tests/test_proto.py`` regenerates it to catch
-drift between ``proto/deviceplugin/v1beta1/api.proto`` and the committed stubs. Both must use the
+Why this exists: the generated code (``agent/deviceplugin/v1beta1``, ``agent/dra/v1``, ``agent/dra/v1beta1``,
+``agent/dra/health/v1alpha1``, ``agent/pluginregistration/v1``) is committed so that the agent installs
+without a protobuf compiler, and ``tests/test_proto.py`` regenerates it to catch drift between the protos
+under ``proto/`` and the committed stubs. Both must use the
 same generator, so this script refuses to run unless the installed grpcio-tools is exactly the
 version pinned in ``pyproject.toml`` (the ``test`` extra): a different version emits different
 code and a different runtime-version guard.
 
-The proto is staged in a temporary include root as ``agent/deviceplugin/v1beta1/api.proto`` so
-that protoc emits package-absolute imports (``from agent.deviceplugin.v1beta1 import api_pb2``).
+Each proto is staged in a temporary include root at its package path (``agent/dra/v1/api.proto``) so
+that protoc emits package-absolute imports (``from agent.dra.v1 import api_pb2``).
 
 Usage::
 
     python scripts/gen_proto.py              # rewrite the committed files in the repo
-    python scripts/gen_proto.py --out DIR    # write DIR/agent/deviceplugin/v1beta1/api_pb2*.py[i]
+    python scripts/gen_proto.py --out DIR    # write DIR/agent/<package>/api_pb2*.py[i] for every proto
 """
 
 from __future__ import annotations
@@ -34,15 +35,16 @@ from pathlib import Path
 log = logging.getLogger("gen_proto")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PROTO_SOURCE = REPO_ROOT / "proto" / "deviceplugin" / "v1beta1" / "api.proto"
-# Path of the proto inside the staged include root; it decides the generated module's package.
-PROTO_VIRTUAL_PATH = Path("agent", "deviceplugin", "v1beta1", "api.proto")
-GENERATED_DIR = PROTO_VIRTUAL_PATH.parent
-GENERATED_FILES: tuple[Path, ...] = (
-    GENERATED_DIR / "api_pb2.py",
-    GENERATED_DIR / "api_pb2.pyi",
-    GENERATED_DIR / "api_pb2_grpc.py",
-)
+# proto source under proto/ -> package directory of its stubs (the staged path; it decides the module names)
+PROTOS: dict[Path, Path] = {
+    Path("deviceplugin", "v1beta1", "api.proto"): Path("agent", "deviceplugin", "v1beta1"),
+    Path("dra", "v1", "api.proto"): Path("agent", "dra", "v1"),
+    Path("dra", "v1beta1", "api.proto"): Path("agent", "dra", "v1beta1"),
+    Path("dra", "health", "v1alpha1", "api.proto"): Path("agent", "dra", "health", "v1alpha1"),
+    Path("pluginregistration", "v1", "api.proto"): Path("agent", "pluginregistration", "v1"),
+}
+GENERATED_FILES: tuple[Path, ...] = tuple(
+    package / name for package in PROTOS.values() for name in ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py"))
 TOOLS_DIST = "grpcio-tools"
 
 
@@ -79,33 +81,35 @@ def check_tools_version(pinned: str) -> str:
     return installed
 
 
-def generate(out_root: Path, proto: Path = PROTO_SOURCE) -> list[Path]:
-    """Run protoc on ``proto`` and write the stubs under ``out_root``; return the written paths."""
+def generate(out_root: Path, proto_root: Path = REPO_ROOT / "proto") -> list[Path]:
+    """Run protoc on every proto in ``PROTOS`` and write the stubs under ``out_root``; return the written paths."""
     check_tools_version(pinned_tools_version())
     from grpc_tools import protoc  # imported after the version check so a wrong version fails clearly
 
-    if not proto.is_file():
-        raise GenerationError(f"proto source not found: {proto}")
     out_root.mkdir(parents=True, exist_ok=True)
     well_known = resources.files("grpc_tools") / "_proto"
-    with tempfile.TemporaryDirectory(prefix="gen_proto_") as staging:
-        include_root = Path(staging)
-        staged = include_root / PROTO_VIRTUAL_PATH
-        staged.parent.mkdir(parents=True)
-        shutil.copyfile(proto, staged)
-        argv = [
-            "grpc_tools.protoc",
-            f"-I{include_root}",
-            f"-I{well_known}",
-            f"--python_out={out_root}",
-            f"--pyi_out={out_root}",
-            f"--grpc_python_out={out_root}",
-            str(staged),
-        ]
-        log.debug("protoc argv: %s", argv)
-        rc = protoc.main(argv)
-    if rc != 0:
-        raise GenerationError(f"protoc failed with exit status {rc} (see its messages above)")
+    for source, package in PROTOS.items():
+        proto = proto_root / source
+        if not proto.is_file():
+            raise GenerationError(f"proto source not found: {proto}")
+        with tempfile.TemporaryDirectory(prefix="gen_proto_") as staging:
+            include_root = Path(staging)
+            staged = include_root / package / "api.proto"
+            staged.parent.mkdir(parents=True)
+            shutil.copyfile(proto, staged)
+            argv = [
+                "grpc_tools.protoc",
+                f"-I{include_root}",
+                f"-I{well_known}",
+                f"--python_out={out_root}",
+                f"--pyi_out={out_root}",
+                f"--grpc_python_out={out_root}",
+                str(staged),
+            ]
+            log.debug("protoc argv: %s", argv)
+            rc = protoc.main(argv)
+        if rc != 0:
+            raise GenerationError(f"protoc failed on {source} with exit status {rc} (see its messages above)")
     written = [out_root / rel for rel in GENERATED_FILES]
     missing = [str(p) for p in written if not p.is_file()]
     if missing:
@@ -120,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--out",
         type=Path,
         default=REPO_ROOT,
-        help="output root; files land in OUT/agent/deviceplugin/v1beta1/ (default: the repository)",
+        help="output root; files land in OUT/agent/<package>/ (default: the repository)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log the protoc command line")
     args = parser.parse_args(argv)

@@ -54,9 +54,9 @@ def test_subprocesses_run_only_in_the_host_ports_and_the_iptables_port():
 
 
 SOURCES = ("agent.topology", "agent.host", "agent.simulate.profiles", "agent.simulate.sysfs_writer",
-           "agent.simulate.sysfs_tree", "agent.config", "agent.events")
-CONSUMERS = ("agent.deviceplugin", "agent.health", "agent.remediation", "agent.netacct", "agent.kube", "agent.app",
-             "agent.subsystems", "agent.cli")
+           "agent.simulate.sysfs_tree", "agent.config", "agent.events", "agent.placement")
+CONSUMERS = ("agent.deviceplugin", "agent.dra", "agent.health", "agent.remediation", "agent.netacct", "agent.kube",
+             "agent.app", "agent.wiring", "agent.cli")
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -69,10 +69,12 @@ def test_sources_never_import_consumers(source):
 
 
 @pytest.mark.parametrize(("package", "forbidden"), [
-    ("agent.kube", ("agent.remediation", "agent.netacct", "agent.health", "agent.deviceplugin")),
+    ("agent.kube", ("agent.remediation", "agent.netacct", "agent.health", "agent.deviceplugin", "agent.dra")),
+    # the DRA driver reads the topology and the API; it shares no code with the device plugin or health
+    ("agent.dra", ("agent.deviceplugin", "agent.health", "agent.remediation", "agent.netacct")),
     ("agent.remediation", ("agent.netacct", "agent.health", "agent.deviceplugin")),
     ("agent.netacct", ("agent.remediation", "agent.health", "agent.deviceplugin")),
-    ("agent.deviceplugin", ("agent.remediation", "agent.netacct", "agent.health", "agent.kube")),
+    ("agent.deviceplugin", ("agent.remediation", "agent.netacct", "agent.health", "agent.kube", "agent.dra")),
     # health publishes events (agent.events) and verdicts; it never reaches into the subsystems acting on them
     ("agent.health", ("agent.deviceplugin", "agent.remediation", "agent.netacct", "agent.kube")),
 ])
@@ -92,6 +94,30 @@ def test_the_model_takes_plain_data_from_the_host_ports():
     assert not any(name.startswith("agent.topology") for name in MODULES["agent.host.nvml.real"])
 
 
+def test_placement_is_pure_policy_over_the_topology():
+    """deviceplugin -> placement -> topology, never back: the servicer hands plain data in.
+
+    Of the host ports only the pure bus-id helpers: placement does no I/O.
+    """
+    for module, imports in MODULES.items():
+        if module.startswith("agent.placement."):
+            ours = {name for name in imports if name == "agent" or name.startswith("agent.")}
+            bad = {name for name in ours
+                   if not name.startswith(("agent.placement.", "agent.topology.")) and name != "agent.host.busid"}
+            assert not bad, f"{module} imports {bad}"
+
+
 def test_nothing_but_the_entry_points_reads_the_environment():
     readers = {m for m in MODULES if "os.environ" in (AGENT.parent / (m.replace(".", "/") + ".py")).read_text()}
     assert readers <= {"agent.cli"}
+
+
+def test_only_the_cli_imports_the_app_and_only_the_app_imports_the_wiring():
+    assert _importers("agent.app") <= {"agent.cli"}
+    assert _importers("agent.wiring") <= {"agent.app"}
+
+
+def test_the_supervisor_and_the_clock_sit_below_every_subsystem():
+    for module in ("agent.supervisor", "agent.clock", "agent.kube.reflector"):
+        agent_imports = {name for name in MODULES[module] if name.startswith("agent")}
+        assert agent_imports <= {"agent.clock", "agent.supervisor", "agent.kube.errors", "agent.kube.model"}, module

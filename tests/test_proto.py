@@ -29,10 +29,11 @@ log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GEN_SCRIPT = REPO_ROOT / "scripts" / "gen_proto.py"
-GENERATED = (
-    Path("agent/deviceplugin/v1beta1/api_pb2.py"),
-    Path("agent/deviceplugin/v1beta1/api_pb2.pyi"),
-    Path("agent/deviceplugin/v1beta1/api_pb2_grpc.py"),
+GENERATED = tuple(
+    Path(package, name)
+    for package in ("agent/deviceplugin/v1beta1", "agent/dra/v1", "agent/dra/v1beta1", "agent/dra/health/v1alpha1",
+                    "agent/pluginregistration/v1")
+    for name in ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py")
 )
 
 # --- (a) committed code matches the generator --------------------------------------------------

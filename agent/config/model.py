@@ -7,6 +7,7 @@ defaults, config file, environment, flags. Loading and validation live in `agent
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from agent.config.fields import PROJECT_DOMAIN, setting
@@ -133,6 +134,44 @@ class DevicePluginConfig:
 
 
 @dataclass
+class DraConfig:
+    """The DRA driver: GPUs and RDMA functions as ResourceSlices, prepared for pods by the kubelet DRA plugin."""
+
+    enabled: bool = setting(False, flag="--dra", env="GPU_NODE_AGENT_DRA",
+                            help="publish GPUs and RDMA VFs through DRA (resource.k8s.io/v1, Kubernetes 1.34+); "
+                                 "the device plugin then serves neither (see README, DRA)")
+    driver_name: str = setting(PROJECT_DOMAIN, flag="--dra-driver-name", env="GPU_NODE_AGENT_DRA_DRIVER_NAME",
+                               help="DRA driver name (ResourceSlice spec.driver, DeviceClass selectors)")
+    plugin_registry_dir: str = setting(
+        "/var/lib/kubelet/plugins_registry", flag="--plugin-registry-dir", env="GPU_NODE_AGENT_PLUGIN_REGISTRY_DIR",
+        help="kubelet plugin-watcher directory (<driver>-reg.sock)")
+    plugin_dir: str = setting("", flag="--dra-plugin-dir", env="GPU_NODE_AGENT_DRA_PLUGIN_DIR",
+                              help="directory of the DRA service socket dra.sock; /var/lib/kubelet/plugins/<driver> "
+                                   "when empty")
+    cdi_spec_dir: str = setting("/var/run/cdi", flag="--cdi-spec-dir", env="GPU_NODE_AGENT_CDI_SPEC_DIR",
+                                help="CDI spec directory the container runtime reads")
+    gpus: bool = setting(True, help="publish GPUs (off when NVIDIA's GPU driver or device plugin serves them)")
+    rdma: bool = setting(True, help="publish RDMA functions")
+    rdma_resource_name: str = setting(f"{PROJECT_DOMAIN}/sriov_rdma",
+                                      help="k8s.cni.cncf.io/resourceName of RDMA devices: the NetworkAttachment"
+                                           "Definition's resourceName annotation, for Multus")
+    resync_seconds: float = setting(60.0, help="republish slices this often (the kubelet wipes them at its start)")
+
+    @property
+    def socket_dir(self) -> str:
+        """Where dra.sock lives."""
+        return self.plugin_dir or f"/var/lib/kubelet/plugins/{self.driver_name}"
+
+    def check(self) -> None:
+        """The driver name is a DNS subdomain of at most 63 characters (ResourceSlice spec.driver)."""
+        if len(self.driver_name) > 63 or not re.fullmatch(
+                r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*", self.driver_name):
+            raise ValueError(f"driverName: {self.driver_name!r} is not a DNS subdomain of at most 63 characters")
+        if self.resync_seconds <= 0:
+            raise ValueError(f"resyncSeconds: {self.resync_seconds} must be positive")
+
+
+@dataclass
 class ApiServerConfig:
     """How the agent reaches the Kubernetes API server (shared by remediation and network accounting)."""
 
@@ -166,6 +205,7 @@ class AgentConfig:
     topology: TopologyConfig = setting(factory=TopologyConfig, help="hardware model sources")
     device_plugin: DevicePluginConfig = setting(factory=DevicePluginConfig, help="kubelet device plugin")
     api_server: ApiServerConfig = setting(factory=ApiServerConfig, help="Kubernetes API server access")
+    dra: DraConfig = setting(factory=DraConfig, help="DRA driver (ResourceSlices, kubelet DRA plugin)")
     health: HealthConfig = setting(factory=HealthConfig, help="GPU and NIC health checks")
     remediation: RemediationConfig = setting(factory=RemediationConfig, help="actions on this node's API objects")
     netacct: NetacctConfig = setting(factory=NetacctConfig, help="network traffic accounting")

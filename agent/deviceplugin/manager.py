@@ -4,7 +4,7 @@ The rest of the agent talks only to this: `start()`/`stop()`, `update_topology()
 device sets reach the kubelet through ListAndWatch; new resources start serving, vanished ones stop), health
 events on an asyncio queue (a device can go Unhealthy and come back), and `registered` for readiness.
 
-All servers of one manager share one `preference.JointAllocator` (and so one admission context): serving GPUs
+All servers of one manager share one `placement.joint.JointAllocator` (and so one admission context): serving GPUs
 and NICs from one process is what lets the NIC call of a container see the GPUs it just got, and the other
 way round. Its metrics go to the `registry` handed in (the agent's /metrics registry).
 """
@@ -13,21 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
 from agent import aio
+from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config.model import DevicePluginConfig
-from agent.deviceplugin.admission import DEFAULT_TTL_S
-from agent.deviceplugin.allocate import AllocateOptions
-from agent.deviceplugin.kubelet import KubeletLink, check_socket_path
 from agent.deviceplugin.metrics import AllocationMetrics
+from agent.deviceplugin.payload import AllocateOptions
 from agent.deviceplugin.pools import ResourcePool, build_pools, socket_name
-from agent.deviceplugin.preference import JointAllocator
+from agent.deviceplugin.registration import KubeletLink, check_socket_path
 from agent.deviceplugin.server import DevicePlugin, PreferencePolicy
 from agent.events import DeviceHealthEvent
+from agent.placement.admission import DEFAULT_TTL_S
+from agent.placement.joint import JointAllocator
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -46,19 +45,18 @@ class DevicePluginManager:
                  poll_interval: float = 1.0, register_timeout: float = 10.0,
                  backoff_initial: float = 0.5, backoff_max: float = 30.0,
                  policy: PreferencePolicy | None = None, registry: CollectorRegistry | None = None,
-                 admission_ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 admission_ttl_s: float = DEFAULT_TTL_S, clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
         self.health_events: asyncio.Queue[DeviceHealthEvent] = health_events or asyncio.Queue()
         self._options = AllocateOptions.from_config(config)
         self._plugins: dict[str, DevicePlugin] = {}
         self.metrics = AllocationMetrics(registry)
-        self.allocator = JointAllocator(self._plugins.values, metrics=self.metrics, ttl_s=admission_ttl_s,
-                                        clock=clock)
+        self.allocator = JointAllocator(self._plugins.values, ttl_s=admission_ttl_s, clock=clock.monotonic)
         self._policy = policy or self.allocator.prefer
         self._topology = topology
         self._link = KubeletLink(config.device_plugin_dir, poll_interval=poll_interval,
                                  register_timeout=register_timeout, backoff_initial=backoff_initial,
-                                 backoff_max=backoff_max)
+                                 backoff_max=backoff_max, clock=clock)
         self._unhealthy: dict[str, str] = {}  # device ID -> reason, across rescans and resources
         self._skipped: tuple[str, ...] = ()
         self._empty: tuple[str, ...] = ()

@@ -3,16 +3,17 @@ that could not be given.
 
 - `gpu_node_agent_allocations_total{resource,level}`: successful Allocate calls. `level` is the worst GPU-NIC
   level (`pix`, `pxb`, `phb`, `node`, `sys`) of the container the allocation belongs to, in a best one-to-one
-  matching of its GPUs and NIC devices (`allocation.achieved_levels`); both resources of a GPU + NIC container
+  matching of its GPUs and NIC devices (`placement.policy.achieved_levels`); both resources of a GPU + NIC container
   are counted with the same level, once the second one is allocated. `none`: the agent saw no devices of the
   other kind for that container (a NIC-only or GPU-only container, GPUs served by another plugin, or the
   pairing was lost, e.g. past the admission context's time-out). A lone allocation is counted when the next
   call shows it had no partner (at once when the other kind is not served here). Which allocations form a
-  container is the admission context's guess (`admission`, `preference`): a single-resource pod followed
+  container is the admission context's guess (`placement.admission`, `placement.joint`): a single-resource pod followed
   within its time-out by a pod of the other resource is counted as one container with the other's level.
 - `gpu_node_agent_preferred_allocation_failures_total{resource,reason}`: GetPreferredAllocation container
   requests answered with no or a partial preference (never an error; the kubelet then picks itself).
-  `reason`: `invalid_request` (the kubelet's request is inconsistent or names devices we do not serve),
+  `reason` (`placement.policy.Reason`, decided by its one validation): `invalid_request` (the kubelet's request
+  is inconsistent or names devices we do not serve),
   `policy_error` (the policy raised; a bug), `empty` (the policy found no valid answer), `short` (fewer devices
   than asked, because some of the offered ones are Unhealthy here).
 
@@ -22,21 +23,15 @@ default registry, so several managers (tests) can live in one process.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from prometheus_client import CollectorRegistry, Counter
 
+from agent.placement.joint import NO_PAIR
+from agent.placement.policy import Reason
 from agent.topology.model import Level
 
-NO_PAIR = "none"
 LEVEL_LABELS: tuple[str, ...] = (*(level.name.lower() for level in Level if level is not Level.X), NO_PAIR)
-FAILURE_REASONS = ("invalid_request", "policy_error", "empty", "short")
-
-
-def level_label(levels: Iterable[Level]) -> str:
-    """The metric label of a container's matched GPU-NIC levels: the worst one, `none` when there is none."""
-    worst = max(levels, default=None)
-    return NO_PAIR if worst is None else worst.name.lower()
+POLICY_ERROR = "policy_error"  # the policy raised: a bug, answered with no preference
+FAILURE_REASONS: tuple[str, ...] = (*(reason.value for reason in Reason if reason is not Reason.OK), POLICY_ERROR)
 
 
 class AllocationMetrics:

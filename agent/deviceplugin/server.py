@@ -3,68 +3,40 @@
 It holds the resource's current pool and device health. ListAndWatch streams the full device list at start and
 again after every change (health flip, rescan); any number of streams may be open. Allocate answers from the
 pool in memory. GetPreferredAllocation must never fail admission, so it answers bad input with no preference;
-it never prefers a device marked Unhealthy here (the kubelet's view may lag by one ListAndWatch message). The
-policy is pluggable: a standalone servicer uses `simple_policy`; the manager plugs in the PCIe-aware
-`preference.JointAllocator`, shared by all its resources, and its Allocate hook.
+it never prefers a device marked Unhealthy here (the kubelet's view may lag by one ListAndWatch message). For
+that it only decodes, calls the policy, counts and encodes: the validation, the choice and the reason live in
+`agent.placement`. The policy is pluggable: a standalone servicer uses `simple_policy`; the manager plugs in
+the PCIe-aware `placement.joint.JointAllocator`, shared by all its resources, and its Allocate hook.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import grpc
 
-from agent.deviceplugin.allocate import AllocateOptions, Contributor, build_container_payload
-from agent.deviceplugin.metrics import AllocationMetrics
+from agent.deviceplugin.metrics import POLICY_ERROR, AllocationMetrics
+from agent.deviceplugin.payload import AllocateOptions, Contributor, build_container_payload
 from agent.deviceplugin.pools import ResourcePool
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.placement.policy import AllocationLevel, ContainerRequest, Preference, Reason, simple_preference
 
 log = logging.getLogger(__name__)
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 
-# (pool, available, must_include, size) -> preferred device IDs; inputs are already validated.
-PreferencePolicy = Callable[[ResourcePool, Sequence[str], Sequence[str], int], list[str]]
-# (pool, device IDs) after each successful Allocate of one container request.
-AllocationHook = Callable[[ResourcePool, Sequence[str]], None]
+# (pool, one container request) -> the preference and its reason
+PreferencePolicy = Callable[[ResourcePool, ContainerRequest], Preference]
+# (pool, device IDs) after each successful Allocate of one container request -> allocations to count by level
+AllocationHook = Callable[[ResourcePool, Sequence[str]], Iterable[AllocationLevel]]
 
 
-def simple_policy(pool: ResourcePool, available: Sequence[str], must_include: Sequence[str],
-                  size: int) -> list[str]:
-    """`must_include` first, then available devices in pool order (VFs of one PF together) up to `size`."""
-    chosen = list(dict.fromkeys(must_include))
-    offered = set(available)
-    for device_id in pool.ids:
-        if len(chosen) >= size:
-            break
-        if device_id in offered and device_id not in chosen:
-            chosen.append(device_id)
-    return chosen[:size]
-
-
-class PreferenceError(ValueError):
-    """A GetPreferredAllocation request that cannot be answered; the reason goes to the log."""
-
-
-def check_preference_request(pool: ResourcePool, available: Sequence[str], must_include: Sequence[str],
-                             size: int) -> None:
-    """Raise PreferenceError when the kubelet's request is inconsistent or names devices we do not serve."""
-    known = set(pool.ids)
-    if size <= 0:
-        raise PreferenceError(f"allocation_size {size} is not positive")
-    unknown = sorted((set(available) | set(must_include)) - known)
-    if unknown:
-        raise PreferenceError(f"unknown device IDs: {', '.join(unknown)}")
-    missing = sorted(set(must_include) - set(available))
-    if missing:
-        raise PreferenceError(f"must_include devices not in available: {', '.join(missing)}")
-    if len(set(must_include)) > size:
-        raise PreferenceError(f"{len(set(must_include))} must_include devices exceed allocation_size {size}")
-    if len(set(available)) < size:
-        raise PreferenceError(f"only {len(set(available))} devices available for allocation_size {size}")
+def simple_policy(pool: ResourcePool, request: ContainerRequest) -> Preference:
+    """`must_include` first, then available devices in pool order (VFs of one PF together) up to the size."""
+    return simple_preference(request)
 
 
 class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
@@ -182,24 +154,10 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
         if self._metrics is not None:
             self._metrics.no_preference(self.resource_name, reason)
 
-    def _preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
-        """The allocation policy call (swap the policy here), over the offered devices healthy here.
-
-        When fewer healthy devices than `size` are offered, the answer is the best of those (a partial
-        preference: the kubelet fills the rest itself).
-        """
-        must = set(must_include)
-        healthy = [device_id for device_id in dict.fromkeys(available)
-                   if device_id not in self._unhealthy or device_id in must]
-        wanted = min(size, len(healthy))
-        if wanted < size:
-            log.warning("%s: only %d of the %d devices asked for are healthy; partial preference",
-                        self.resource_name, wanted, size)
-            self._failed("short")
-        preferred = self._policy(self._pool, healthy, must_include, wanted) if wanted else []
-        if not preferred and wanted == size:
-            self._failed("empty")
-        return preferred
+    def _count(self, levels: Iterable[AllocationLevel]) -> None:
+        if self._metrics is not None:
+            for resource, level in levels:
+                self._metrics.allocated(resource, level)
 
     async def GetPreferredAllocation(
             self, request: api_pb2.PreferredAllocationRequest,
@@ -207,21 +165,24 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
         """One preference per container; never an error, which would fail the pod's admission."""
         response = api_pb2.PreferredAllocationResponse()
         for container in request.container_requests:
-            available = list(container.available_deviceIDs)
-            must_include = list(container.must_include_deviceIDs)
-            size = container.allocation_size
+            asked = ContainerRequest(
+                served=self._pool.ids, available=tuple(container.available_deviceIDs),
+                must_include=tuple(container.must_include_deviceIDs), size=container.allocation_size,
+                unhealthy=self._unhealthy.keys())
             try:
-                check_preference_request(self._pool, available, must_include, size)
-                preferred = self._preferred(available, must_include, size)
-            except PreferenceError as exc:
-                log.warning("%s: GetPreferredAllocation: no preference: %s", self.resource_name, exc)
-                self._failed("invalid_request")
-                return api_pb2.PreferredAllocationResponse()
+                preference = self._policy(self._pool, asked)
             except Exception:
                 log.exception("%s: GetPreferredAllocation policy failed; no preference", self.resource_name)
-                self._failed("policy_error")
+                self._failed(POLICY_ERROR)
                 return api_pb2.PreferredAllocationResponse()
-            response.container_responses.add(deviceIDs=preferred)
+            self._count(preference.levels)
+            if preference.reason is not Reason.OK:
+                log.warning("%s: GetPreferredAllocation: %s: %s", self.resource_name, preference.reason.value,
+                            preference.detail)
+                self._failed(preference.reason.value)
+            if preference.reason is Reason.INVALID_REQUEST:
+                return api_pb2.PreferredAllocationResponse()
+            response.container_responses.add(deviceIDs=preference.devices)
         return response
 
     async def Allocate(self, request: api_pb2.AllocateRequest,
@@ -245,7 +206,7 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
             log.info("%s: allocated %s", self.resource_name, ", ".join(ids))
             if self._on_allocate is not None:
                 try:
-                    self._on_allocate(self._pool, ids)
+                    self._count(self._on_allocate(self._pool, ids))
                 except Exception:  # bookkeeping must never fail an Allocate
                     log.exception("%s: allocation hook failed", self.resource_name)
         return response

@@ -2,7 +2,7 @@
 
 `HealthService.run(stop)` starts the producers (kernel log, NVML events, NVML polls, NIC links, and
 dcgm-exporter scrapes when a URL is configured) and a
-housekeeping loop, each under its own supervisor: a producer that raises is logged, shown as "failed" in
+housekeeping loop, under one `agent.supervisor.Supervisor`: a producer that raises is logged, shown as "failed" in
 `checks` and the `gpu_node_agent_health_check_up` gauge, and restarted with backoff, while the others carry
 on. Without NVML the NVML checks say "unavailable" and the rest runs, unless `require_nvml` asks for a hard
 failure. Device health goes onto the device plugin's `DeviceHealthEvent` queue; node verdicts go to
@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
 from agent import aio
+from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config.health import HealthConfig
 from agent.events import DeviceHealthEvent
 from agent.health.assess import HealthAssessor, VerdictListener
@@ -36,6 +36,7 @@ from agent.host.dcgm_exporter import DcgmExporterPort, HttpDcgmExporter
 from agent.host.kmsg import read_boot_id
 from agent.host.links import LinkPort, NetlinkLinkPort
 from agent.host.nvml import NvmlHealth
+from agent.supervisor import FatalError, Supervisor
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 Producer = Callable[[asyncio.Event], Awaitable[None]]
 
 
-class NvmlRequiredError(RuntimeError):
+class NvmlRequiredError(FatalError):
     """NVML is unavailable and the config says it is required."""
 
 
@@ -55,12 +56,13 @@ class HealthService:
                  nvml: NvmlHealth, device_events: asyncio.Queue[DeviceHealthEvent], registry: CollectorRegistry,
                  link_port: LinkPort | None = None, *, resource_of: ResourceOf | None = None,
                  dcgm_port: DcgmExporterPort | None = None,
-                 boot_id_path: str | os.PathLike[str] = BOOT_ID_PATH, clock: Callable[[], float] = time.monotonic,
+                 boot_id_path: str | os.PathLike[str] = BOOT_ID_PATH, clock: Clock = SYSTEM_CLOCK,
                  kmsg_file_poll_interval: float = 0.05, housekeeping_interval: float = 1.0,
                  restart_backoff: tuple[float, float] = (1.0, 30.0)) -> None:
         self.config = config
         self.nvml = nvml
-        self.assessor = HealthAssessor(config, topology, device_events, clock)
+        self.clock = clock
+        self.assessor = HealthAssessor(config, topology, device_events, clock.monotonic)
         self.store = StateStore(state_dir)
         self.first_pass_done = asyncio.Event()
         self._boot_id_path = Path(boot_id_path)
@@ -140,36 +142,29 @@ class HealthService:
             producers["dcgm"] = (self.dcgm.run, self.dcgm.first_pass)
         for name in producers:
             self.assessor.checks.setdefault(name, "starting")
-        tasks = [asyncio.create_task(self._supervise(name, run, ready, stop), name=f"health-{name}")
-                 for name, (run, ready) in producers.items()]
-        tasks.append(asyncio.create_task(self._housekeeping(stop, boot_id), name="health-housekeeping"))
-        tasks.append(asyncio.create_task(self._await_first_pass([r for _, r in producers.values()], stop),
-                                         name="health-first-pass"))
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            await aio.cancel_and_wait(*tasks)
-            await asyncio.to_thread(self._save, boot_id)
+        last: dict[str, str] = {}
 
-    async def _supervise(self, name: str, run: Producer, ready: asyncio.Event, stop: asyncio.Event) -> None:
-        delay, longest = self._backoff
-        last = ""
-        while not stop.is_set():
-            try:
-                await run(stop)
-                return
-            except Exception as exc:
-                problem = f"{type(exc).__name__}: {exc}"
-                self.assessor.checks[name] = f"failed: {problem}"
-                if problem != last:  # the same failure again is not news: the check's state already says it
-                    # An OSError is the host saying no (no such file, EPERM on /dev/kmsg in an unprivileged
-                    # container): the message says it all. Anything else is a bug and gets its traceback.
-                    log.error("health check %s failed (%s); retrying with backoff, the other checks go on", name,
-                              problem, exc_info=not isinstance(exc, OSError))
-                last = problem
-                ready.set()  # readiness must not hang on a broken producer; the gauge shows it
-            await aio.sleep_or_stop(stop, delay)
-            delay = min(delay * 2, longest)
+        def failed(name: str, exc: Exception, delay: float) -> None:
+            problem = f"{type(exc).__name__}: {exc}"
+            self.assessor.checks[name] = f"failed: {problem}"
+            if problem != last.get(name):  # the same failure again is not news: the check's state already says it
+                # An OSError is the host saying no (no such file, EPERM on /dev/kmsg in an unprivileged
+                # container): the message says it all. Anything else is a bug and gets its traceback.
+                log.error("health check %s failed (%s); retrying with backoff, the other checks go on", name,
+                          problem, exc_info=exc if not isinstance(exc, OSError) else None)
+            last[name] = problem
+            producers[name][1].set()  # readiness must not hang on a broken producer; the gauge shows it
+
+        initial, longest = self._backoff
+        supervisor = Supervisor(stop, clock=self.clock, initial=initial, maximum=longest, on_failure=failed)
+        for name, (run, _) in producers.items():
+            supervisor.add(name, run)
+        supervisor.add("housekeeping", lambda s: self._housekeeping(s, boot_id))
+        supervisor.add("first-pass", lambda s: self._await_first_pass([r for _, r in producers.values()], s))
+        try:
+            await supervisor.run()
+        finally:
+            await asyncio.to_thread(self._save, boot_id)
 
     async def _await_first_pass(self, ready: list[asyncio.Event], stop: asyncio.Event) -> None:
         waiting = asyncio.ensure_future(asyncio.gather(*(event.wait() for event in ready)))

@@ -3,8 +3,9 @@
 - `port`: the operations the agent may perform, as narrow Protocols (the RBAC rules grant exactly these).
 - `model` / `errors`: the values the port returns and the only exceptions it raises.
 - `cluster`: the real port on lightkube (the only module that imports it); `connect` builds one client.
-- `simulated`: an in-memory cluster for `--simulate`.
-- `podwatch`: list + watch of this node's pods with bookmarks, 410 re-list and backoff.
+- `simulated`: an in-memory cluster for `--simulate` without credentials.
+- `reflector`: the one list/watch loop (bookmarks, 410 re-list, backoff) for the node and its pods.
+- `podwatch`: this node's pods, kept current by the reflector.
 
 Create ONE cluster per process and hand it to every consumer: requests are counted on one
 `gpu_node_agent_apiserver_requests_total`, and the connection pool is shared.
@@ -37,12 +38,12 @@ def connect(node_name: str, registry: CollectorRegistry, kubeconfig: str | None 
     return _connect(node_name, ApiRequestCounter(registry), kubeconfig, timeout)
 
 
-def open_cluster(node_name: str, registry: CollectorRegistry, *, simulate: bool = False,
+def open_cluster(node_name: str, registry: CollectorRegistry, *, in_memory: bool = False,
                  kubeconfig: str | None = None, timeout: float = 10.0) -> Cluster:
-    """The one cluster port of a process: with `simulate`, the in-memory demo node and its pods (named
-    `simulated-node` unless `node_name` is given); else `connect`. `ClusterConfigError` without a node name
-    (a real cluster only) or without credentials."""
-    if simulate:
+    """The one cluster port of a process: `in_memory`, the demo node and its pods (named `simulated-node`
+    unless `node_name` is given); else `connect`. `ClusterConfigError` without a node name (a real cluster
+    only) or without credentials."""
+    if in_memory:
         from agent.kube.simulated import demo_cluster
 
         return demo_cluster(node_name)

@@ -28,6 +28,7 @@ from lightkube.core.exceptions import NotReadyError
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Event, Node, Pod
+from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
 from lightkube.types import PatchType
 
 from agent.kube import errors
@@ -233,6 +234,39 @@ class LightkubeCluster:
         else:
             written = await self._do(lambda: self._client.create(obj, namespace=path_ns))
         return LeaseView.from_dict(written.to_dict())
+
+    async def node_uid(self) -> str:
+        """GET the node for its uid."""
+        node = await self._do(lambda: self._client.get(Node, self._node))
+        return str(node.metadata.uid or "")
+
+    async def list_resource_slices(self, driver: str) -> list[dict[str, Any]]:
+        """This node's slices of one driver (field selectors, as the kubelet plugin helper lists them)."""
+        async def call() -> list[dict[str, Any]]:
+            listing = self._client.list(ResourceSlice, fields={"spec.nodeName": self.node_name, "spec.driver": driver})
+            return [item.to_dict() async for item in listing]
+        return await self._do(call)
+
+    async def create_resource_slice(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST a ResourceSlice."""
+        created = await self._do(lambda: self._client.create(ResourceSlice.from_dict(body)))
+        return dict(created.to_dict())
+
+    async def replace_resource_slice(self, body: dict[str, Any]) -> dict[str, Any]:
+        """PUT a ResourceSlice (its resourceVersion is the precondition)."""
+        name = str((body.get("metadata") or {}).get("name") or "")
+        written = await self._do(lambda: self._client.replace(ResourceSlice.from_dict(body), url_segment(name)))
+        return dict(written.to_dict())
+
+    async def delete_resource_slice(self, name: str) -> None:
+        """DELETE a ResourceSlice."""
+        await self._do(lambda: self._client.delete(ResourceSlice, url_segment(name)))
+
+    async def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        """GET a ResourceClaim."""
+        claim = await self._do(lambda: self._client.get(ResourceClaim, url_segment(name),
+                                                        namespace=url_segment(namespace, namespace=True)))
+        return dict(claim.to_dict())
 
     async def aclose(self) -> None:
         """Close the HTTP client."""

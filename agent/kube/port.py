@@ -3,8 +3,10 @@
 Each consumer names the narrow protocol it needs (drain gets `PodApi`, slots get `LeaseApi`, network accounting
 gets `PodWatchApi`), which documents and limits what it can do. The whole list is what the RBAC rules grant
 (deploy/rbac.yaml): the own Node (get, watch by name, patch, patch status), pods on the own node (list and
-watch with `spec.nodeName`), evictions, Events, and Leases in one namespace. Nothing lists or watches
-cluster-wide. Every method raises only `agent.kube.errors.Api*` errors.
+watch with `spec.nodeName`), evictions, Events, Leases in one namespace, and for the DRA driver its own
+ResourceSlices (by `spec.nodeName` and `spec.driver`; a ValidatingAdmissionPolicy binds writes to the node) and
+ResourceClaims by name. Nothing lists or watches cluster-wide. Every method raises only
+`agent.kube.errors.Api*` errors. DRA objects cross the port as their JSON (dicts): the driver owns their meaning.
 """
 
 from __future__ import annotations
@@ -73,7 +75,35 @@ class LeaseApi(Protocol):
         """Create the Lease, or replace it when it carries a resourceVersion (409 if someone else wrote it)."""
 
 
-class Cluster(NodeApi, PodApi, PodWatchApi, EventApi, LeaseApi, Protocol):
+class ResourceSliceApi(Protocol):
+    """resource.k8s.io/v1 ResourceSlices of one driver on this node (the DRA driver's pool)."""
+
+    node_name: str
+
+    async def node_uid(self) -> str:
+        """The own Node's metadata.uid (slices are owned by the Node, so they go with it)."""
+
+    async def list_resource_slices(self, driver: str) -> list[dict[str, Any]]:
+        """LIST with fieldSelector spec.nodeName=<node>,spec.driver=<driver>."""
+
+    async def create_resource_slice(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST a slice (409 ApiConflict when the name exists)."""
+
+    async def replace_resource_slice(self, body: dict[str, Any]) -> dict[str, Any]:
+        """PUT a slice guarded by its metadata.resourceVersion (409 ApiConflict when it changed)."""
+
+    async def delete_resource_slice(self, name: str) -> None:
+        """DELETE a slice (ApiNotFound when it is gone)."""
+
+
+class ResourceClaimApi(Protocol):
+    """resource.k8s.io/v1 ResourceClaims, read by name when the kubelet asks to prepare them."""
+
+    async def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        """GET the claim (ApiNotFound when it is gone)."""
+
+
+class Cluster(NodeApi, PodApi, PodWatchApi, EventApi, LeaseApi, ResourceSliceApi, ResourceClaimApi, Protocol):
     """Everything the agent does on the API server; one client shared by remediation and network accounting."""
 
     async def aclose(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import itertools
 import logging
@@ -45,6 +46,8 @@ class InMemoryCluster:
         self.node = NodeView(node_name, self._next(), taints=tuple(taints))
         self.pods = {p.key: dataclasses.replace(p, resource_version=self._next()) for p in pods}
         self.leases: dict[tuple[str, str], LeaseView] = {}
+        self.resource_slices: dict[str, dict[str, Any]] = {}
+        self.resource_claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.events: list[EventRecord] = []
         self._changed = asyncio.Condition()
         self._pod_log: list[tuple[int, str, PodView]] = []
@@ -173,6 +176,57 @@ class InMemoryCluster:
         written = dataclasses.replace(lease, resource_version=self._next())
         self.leases[key] = written
         return written
+
+    # --- DRA: ResourceSlices and ResourceClaims ----------------------------------------------------------------
+
+    async def node_uid(self) -> str:
+        """The kubelet's convention: the node's name as its uid."""
+        return self.node_name
+
+    async def list_resource_slices(self, driver: str) -> list[dict[str, Any]]:
+        """This node's slices of `driver`."""
+        return [copy.deepcopy(s) for s in self.resource_slices.values()
+                if s["spec"].get("driver") == driver and s["spec"].get("nodeName") == self.node_name]
+
+    async def create_resource_slice(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Store a new slice (409 when the name is taken)."""
+        name = body["metadata"]["name"]
+        if name in self.resource_slices:
+            raise ApiConflict(409, f'resourceslices "{name}" already exists')
+        return self._store_slice(body)
+
+    async def replace_resource_slice(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Replace a slice with the resourceVersion precondition."""
+        name = body["metadata"]["name"]
+        current = self.resource_slices.get(name)
+        if current is None:
+            raise ApiNotFound(404, f'resourceslices "{name}" not found')
+        if body["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]:
+            raise ApiConflict(409, "the object has been modified")
+        return self._store_slice(body)
+
+    def _store_slice(self, body: dict[str, Any]) -> dict[str, Any]:
+        stored = copy.deepcopy(body)
+        stored["metadata"]["resourceVersion"] = self._next()
+        self.resource_slices[stored["metadata"]["name"]] = stored
+        return copy.deepcopy(stored)
+
+    async def delete_resource_slice(self, name: str) -> None:
+        """Remove a slice."""
+        if self.resource_slices.pop(name, None) is None:
+            raise ApiNotFound(404, f'resourceslices "{name}" not found')
+
+    def add_resource_claim(self, claim: dict[str, Any]) -> None:
+        """Create or replace a claim (what the scheduler's allocation writes)."""
+        meta = claim["metadata"]
+        self.resource_claims[(meta.get("namespace", "default"), meta["name"])] = copy.deepcopy(claim)
+
+    async def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        """A stored claim."""
+        claim = self.resource_claims.get((namespace, name))
+        if claim is None:
+            raise ApiNotFound(404, f'resourceclaims "{name}" not found')
+        return copy.deepcopy(claim)
 
     async def aclose(self) -> None:
         """Nothing to release."""

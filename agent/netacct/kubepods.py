@@ -15,11 +15,13 @@ import logging
 import random
 from collections.abc import Iterable
 
-from agent.clock import Clock
+from agent.clock import SYSTEM_CLOCK, Clock
 from agent.kube.model import PodView
-from agent.kube.podwatch import MAX_BACKOFF, WATCH_TIMEOUT, NodePodWatch
+from agent.kube.podwatch import NodePodWatch
 from agent.kube.port import PodWatchApi
+from agent.kube.reflector import WATCH_TIMEOUT
 from agent.netacct.pods import Pod, PodFeed, PodListError, make_pod
+from agent.supervisor import Backoff, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +47,12 @@ def accountable(pods: Iterable[PodView], warned: set[tuple[str, str]] | None = N
 class KubePodSource(PodFeed):
     """`PodSource` over the cluster port's pod watch of this node."""
 
-    def __init__(self, api: PodWatchApi, *, clock: Clock | None = None, rng: random.Random | None = None,
-                 timeout_range: tuple[int, int] = WATCH_TIMEOUT, backoff_initial: float = 1.0,
-                 backoff_max: float = MAX_BACKOFF) -> None:
+    def __init__(self, api: PodWatchApi, *, clock: Clock = SYSTEM_CLOCK, rng: random.Random | None = None,
+                 timeout_range: tuple[int, int] = WATCH_TIMEOUT, backoff: Backoff | None = None) -> None:
         super().__init__()  # unknown until the first successful list
         self._warned: set[tuple[str, str]] = set()
         self.watch = NodePodWatch(api, self._changed, clock=clock, rng=rng, timeout_range=timeout_range,
-                                  backoff_initial=backoff_initial, backoff_max=backoff_max)
+                                  backoff=backoff)
 
     def _changed(self, pods: tuple[PodView, ...]) -> None:
         self.publish(accountable(pods, self._warned))
@@ -60,11 +61,10 @@ class KubePodSource(PodFeed):
         """List and watch until `stop` is set; an unexpected failure is logged and the watch restarted, since the
         service would not notice a dead source (it only ever sees the last published set)."""
         log.info("netacct: following the pods of node %s through the Kubernetes API", self.watch.api.node_name)
-        delay = self.watch.backoff_initial
-        while not stop.is_set():
-            try:
-                await self.watch.run(stop)
-            except Exception:
-                log.exception("netacct: the pod watch failed unexpectedly; restarting it in %.0fs", delay)
-                await self.watch.clock.wait(stop, delay)
-                delay = min(delay * 2, self.watch.backoff_max)
+        supervisor = Supervisor(stop, clock=self.watch.clock, maximum=300.0, grace=0.0, on_failure=_watch_failed)
+        supervisor.add("netacct pod watch", self.watch.run)
+        await supervisor.run()
+
+
+def _watch_failed(name: str, exc: Exception, delay: float) -> None:
+    log.error("netacct: the pod watch failed unexpectedly; restarting it in %.0fs", delay, exc_info=exc)

@@ -22,6 +22,7 @@ from agent.netacct.backend import Host
 from agent.netacct.collector import NetacctCollector
 from agent.netacct.engine import Netacct, SyncError
 from agent.netacct.pods import FilePodSource, PodFeed, PodSource
+from agent.supervisor import Backoff
 
 if TYPE_CHECKING:
     from agent.kube.port import PodWatchApi
@@ -67,18 +68,18 @@ class NetacctService:
     async def run(self, stop: asyncio.Event) -> None:
         """Sync now, then on every pod change and every sync interval, until `stop` is set."""
         source = asyncio.create_task(self.pods.run(stop), name="netacct-pods")
-        backoff = self.backoff_initial
+        backoff = Backoff(self.backoff_initial, max(self.backoff_initial, self.config.sync_interval_seconds))
         try:
             while not stop.is_set():
                 version, pods = self.pods.snapshot()
                 try:
                     await asyncio.to_thread(self.engine.sync, pods)
                 except Exception as exc:  # one failure must not end accounting; the next round retries
-                    log.error("netacct: sync failed, retrying in %.1f s: %s", backoff, exc,
+                    wait = backoff.next()
+                    log.error("netacct: sync failed, retrying in %.1f s: %s", wait, exc,
                               exc_info=not isinstance(exc, SyncError))
-                    wait, backoff = backoff, min(backoff * 2, self.config.sync_interval_seconds)
                 else:
-                    backoff = self.backoff_initial
+                    backoff.reset()
                     wait = self.config.sync_interval_seconds
                     self.synced.set()
                 if await self._wait(stop, version, wait):

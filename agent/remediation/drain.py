@@ -21,6 +21,7 @@ from agent.kube.model import PodView
 from agent.kube.port import PodApi
 from agent.remediation.events import WARNING, EventRecorder
 from agent.remediation.metrics import ActionCounter
+from agent.supervisor import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +57,13 @@ class Drainer:
         self._actions = actions
         self._own_pod = own_pod
         self._backoff_initial = backoff_seconds
-        self._backoff_max = backoff_max_seconds
+        self._backoff_max = max(backoff_max_seconds, backoff_seconds)
         self._blocked_retry = blocked_retry_seconds
         self._dry_run = dry_run
 
     async def run(self, stop: asyncio.Event, deadline: float, wanted: Callable[[], bool]) -> DrainResult:
         """Evict until no evictable pod is left."""
-        backoff = self._backoff_initial
+        backoff = Backoff(self._backoff_initial, self._backoff_max)
         remaining: tuple[str, ...] = ()
         announced = False
         while not stop.is_set():
@@ -77,9 +78,9 @@ class Drainer:
             try:
                 todo = evictable(await self._api.list_pods(), self._own_pod)
             except ApiError as exc:
-                log.warning("drain: cannot list pods: %s; retrying in %.0fs", exc, backoff)
-                await self._clock.wait(stop, min(backoff, deadline - now))
-                backoff = min(backoff * 2, self._backoff_max)
+                wait = backoff.next()
+                log.warning("drain: cannot list pods: %s; retrying in %.0fs", exc, wait)
+                await self._clock.wait(stop, min(wait, deadline - now))
                 continue
             remaining = tuple(f"{p.namespace}/{p.name}" for p in todo)
             if not todo:
@@ -96,11 +97,11 @@ class Drainer:
             for pod in (p for p in todo if not p.terminating):
                 if stop.is_set() or not wanted() or self._clock.now() >= deadline:
                     break
-                outcome, pause = await self._evict(pod, backoff)
+                outcome, pause = await self._evict(pod, backoff.delay)
                 if outcome == "ok":
-                    backoff = self._backoff_initial
+                    backoff.reset()
                 elif outcome == "throttled":
-                    backoff = min(backoff * 2, self._backoff_max)
+                    backoff.next()  # the next refusal waits longer
                 wait = max(wait, pause)
             await self._clock.wait(stop, max(0.0, min(wait, deadline - self._clock.now())))
         return DrainResult("stopped", remaining)

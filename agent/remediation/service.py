@@ -1,10 +1,10 @@
 """`RemediationService`: owns the remediation loops and keeps API server trouble from ever crashing them.
 
 Loops, all stopped by one stop event (blocked requests are cancelled): the verdict consumer, the node watch
-(one watch by name, jittered 5-10 min server timeout, bookmarks, re-GET only on 410, exponential backoff with
-jitter on errors), the reconcile loop (runs the engine on every change and when its next timer is due), the
-maintenance poller and the preflight checks when configured. If a loop fails with a bug, the others are
-stopped and the error is re-raised to the caller; API errors are logged and retried with backoff.
+(`agent.kube.reflector`: one watch by name, bookmarks, re-GET only on 410, backoff on errors), the reconcile
+loop (runs the engine on every change and when its next timer is due), the maintenance poller and the
+preflight checks when configured. If a loop fails with a bug, the supervisor
+stops the others and re-raises the error to the caller; API errors are logged and retried with backoff.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -21,9 +21,10 @@ from prometheus_client import CollectorRegistry
 from agent.clock import Clock, SystemClock
 from agent.config.remediation import RemediationConfig
 from agent.events import NodeVerdict
-from agent.kube.errors import ApiConflict, ApiError, ApiGone
-from agent.kube.model import NodeView
+from agent.kube.errors import ApiConflict, ApiError
+from agent.kube.model import NodeView, WatchEvent
 from agent.kube.port import Cluster
+from agent.kube.reflector import MAX_BACKOFF, Reflector
 from agent.remediation.actions import NodeActions
 from agent.remediation.drain import Drainer
 from agent.remediation.engine import Engine, Inputs
@@ -32,15 +33,14 @@ from agent.remediation.maintenance import Fetch, MaintenanceWatcher, urllib_fetc
 from agent.remediation.metrics import ActionCounter
 from agent.remediation.preflight import PreflightCheck, run_preflight
 from agent.remediation.slots import Slots
+from agent.supervisor import Backoff, RunFn, Supervisor
 
 log = logging.getLogger(__name__)
 
-MAX_BACKOFF = 300.0
+MAX_IDLE = 3600.0
 # The node watch retries sooner than writes do: one cheap GET per node per minute at worst, and its first answer
 # after an outage wakes the reconcile loop, so a pending cordon waits at most about this long once the API is back.
 WATCH_MAX_BACKOFF = 60.0
-MAX_IDLE = 3600.0
-WATCH_TIMEOUT = (300, 600)
 
 
 def _newer(candidate: str, current: str) -> bool:
@@ -97,6 +97,9 @@ class RemediationService:
     def _jitter(self) -> float:
         return self._rng.uniform(0.8, 1.2)
 
+    def _backoff(self) -> Backoff:
+        return Backoff(1.0, MAX_BACKOFF, jitter=0.2, rng=self._rng)
+
     def wake(self) -> None:
         """Ask the reconcile loop to run now."""
         self._wake_event.set()
@@ -105,17 +108,23 @@ class RemediationService:
         """Run until `stop` is set; re-raises a loop's unexpected error after stopping the others."""
         if not await self._start(stop):
             return
-        loops: list[Coroutine[Any, Any, None]] = [self._reconcile_loop(stop), self._verdict_loop(stop),
-                                                  self._watch_loop(stop), self._relay(stop)]
+        loops: list[tuple[str, RunFn]] = [("reconcile", self._reconcile_loop), ("verdicts", self._verdict_loop),
+                                          ("node watch", self._watch_loop), ("relay", self._relay)]
         if self.maintenance is not None:
-            loops.append(self._maintenance_loop(stop))
+            loops.append(("maintenance", self._maintenance_loop))
         if self.inputs.preflight.active:
-            loops.append(run_preflight(self._checks, self.inputs.preflight, self.clock, stop=stop,
-                                       retry_seconds=self.config.preflight_retry_seconds, changed=self.wake))
+            loops.append(("preflight", self._preflight_loop))
+        supervisor = Supervisor(stop, clock=self.clock, grace=0.0)  # blocked requests are cancelled at stop
+        for name, loop in loops:
+            supervisor.add(f"remediation {name}", loop, restart=False)
         try:
-            await supervise([asyncio.create_task(loop) for loop in loops], stop)
+            await supervisor.run()
         finally:
             await self.engine.close()
+
+    async def _preflight_loop(self, stop: asyncio.Event) -> None:
+        await run_preflight(self._checks, self.inputs.preflight, self.clock, stop=stop,
+                            retry_seconds=self.config.preflight_retry_seconds, changed=self.wake)
 
     async def _relay(self, stop: asyncio.Event) -> None:
         await stop.wait()
@@ -123,15 +132,15 @@ class RemediationService:
 
     async def _start(self, stop: asyncio.Event) -> bool:
         """Read the node (retrying), then pick up where a previous agent left off."""
-        backoff = 1.0
+        backoff = self._backoff()
         while not stop.is_set():
             try:
                 node = await self.actions.refresh()
                 break
             except ApiError as exc:
-                log.warning("cannot read node %s: %s; retrying in %.0fs", self.node_name, exc, backoff)
-                await self.clock.wait(stop, backoff * self._jitter())
-                backoff = min(backoff * 2, MAX_BACKOFF)
+                wait = backoff.next()
+                log.warning("cannot read node %s: %s; retrying in %.0fs", self.node_name, exc, wait)
+                await self.clock.wait(stop, wait)
         else:
             return False
         key = self.config.preflight_taint
@@ -178,7 +187,7 @@ class RemediationService:
         await self.maintenance.run(stop, changed)
 
     async def _reconcile_loop(self, stop: asyncio.Event) -> None:
-        backoff = 1.0
+        backoff = self._backoff()
         conflicts = 0
         while not stop.is_set():
             self._wake_event.clear()
@@ -187,64 +196,38 @@ class RemediationService:
             except ApiConflict:
                 conflicts += 1
                 log.info("node changed under us; deciding again from the fresh node")
-                timeout = 0.0 if conflicts < 3 else backoff
+                timeout = 0.0 if conflicts < 3 else backoff.delay
             except ApiError as exc:
                 self.counter.count("reconcile", "api_error")
-                timeout = backoff * self._jitter()
+                timeout = backoff.next()
                 log.warning("remediation step failed: %s; retrying in %.0fs", exc, timeout)
-                backoff = min(backoff * 2, MAX_BACKOFF)
             else:
-                backoff, conflicts = 1.0, 0
+                backoff.reset()
+                conflicts = 0
                 due = self.engine.next_due()
                 timeout = MAX_IDLE if due is None else max(1.0, due - self.clock.now())
             if timeout > 0:
                 await self.clock.wait(self._wake_event, min(timeout, MAX_IDLE))
 
     async def _watch_loop(self, stop: asyncio.Event) -> None:
-        version = self.actions.node.resource_version
-        backoff = 1.0
-        failed = False
-        while not stop.is_set():
-            if failed:  # the API failed us: read the node first; its answer is the news that the API is back
-                try:
-                    version = (await self.actions.refresh()).resource_version
-                except ApiError as exc:
-                    log.warning("cannot read node: %s; retrying in %.0fs", exc, backoff)
-                    await self.clock.wait(stop, backoff * self._jitter())
-                    backoff = min(backoff * 2, WATCH_MAX_BACKOFF)
-                    continue
-                failed = False
-                log.info("the API server answers again; deciding again now rather than after the backoff")
-                self.wake()
-            started = self.clock.now()
-            seen = False
-            try:
-                timeout = self._rng.randint(*WATCH_TIMEOUT)
-                async for event in self.cluster.watch_node(version, timeout):
-                    seen = True
-                    version = event.resource_version or version
-                    if event.object is not None and event.type != "DELETED":
-                        self._observe(event.object)
-                    elif event.type == "DELETED":
-                        log.error("node %s was deleted", self.node_name)
-                if seen or self.clock.now() - started >= 1.0:
-                    backoff = 1.0
-                    continue
-                raise ApiError(0, "watch closed at once")  # a broken proxy: do not spin
-            except ApiGone:
-                log.info("node watch expired (410); reading the node again")
-                try:
-                    version = (await self.actions.refresh()).resource_version
-                    self.wake()
-                    continue
-                except ApiError as exc:
-                    log.warning("cannot read node: %s", exc)
-                    failed = True
-            except ApiError as exc:
-                log.warning("node watch failed: %s; retrying in %.0fs", exc, backoff)
-                failed = True
-            await self.clock.wait(stop, backoff * self._jitter())
-            backoff = min(backoff * 2, WATCH_MAX_BACKOFF)
+        """The node, by name, through the shared reflector loop; a 410 reads the node again and reconciles, and so
+        does the first read after a failed watch: its answer is the news that the API server is back."""
+        async def reread() -> str:
+            node = await self.actions.refresh()
+            self.wake()
+            return node.resource_version
+
+        def apply(event: WatchEvent[NodeView]) -> None:
+            if event.type == "DELETED":
+                log.error("node %s was deleted", self.node_name)
+            elif event.object is not None:
+                self._observe(event.object)
+
+        reflector: Reflector[NodeView] = Reflector(
+            f"node {self.node_name}", reread, self.cluster.watch_node, apply, log=log, clock=self.clock,
+            version=self.actions.node.resource_version, rng=self._rng, relist_after_error=True,
+            backoff=Backoff(1.0, WATCH_MAX_BACKOFF, jitter=0.2, rng=self._rng))
+        await reflector.run(stop)
 
     def _observe(self, node: NodeView) -> None:
         before = self.actions.node
@@ -257,20 +240,3 @@ class RemediationService:
                 after.unschedulable, after.taints, after.annotations, after.conditions.get(condition)):
             self.wake()
 
-
-async def supervise(tasks: list[asyncio.Task[None]], stop: asyncio.Event) -> None:
-    """Wait for `stop`; if a task fails first, stop the rest and re-raise. Tasks may finish early."""
-    stopper = asyncio.ensure_future(stop.wait())
-    running = set(tasks)
-    try:
-        while running and not stop.is_set():
-            done, _ = await asyncio.wait({*running, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            for task in done - {stopper}:
-                running.discard(task)
-                if not task.cancelled() and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
-    finally:
-        stopper.cancel()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, stopper, return_exceptions=True)

@@ -51,6 +51,9 @@ class Location:
     root: str
     switches: tuple[str, ...] = ()
     numa: int | None = None
+    # the sysfs root complex when the NCCL XML placed the device under a CPU (`root` is then `cpu0`): DRA's
+    # standard pcieRoot attribute names the real PCI root; distance never reads it
+    pci_root: str = field(default="", compare=False)
 
     def level_to(self, other: Location) -> Level:
         """Distance to another location, as nvidia-smi would print it."""

@@ -176,8 +176,8 @@ def parse_nccl_xml(path_or_text: str | Path) -> NcclXmlTopology:
 
 
 def _merge(sysfs: Location, xml: Location) -> Location:
-    """The XML location; a numa the XML leaves open keeps the sysfs value."""
-    return xml if xml.numa is not None else replace(xml, numa=sysfs.numa)
+    """The XML location; a numa the XML leaves open keeps the sysfs value, and the sysfs root is kept aside."""
+    return replace(xml, numa=sysfs.numa if xml.numa is None else xml.numa, pci_root=sysfs.pci_root or sysfs.root)
 
 
 def apply_xml(topology: Topology, xml: NcclXmlTopology) -> Topology:

@@ -15,14 +15,16 @@ GPU_RESOURCE = "nvidia.com/gpu"
 
 
 class AgentProcess:
-    """`python -m agent run --simulate dgx-h100` against the test's kubelet directory, logging JSON to a file."""
+    """`python -m agent run --simulate PROFILE` against the test's kubelet directory, logging JSON to a file;
+    remediation in dry-run unless `dry_run=False` (then the test passes `--no-dry-run` or relies on the default)."""
 
-    def __init__(self, directory: Path, *args: str) -> None:
+    def __init__(self, directory: Path, *args: str, profile: str = "dgx-h100", dry_run: bool = True) -> None:
         self.port = free_port()
         self.log_path = directory / "agent.log"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "agent", "run", "--simulate", "dgx-h100", "--device-plugin-dir", str(directory),
-             "--metrics-address", f"127.0.0.1:{self.port}", "--log-format", "json", *args],
+            [sys.executable, "-m", "agent", "run", "--simulate", profile, "--device-plugin-dir", str(directory),
+             "--metrics-address", f"127.0.0.1:{self.port}", "--log-format", "json",
+             *(["--dry-run"] if dry_run else []), *args],
             stdout=subprocess.DEVNULL, stderr=self.log_path.open("w"), env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def metrics(self) -> str:
@@ -44,6 +46,11 @@ class AgentProcess:
             if self.process.poll() is None:
                 self.process.kill()
         return self.process.returncode
+
+    def messages(self) -> list[str]:
+        """Every JSON log message so far."""
+        lines = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
+        return [m["msg"] for m in lines]
 
     def log_tail(self) -> str:
         """The end of the log, for assertion messages."""

@@ -1,23 +1,22 @@
-"""Wiring of the cluster port in `agent.subsystems`: one client shared by remediation and netacct, the pod source
+"""Wiring of the cluster port in `agent.wiring`: one client shared by remediation and netacct, the pod source
 netacct gets in each situation, and the client closed once at exit."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent import subsystems
-from agent.app import Supervisor
+from agent import wiring
 from agent.config.model import AgentConfig, ApiServerConfig, TopologyConfig
 from agent.config.netacct import NetacctConfig
 from agent.config.remediation import RemediationConfig
-from agent.host.hardware import open_hardware
-from agent.http import Readiness
+from agent.host.hardware import Hardware, open_hardware
 from agent.kube.cluster import LightkubeCluster
 from agent.kube.simulated import InMemoryCluster
 from agent.netacct.kubepods import KubePodSource
@@ -30,21 +29,38 @@ NODE = "gpu-node-3"
 
 
 def context(tmp_path: Path, *, node: str = NODE, kubeconfig: str | None = None, pods_file: str | None = None,
-            remediation: bool = True, simulate: str | None = None) -> subsystems.Context:
+            remediation: bool = True, simulate: str | None = None) -> Ctx:
     cfg = AgentConfig(node_name=node, topology=TopologyConfig(simulate=simulate),
                       api_server=ApiServerConfig(kubeconfig=kubeconfig, timeout_seconds=2.0),
                       remediation=RemediationConfig(enabled=remediation, preflight_taint="",
                                                     pod_namespace="gpu-system"),
                       netacct=NetacctConfig(enabled=True, pods_file=pods_file))
     hardware = open_hardware(TopologyConfig(simulate="pcie-pairs"), tmp_path / "sys")
-    return subsystems.Context(cfg=cfg, hardware=hardware, registry=CollectorRegistry(),
-                              readiness=Readiness(), rescan=asyncio.Event(), scratch=tmp_path)
+    registry = CollectorRegistry()
+    return Ctx(cfg, hardware, registry, wiring.ClusterPort(cfg, registry, service_account_token=tmp_path / "no-sa"))
 
 
-def install_both(ctx: subsystems.Context) -> tuple[Any, Any]:
-    supervisor = Supervisor(asyncio.Event(), ctx.registry)
-    remediation = subsystems.install_remediation(supervisor, ctx) if ctx.cfg.remediation.enabled else None
-    return remediation, subsystems.install_netacct(supervisor, ctx)
+@dataclass
+class Ctx:
+    """What the builders get, and the shared cluster port they return."""
+
+    cfg: AgentConfig
+    hardware: Hardware
+    registry: CollectorRegistry
+    port: wiring.ClusterPort
+
+    @property
+    def cluster(self) -> Any:
+        return self.port.opened
+
+    async def aclose(self) -> None:
+        await self.port.aclose()
+
+
+def install_both(ctx: Ctx) -> tuple[Any, Any]:
+    remediation = wiring.remediation(ctx.cfg, ctx.hardware, ctx.registry, verdicts=asyncio.Queue(),
+                                     cluster=ctx.port) if ctx.cfg.remediation.enabled else None
+    return remediation, wiring.netacct(ctx.cfg, ctx.registry, ctx.port)
 
 
 async def test_remediation_and_netacct_share_one_client_and_one_request_counter(tmp_path: Path):

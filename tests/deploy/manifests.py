@@ -49,6 +49,8 @@ AGENT_METRICS: dict[str, str] = {
     "gpu_node_agent_preferred_allocation_failures_total": "counter {resource}",
     "gpu_node_agent_remediation_actions_total": "counter {action,result}",
     "gpu_node_agent_apiserver_requests_total": "counter {verb,code}",
+    "gpu_node_agent_dra_slice_publishes_total": "counter {result}",
+    "gpu_node_agent_dra_claims_total": "counter {call,result}",
     "gpu_node_agent_network_receive_bytes_total": "counter {traffic,scope}",
     "gpu_node_agent_network_transmit_bytes_total": "counter {traffic,scope}",
     "gpu_node_agent_network_receive_packets_total": "counter {traffic,scope}",

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent.deviceplugin.allocation import DeviceKind, achieved_levels
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.metrics import LEVEL_LABELS, AllocationMetrics
-from agent.deviceplugin.pools import build_pools
-from agent.deviceplugin.preference import JointAllocator
+from agent.deviceplugin.pools import ResourcePool, build_pools
 from agent.deviceplugin.server import DevicePlugin
 from agent.deviceplugin.v1beta1 import api_pb2
 from agent.events import DeviceHealthEvent
+from agent.placement.joint import JointAllocator
+from agent.placement.policy import ContainerRequest, DeviceKind, achieved_levels
 from agent.simulate.kubelet import AdmissionError, LocalKubelet
 from agent.simulate.node import simulated_topology
 from agent.topology.model import Level, Topology
@@ -223,14 +223,14 @@ async def test_kubelet_ignoring_our_preference_still_admits(node_for, pairs: Top
     assert node.failures() == {}
 
 
-def test_pairing_and_free_estimate_follow_the_admission_context(pairs: Topology) -> None:
+def test_pairing_and_believed_free_follow_the_admission_context(pairs: Topology) -> None:
     now = [0.0]
     registry = CollectorRegistry()
+    metrics = AllocationMetrics(registry)
     pools = build_pools(pairs, dp_config("/unused")).by_name()
     gpus, vfs = pools[GPU], pools[RDMA]
     plugins = [DevicePlugin(gpus), DevicePlugin(vfs)]
-    allocator = JointAllocator(lambda: plugins, metrics=AllocationMetrics(registry), ttl_s=5.0,
-                               clock=lambda: now[0])
+    allocator = JointAllocator(lambda: plugins, ttl_s=5.0, clock=lambda: now[0])
     gpu0 = pairs.gpus[0]
     near = next(d.id for d in vfs.devices if d.pf.location == gpu0.location)
     far, far2 = [d.id for d in vfs.devices if d.pf.numa != gpu0.numa][:2]
@@ -238,28 +238,39 @@ def test_pairing_and_free_estimate_follow_the_admission_context(pairs: Topology)
     def count(resource: str, level: str) -> float:
         return counted(registry, resource, level)
 
-    allocator.allocated(gpus, [gpu0.uuid])  # the kubelet skipped both preference calls
-    allocator.allocated(vfs, [near])
+    def allocated(pool: ResourcePool, ids: list[str]) -> None:  # the servicer counts what the hook returns
+        for resource, level in allocator.allocated(pool, ids):
+            metrics.allocated(resource, level)
+
+    def prefer(pool: ResourcePool, available: list[str], size: int) -> tuple[str, ...]:
+        preference = allocator.prefer(pool, ContainerRequest(served=pool.ids, available=tuple(available),
+                                                             size=size))
+        for resource, level in preference.levels:
+            metrics.allocated(resource, level)
+        return preference.devices
+
+    allocated(gpus, [gpu0.uuid])  # the kubelet skipped both preference calls
+    allocated(vfs, [near])
     assert count(GPU, "pix") == count(RDMA, "pix") == 1
     assert gpu0.uuid not in allocator.other_free(DeviceKind.NIC)
 
-    allocator.allocated(gpus, [pairs.gpus[1].uuid])
+    allocated(gpus, [pairs.gpus[1].uuid])
     now[0] += 6.0  # past the admission context's time-out: no pair
-    allocator.allocated(vfs, [far])
+    allocated(vfs, [far])
     assert count(GPU, "none") == 1 and count(RDMA, "none") == 0  # the NIC may still get its GPU
     free_vfs = [d for d in vfs.ids if d not in (near, far, far2)]
-    allocator.prefer(vfs, free_vfs, [], 1)  # a NIC call finding no context: that NIC was alone
+    prefer(vfs, free_vfs, 1)  # a NIC call finding no context: that NIC was alone
     assert count(RDMA, "none") == 1
 
-    allocator.allocated(gpus, [pairs.gpus[2].uuid])
-    preferred = allocator.prefer(vfs, free_vfs, [], 1)  # aligned with GPU 2 (the context)
+    allocated(gpus, [pairs.gpus[2].uuid])
+    preferred = prefer(vfs, free_vfs, 1)  # aligned with GPU 2 (the context)
     assert [vfs.device(vf).pf.location for vf in preferred] == [pairs.gpus[2].location]
-    allocator.allocated(vfs, [far2])
+    allocated(vfs, [far2])
     assert count(GPU, "sys") == count(RDMA, "sys") == 1
 
     # GPU 0's pod ends: its VF is offered again, so GPU 0 is free again in the estimate.
     assert gpu0.uuid not in allocator.other_free(DeviceKind.NIC)
-    allocator.prefer(vfs, [*free_vfs, near], [], 1)
+    prefer(vfs, [*free_vfs, near], 1)
     assert gpu0.uuid in allocator.other_free(DeviceKind.NIC)
     assert allocator.other_free(DeviceKind.GPU) is not None
     assert JointAllocator(lambda: plugins[1:]).other_free(DeviceKind.NIC) is None  # GPUs not served here

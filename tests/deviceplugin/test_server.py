@@ -9,14 +9,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
 from agent.config.model import DevicePluginConfig
-from agent.deviceplugin.allocate import AllocateOptions
-from agent.deviceplugin.kubelet import PluginServer, SocketPathError, check_socket_path
+from agent.deviceplugin.metrics import AllocationMetrics
+from agent.deviceplugin.payload import AllocateOptions
 from agent.deviceplugin.pools import build_pools
-from agent.deviceplugin.server import DevicePlugin, check_preference_request, simple_policy
+from agent.deviceplugin.registration import PluginServer, SocketPathError, check_socket_path
+from agent.deviceplugin.server import DevicePlugin
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from tests.deviceplugin.conftest import GPU_UUIDS, first_list, small_topology
 
@@ -151,7 +151,8 @@ async def test_preferred_allocation_policy_failure_is_empty(sockdir: str) -> Non
     def broken(*_: object) -> list[str]:
         raise RuntimeError("policy bug")
 
-    plugin = DevicePlugin(_plugin().pool, policy=broken)
+    registry = CollectorRegistry()
+    plugin = DevicePlugin(_plugin().pool, policy=broken, metrics=AllocationMetrics(registry))
     server = PluginServer(plugin, sockdir, "p.sock")
     await server.start()
     async with grpc.aio.insecure_channel(f"unix://{server.path}") as channel:
@@ -159,6 +160,8 @@ async def test_preferred_allocation_policy_failure_is_empty(sockdir: str) -> Non
         reply = await stub.GetPreferredAllocation(_preference(list(VFS), [], 1))
     await server.stop()
     assert reply == api_pb2.PreferredAllocationResponse()
+    assert registry.get_sample_value("gpu_node_agent_preferred_allocation_failures_total",
+                                     {"resource": RDMA, "reason": "policy_error"}) == 1
 
 
 async def test_allocate_gpus(sockdir: str) -> None:
@@ -181,16 +184,3 @@ def test_socket_path_limit() -> None:
         check_socket_path("/" + "d" * 107)
     with pytest.raises(SocketPathError):
         PluginServer(_plugin(), "/tmp/" + "x" * 100, "gna-sriov_rdma.sock")
-
-
-@settings(max_examples=200, deadline=None)
-@given(data=st.data())
-def test_simple_policy_properties(data: st.DataObject) -> None:
-    pool = _plugin().pool
-    available = data.draw(st.lists(st.sampled_from(VFS), min_size=1, unique=True))
-    must = data.draw(st.lists(st.sampled_from(available), unique=True))
-    size = data.draw(st.integers(min_value=max(1, len(must)), max_value=len(available)))
-    check_preference_request(pool, available, must, size)  # valid input never raises
-    chosen = simple_policy(pool, available, must, size)
-    assert len(chosen) == size == len(set(chosen))
-    assert set(must) <= set(chosen) <= set(available)

@@ -18,6 +18,10 @@ def allowed(node: str, lease_namespace: str) -> list[tuple[str, str]]:
         ("GET", rf"/apis/coordination.k8s.io/v1/namespaces/{lease_namespace}/leases"),
         ("POST", rf"/apis/coordination.k8s.io/v1/namespaces/{lease_namespace}/leases"),
         ("PUT", rf"/apis/coordination.k8s.io/v1/namespaces/{lease_namespace}/leases/[^/]+"),
+        ("GET", r"/apis/resource.k8s.io/v1/resourceslices"), ("POST", r"/apis/resource.k8s.io/v1/resourceslices"),
+        ("PUT", rf"/apis/resource.k8s.io/v1/resourceslices/{node}-[^/]+"),
+        ("DELETE", rf"/apis/resource.k8s.io/v1/resourceslices/{node}-[^/]+"),
+        ("GET", r"/apis/resource.k8s.io/v1/namespaces/[^/]+/resourceclaims/[^/]+"),
     ]
 
 
@@ -31,3 +35,5 @@ def assert_only_allowed(requests: list[Request], node: str, lease_namespace: str
             assert r.watch and r.query.get("fieldSelector") == f"metadata.name={node}", r
         if r.path == "/api/v1/pods":
             assert r.query.get("fieldSelector") == f"spec.nodeName={node}", r
+        if r.path == "/apis/resource.k8s.io/v1/resourceslices" and r.method == "GET":
+            assert f"spec.nodeName={node}" in r.query.get("fieldSelector", "").split(","), r

@@ -4,8 +4,9 @@ It implements just the endpoints the agent may use, with the semantics the agent
 not emulate: merge patch with the resourceVersion precondition (409), strategic merge of `status.conditions` by
 type, the `spec.nodeName` field selector on pod lists and watches, watches of the Node and of pods with
 resourceVersion / bookmarks / timeoutSeconds / 410 after compaction, one resourceVersion counter for every
-object (as etcd has), the Eviction subresource, Events with generateName, and Leases with create-409 and
-replace-409. Everything else answers 404 and is recorded, so tests can assert the agent made no other request.
+object (as etcd has), the Eviction subresource, Events with generateName, Leases with create-409 and
+replace-409, and resource.k8s.io/v1 ResourceSlices and ResourceClaims (`tests.fakes.apidra`). Everything
+else answers 404 and is recorded, so tests can assert the agent made no other request.
 Faults (status codes, delays for client timeouts) are scripted per method and path. Watch timeouts follow the
 injected clock.
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from tests.fakes.apidra import ResourceApi
 from tests.fakes.apistore import EventsAndLeases, merge_patch
 from tests.fakes.clock import FakeClock
 from tests.fakes.httpdouble import Answer, HttpDouble, Request, status_body
@@ -38,7 +40,7 @@ def write_kubeconfig(path: Path, url: str) -> Path:
     return path
 
 
-class ApiServerDouble(EventsAndLeases, HttpDouble):
+class ApiServerDouble(EventsAndLeases, ResourceApi, HttpDouble):
     """One node, its pods (and pods of other nodes), Events and Leases, over HTTP."""
 
     def __init__(self, clock: FakeClock, node_name: str = "gpu-node-1") -> None:
@@ -58,6 +60,8 @@ class ApiServerDouble(EventsAndLeases, HttpDouble):
         self.events: dict[str, dict[str, Any]] = {}
         self.leases: dict[tuple[str, str], dict[str, Any]] = {}
         self.evictions: dict[tuple[str, str], list[int]] = {}
+        self.resource_slices: dict[str, dict[str, Any]] = {}  # resource.k8s.io/v1 (tests.fakes.apidra)
+        self.resource_claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.open_watches = 0
         self._changed = asyncio.Event()
         self._expire = asyncio.Event()
@@ -176,6 +180,8 @@ class ApiServerDouble(EventsAndLeases, HttpDouble):
             return self._event(r, m.group(1), m.group(2))
         if m := re.fullmatch(r"/apis/coordination.k8s.io/v1/namespaces/([^/]+)/leases(?:/([^/]+))?", r.path):
             return self._lease(r, m.group(1), m.group(2))
+        if r.path.startswith("/apis/resource.k8s.io/v1/") and (answer := self._resource(r)) is not None:
+            return answer
         return 404, status_body(404, f"{r.method} {r.path} is not served by the double", "NotFound"), {}
 
     def _patch_node(self, body: dict[str, Any]) -> Answer:

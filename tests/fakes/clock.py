@@ -1,4 +1,8 @@
-"""Test doubles for remediation that are not HTTP: a fake clock whose time moves only when a test says so."""
+"""The one fake clock of the test suite: time moves only when a test says so (`advance`).
+
+It implements `agent.clock.Clock` (wall time, monotonic time, stoppable waits), so the same instance drives
+remediation, the supervisor, the reflector, health, the device plugin and network accounting in a test.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,10 @@ class FakeClock:
         self._sleepers: list[tuple[float, asyncio.Future[None]]] = []
 
     def now(self) -> float:
+        return self._now
+
+    def monotonic(self) -> float:
+        """Moves with `now` (never back): fake time has no wall-clock steps."""
         return self._now
 
     async def wait(self, event: asyncio.Event, timeout: float) -> bool:

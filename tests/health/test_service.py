@@ -12,6 +12,7 @@ from pathlib import Path
 from agent.health import kmsg_watch
 from agent.health.findings import NodeVerdict
 from agent.simulate.node import SimulatedNode
+from tests.fakes.clock import FakeClock
 from tests.health.conftest import fast_config, wait_until, xid_record
 
 
@@ -188,18 +189,18 @@ async def test_a_character_device_is_followed_by_readiness(node: SimulatedNode, 
 
 
 async def test_degraded_findings_expire_after_the_hold(node: SimulatedNode, kmsg_file: Path, start_service) -> None:
-    now = [1000.0]
-    running = await start_service(node, fast_config(kmsg_file, degraded_hold_seconds=60), clock=lambda: now[0])
+    clock = FakeClock(1000.0)
+    running = await start_service(node, fast_config(kmsg_file, degraded_hold_seconds=60), clock=clock)
     uuid = node.topology().gpus[0].uuid
     await wait_until(lambda: running.service.nvml_poll.polls >= 1)
     node.nvml.inject_ecc(uuid, corrected=1)
     await wait_until(lambda: running.service.verdict.verdict == "degraded")
     polls = running.service.nvml_poll.polls
     await wait_until(lambda: running.service.nvml_poll.polls >= polls + 2)  # the poll saw the growth too
-    now[0] += 59
+    await clock.advance(59)
     await wait_until(lambda: running.service.nvml_poll.polls >= polls + 4)
     assert running.service.verdict.verdict == "degraded"
-    now[0] += 2
+    await clock.advance(2)
     await wait_until(lambda: running.service.verdict.verdict == "healthy")
 
 

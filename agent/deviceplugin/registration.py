@@ -1,0 +1,272 @@
+"""Serve each resource on its unix socket and keep it registered with the kubelet, across kubelet restarts.
+
+The kubelet dials the plugin back while Register is in flight, so every server is started before its Register
+call and both run on the same event loop without blocking it. A restarted kubelet deletes every socket in the
+directory and recreates `kubelet.sock`; one loop polls both (about every second) and re-serves and
+re-registers what is affected. A missing kubelet or a failing Register is logged once per state change and
+retried with backoff; nothing here ends the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from agent import aio
+from agent.clock import SYSTEM_CLOCK, Clock
+from agent.deviceplugin.server import DevicePlugin
+from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.supervisor import Backoff
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "v1beta1"
+KUBELET_SOCKET = "kubelet.sock"
+MAX_SOCKET_PATH = 107  # AF_UNIX sun_path minus the terminating NUL
+
+
+class SocketPathError(ValueError):
+    """A unix socket path longer than the kernel allows."""
+
+
+def check_socket_path(path: str | os.PathLike[str]) -> str:
+    """Return `path` as a string, or raise SocketPathError when it exceeds the 107-byte AF_UNIX limit."""
+    text = os.fspath(path)
+    size = len(text.encode())
+    if size > MAX_SOCKET_PATH:
+        raise SocketPathError(f"unix socket path {text!r} is {size} bytes; the limit is {MAX_SOCKET_PATH}: "
+                              "use a shorter device-plugin directory")
+    return text
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """(inode, ctime) of a unix socket, None when absent or not a socket."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return (info.st_ino, info.st_ctime_ns) if stat.S_ISSOCK(info.st_mode) else None
+
+
+class PluginServer:
+    """One gRPC server for one DevicePlugin servicer on `<directory>/<endpoint>`."""
+
+    def __init__(self, servicer: DevicePlugin, directory: str, endpoint: str,
+                 stop_grace: float = 0.5) -> None:
+        self.servicer = servicer
+        self.endpoint = endpoint
+        self.path = check_socket_path(Path(directory) / endpoint)
+        self._grace = stop_grace
+        self._server: grpc.aio.Server | None = None
+        self._identity: tuple[int, int] | None = None
+
+    @property
+    def serving(self) -> bool:
+        """True while our server runs and the socket it bound is still there."""
+        return self._server is not None and self._identity is not None \
+            and _identity(self.path) == self._identity
+
+    async def start(self) -> None:
+        """(Re)start serving: any previous server is stopped first, so it cannot unlink the new socket."""
+        await self.stop()
+        self.servicer.accept_streams()
+        server = grpc.aio.server()
+        api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
+        try:
+            if server.add_insecure_port(f"unix://{self.path}") == 0:
+                raise OSError(f"cannot bind {self.path}")
+            await server.start()
+        except BaseException:  # cancelled or failed: leave nothing bound behind
+            await server.stop(0)
+            raise
+        self._server = server
+        self._identity = _identity(self.path)
+
+    async def stop(self) -> None:
+        """End open streams and stop the server; its socket file is removed."""
+        server, bound = self._server, self._identity
+        self._server = self._identity = None
+        if server is None:
+            return
+        self.servicer.end_streams()
+        await server.stop(self._grace)
+        if bound is not None and _identity(self.path) == bound:  # gRPC normally unlinks it already
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+
+async def register(kubelet_socket: str, endpoint: str, resource_name: str, timeout: float) -> None:
+    """One Register call; raises grpc.aio.AioRpcError / TimeoutError on failure."""
+    async with grpc.aio.insecure_channel(f"unix://{kubelet_socket}") as channel:
+        stub = api_pb2_grpc.RegistrationStub(channel)
+        options = api_pb2.DevicePluginOptions(get_preferred_allocation_available=True)
+        await stub.Register(api_pb2.RegisterRequest(version=API_VERSION, endpoint=endpoint,
+                                                    resource_name=resource_name, options=options),
+                            timeout=timeout)
+
+
+@dataclass
+class _Entry:
+    server: PluginServer
+    backoff: Backoff
+    registered_with: tuple[int, int] | None = None  # kubelet.sock identity at the last good Register
+    next_try: float = 0.0
+    last_error: str = ""
+
+
+class KubeletLink:
+    """Keeps a changing set of plugin servers served and registered with the kubelet in `directory`."""
+
+    def __init__(self, directory: str, *, poll_interval: float = 1.0, register_timeout: float = 10.0,
+                 backoff_initial: float = 0.5, backoff_max: float = 30.0, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.directory = directory
+        self.clock = clock
+        self.kubelet_socket = check_socket_path(Path(directory) / KUBELET_SOCKET)
+        self.poll_interval = poll_interval
+        self.register_timeout = register_timeout
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.registered = asyncio.Event()  # every current resource is registered with the current kubelet
+        self.registrations = 0  # successful Register calls, for tests and metrics
+        self._entries: dict[str, _Entry] = {}
+        self._wake = asyncio.Event()
+        self._lock = asyncio.Lock()  # one pass at a time; remove() and stop() wait for it
+        self._task: asyncio.Task[None] | None = None
+        self._kubelet: tuple[int, int] | None = None  # last kubelet.sock seen (kept while it is absent)
+        self._present = False
+        self._state = ""
+
+    def add(self, servicer: DevicePlugin, endpoint: str) -> None:
+        """Serve and register a resource at the next pass; SocketPathError at once if the path is too long."""
+        name = servicer.resource_name
+        if name in self._entries:
+            raise ValueError(f"{name} is already served")
+        self._entries[name] = _Entry(PluginServer(servicer, self.directory, endpoint),
+                                     Backoff(self.backoff_initial, max(self.backoff_initial, self.backoff_max)))
+        self.registered.clear()
+        self._wake.set()
+
+    async def remove(self, resource_name: str) -> None:
+        """Stop serving a resource; the kubelet sees its stream end and drops the devices."""
+        async with self._lock:  # not in the middle of a pass that might (re)start its server
+            entry = self._entries.pop(resource_name, None)
+            if entry is not None:
+                await entry.server.stop()
+                log.info("%s: stopped serving", resource_name)
+            self._update_ready()
+
+    async def start(self) -> None:
+        """Start the serve/register/watch loop."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="kubelet-link")
+
+    async def stop(self) -> None:
+        """Stop the loop and every server (their sockets are removed)."""
+        task, self._task = self._task, None
+        if task is not None:
+            await aio.cancel_and_wait(task)
+        async with self._lock:
+            for entry in self._entries.values():
+                await entry.server.stop()
+        self.registered.clear()
+
+    def _set_state(self, state: str, message: str, *args: object, level: int = logging.INFO) -> None:
+        if state != self._state:
+            self._state = state
+            log.log(level, message, *args)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                async with self._lock:
+                    await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("device-plugin kubelet loop failed; retrying")
+            self._wake.clear()
+            await self.clock.wait(self._wake, self._next_wait())
+
+    def _next_wait(self) -> float:
+        if not self._present:
+            return self.poll_interval
+        now = self.clock.monotonic()
+        waits = [e.next_try - now for e in self._entries.values() if e.registered_with != self._kubelet]
+        return max(0.0, min([self.poll_interval, *waits]))
+
+    async def step(self) -> None:
+        """One pass: check the kubelet, re-serve lost sockets, register what is not registered."""
+        kubelet = _identity(self.kubelet_socket)
+        if kubelet is None:
+            self._present = False
+            self._set_state("absent", "kubelet socket %s not found; waiting for the kubelet",
+                            self.kubelet_socket, level=logging.WARNING)
+            self._update_ready()
+            return
+        self._present = True
+        if self._state == "absent":
+            self._set_state("present", "kubelet socket %s found; registering", self.kubelet_socket)
+        if kubelet != self._kubelet:
+            for entry in self._entries.values():  # a new kubelet: retry at once, not after the backoff
+                entry.backoff.reset()
+                entry.next_try = 0.0
+        if self._kubelet is not None and kubelet != self._kubelet:
+            log.info("kubelet restarted (%s was replaced); re-serving and re-registering",
+                     self.kubelet_socket)
+            for entry in self._entries.values():
+                entry.registered_with = None
+                await entry.server.stop()
+        self._kubelet = kubelet
+        for name, entry in list(self._entries.items()):
+            if self.clock.monotonic() < entry.next_try:
+                continue
+            if not entry.server.serving:
+                if entry.registered_with is not None:
+                    log.info("%s: socket %s is gone; re-serving", name, entry.server.path)
+                entry.registered_with = None
+                try:
+                    await entry.server.start()
+                except Exception as exc:
+                    self._failed(name, entry, f"cannot serve {entry.server.path}: {exc}")
+                    continue
+            if entry.registered_with != kubelet:
+                await self._register(name, entry, kubelet)
+        self._update_ready()
+
+    def _failed(self, name: str, entry: _Entry, error: str) -> None:
+        entry.next_try = self.clock.monotonic() + entry.backoff.next()
+        if error != entry.last_error:
+            log.warning("%s: %s; retrying with backoff", name, error)
+        entry.last_error = error
+
+    async def _register(self, name: str, entry: _Entry, kubelet: tuple[int, int]) -> None:
+        try:
+            await register(self.kubelet_socket, entry.server.endpoint, name, self.register_timeout)
+        except Exception as exc:  # any failure is retried with backoff; none ends the loop
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+            self._failed(name, entry, f"Register with the kubelet failed: {detail}")
+            return
+        entry.registered_with = kubelet
+        entry.backoff.reset()
+        entry.next_try, entry.last_error = 0.0, ""
+        self.registrations += 1
+        log.info("%s: registered with the kubelet (endpoint %s)", name, entry.server.endpoint)
+
+    def _update_ready(self) -> None:
+        ready = self._present and all(e.registered_with == self._kubelet and e.server.serving
+                                      for e in self._entries.values())
+        if ready:
+            self._set_state("registered", "all %d device-plugin resources are registered with the kubelet",
+                            len(self._entries))
+            self.registered.set()
+        else:
+            if self._state == "registered":
+                self._state = "pending"  # quietly: the next "registered" gets its line again
+            self.registered.clear()

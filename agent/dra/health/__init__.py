@@ -1,0 +1,1 @@
+"""Health APIs of the kubelet DRA plugin (generated stubs below)."""

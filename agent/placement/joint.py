@@ -1,0 +1,253 @@
+"""The PCIe-aware preference policy as the servers use it: one `JointAllocator` per manager, shared by all of
+its resources, so that a GPU call and a NIC call of one container can see each other.
+
+Each GetPreferredAllocation is validated (`policy.check_request`), takes the other kind's devices just allocated
+to this container from the shared `AdmissionContext` (see its docstring for why that is the same container,
+and when it is not), then asks the pure policy (`policy.preferred_allocation`) with them and with an estimate
+of the other kind's free devices. Each successful Allocate is recorded there. Both return the level of each
+container whose pairing became known (`AllocationLevel`), which the servicer counts in
+`gpu_node_agent_allocations_total`. Everything is in memory, O(devices) per call, no I/O, no await.
+This module knows the servers only through two protocols (`ServedPool`, `ServedResource`).
+
+The other kind's free devices (`other_free`): the healthy devices of the other kind's pools, less the ones
+believed taken. Believed taken, per resource: those the kubelet left out of its last GetPreferredAllocation
+offer for that resource (its `available` is healthy minus allocated, so these are allocated, or Unhealthy in
+the kubelet's view) plus its `must_include`, plus every device allocated here since, less the devices of
+containers seen to have ended. The kubelet never tells a plugin when a pod ends, but it frees all of a pod's
+devices at once: when a device allocated here shows up in an offer again, its container has ended, so the
+devices it was paired with (other resource) are free too. Limits:
+- devices of an ended container count as taken until one of them is offered again; so does a lone device of
+  a NIC-only or GPU-only container until its own resource's next preference call (the policy may then spare
+  a switch that has free partners; it never picks a taken device: `available` is the kubelet's own list);
+- the pairing is the admission context's guess (same container); where it is wrong, the release of one
+  container frees the other's devices in the estimate too early;
+- a device that was Unhealthy in the kubelet's view at the last offer and has recovered since looks taken
+  until that resource's next preference call (one added by a rescan since is believed free);
+- before the first preference call of a resource, only what was allocated since the agent started is taken
+  (the kubelet's checkpoint of older allocations is unknown), and a restart of the agent forgets pairings;
+- the kubelet re-runs Allocate for a container that has no recorded devices at start (node-reboot race):
+  that is recorded as a fresh allocation.
+The exact answer is in the kubelet's PodResources API (`List`); using it would mean I/O on the hot path (or a
+background poll), so it is a later improvement: `known_free` is where those facts plug in. When the other kind
+is not served here at all (GPUs served by NVIDIA's plugin: NIC-only), `other_free` is None and the policy
+assumes every GPU free, which spreads VFs over PFs. Several NIC pools (say RDMA VFs and an Ethernet pool) all
+count as the NIC kind, and share the one admission-context slot for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from agent.placement.admission import DEFAULT_TTL_S, AdmissionContext
+from agent.placement.policy import (
+    AllocationLevel,
+    AllocationRequest,
+    ContainerRequest,
+    DeviceKind,
+    Preference,
+    achieved_levels,
+    check_request,
+    in_served_order,
+    preferred_allocation,
+)
+from agent.topology.model import Level, Topology
+
+log = logging.getLogger(__name__)
+
+NO_PAIR = "none"  # the level label of a container with devices of one kind only (as far as the agent saw)
+
+
+def level_label(levels: Iterable[Level]) -> str:
+    """The label of a container's matched GPU-NIC levels: the worst one, `none` when there is none."""
+    worst = max(levels, default=None)
+    return NO_PAIR if worst is None else worst.name.lower()
+
+
+class ServedPool(Protocol):
+    """What the allocator reads of a resource's device pool (the device plugin's `ResourcePool` is one)."""
+
+    @property
+    def resource_name(self) -> str:
+        """Full resource name."""
+
+    @property
+    def kind(self) -> str:
+        """`gpu` or `nic` (a `DeviceKind` value)."""
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        """Device IDs in pool order."""
+
+    @property
+    def topology(self) -> Topology | None:
+        """The node the pool was built from; None for a pool built by hand."""
+
+
+class ServedResource(Protocol):
+    """What the allocator reads of each server: its pool and which devices are healthy now."""
+
+    @property
+    def pool(self) -> ServedPool:
+        """The pool currently served."""
+
+    def healthy_ids(self) -> frozenset[str]:
+        """IDs of the pool's devices not marked Unhealthy."""
+
+
+# The other kind's free devices when known exactly (None: not known, estimate them)
+KnownFree = Callable[[DeviceKind], frozenset[str] | None]
+
+
+@dataclass(eq=False)
+class _Container:
+    """One container's devices allocated here, per resource, as far as the agent can tell."""
+
+    kind: DeviceKind  # of its first allocation
+    resource: str
+    first: frozenset[str]
+    at: float
+    held: dict[str, set[str]] = field(default_factory=dict)  # resource -> device IDs not yet seen freed
+
+
+def other_kind(kind: DeviceKind) -> DeviceKind:
+    """GPU for NIC and NIC for GPU."""
+    return DeviceKind.NIC if kind is DeviceKind.GPU else DeviceKind.GPU
+
+
+class JointAllocator:
+    """Preference policy plus Allocate hook shared by all servers of one manager.
+
+    Call `prefer` and `allocated` from the event loop that runs the servers (the gRPC handlers do): the state
+    is not locked, and no call awaits. `peers` returns the servers of the manager as they are now (pools
+    change on rescans). `known_free`, when given, supplies the other kind's free devices exactly (ownership
+    facts) instead of the estimate.
+    """
+
+    def __init__(self, peers: Callable[[], Iterable[ServedResource]], *, ttl_s: float = DEFAULT_TTL_S,
+                 clock: Callable[[], float] = time.monotonic, known_free: KnownFree | None = None) -> None:
+        self._peers = peers
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._known_free = known_free
+        self.admission = AdmissionContext(ttl_s=ttl_s, clock=clock)
+        self._taken: dict[str, frozenset[str]] = {}  # resource -> devices believed allocated
+        self._holder: dict[str, _Container] = {}  # device ID -> the container believed to hold it
+        self._open: _Container | None = None  # its other resource may still come
+
+    def prefer(self, pool: ServedPool, request: ContainerRequest) -> Preference:
+        """The PCIe-aware preference for one container request of `pool`'s resource, and why."""
+        checked = check_request(request)
+        if not checked.proceed:
+            return checked.answered(())
+        kind = DeviceKind(pool.kind)
+        must_include = request.must_include
+        context = self.admission.begin_preference(kind)
+        self._offered(pool.resource_name, request.served, checked.offered, must_include)
+        levels = self._preference_started(kind, context)
+        if pool.topology is None:  # a pool built by hand, not from a scan: nothing to align with
+            return checked.answered(in_served_order(request.served, checked.offered, must_include, checked.size),
+                                    levels)
+        return checked.answered(preferred_allocation(AllocationRequest(
+            topology=pool.topology, kind=kind, available=frozenset(checked.offered), size=checked.size,
+            must_include=frozenset(must_include), context=context, other_free=self.other_free(kind))), levels)
+
+    def allocated(self, pool: ServedPool, device_ids: Sequence[str]) -> list[AllocationLevel]:
+        """Allocate of `pool`'s resource succeeded with `device_ids`: record it; the levels now known."""
+        kind = DeviceKind(pool.kind)
+        resource = pool.resource_name
+        ids = frozenset(device_ids)
+        self.admission.record_allocation(kind, ids)
+        self._taken[resource] = self._taken.get(resource, frozenset()) | ids
+        levels: list[AllocationLevel] = []
+        container = self._open
+        if container is not None and container.kind != kind and not self._stale(container):
+            self._open = None  # the second resource of that container
+            label = self._pair_level(pool.topology, kind, ids, container.first)
+            levels += [(container.resource, label), (resource, label)]
+        else:
+            levels += self._close_open()
+            container = _Container(kind, resource, ids, self._clock())
+            if self.serves(other_kind(kind)):
+                self._open = container
+            else:
+                levels.append((resource, NO_PAIR))
+        for device_id in ids:
+            previous = self._holder.get(device_id)
+            if previous is not None and previous is not container:  # reallocated without an offer between
+                for held in previous.held.values():
+                    held.discard(device_id)
+            self._holder[device_id] = container
+        container.held.setdefault(resource, set()).update(ids)
+        return levels
+
+    def other_free(self, kind: DeviceKind) -> frozenset[str] | None:
+        """Healthy devices of the other kind believed free; None when no pool of the other kind is served."""
+        wanted = other_kind(kind)
+        if self._known_free is not None:
+            known = self._known_free(wanted)
+            if known is not None:
+                return known
+        free: set[str] = set()
+        served = False
+        for peer in self._peers():
+            if peer.pool.kind == wanted.value:
+                served = True
+                free |= peer.healthy_ids() - self._taken.get(peer.pool.resource_name, frozenset())
+        return frozenset(free) if served else None
+
+    def serves(self, kind: DeviceKind) -> bool:
+        """Whether any server of `kind` runs in this manager."""
+        return any(peer.pool.kind == kind.value for peer in self._peers())
+
+    def _offered(self, resource: str, served: Sequence[str], available: Sequence[str],
+                 must_include: Sequence[str]) -> None:
+        """The kubelet's offer: what it left out is taken; a device of ours in it ended its container."""
+        must = frozenset(must_include)
+        for device_id in available:
+            container = self._holder.get(device_id)
+            if container is not None and device_id not in must:
+                self._release(container)
+        self._taken[resource] = (frozenset(served) - frozenset(available)) | must
+
+    def _release(self, container: _Container) -> None:
+        for resource, held in container.held.items():
+            self._taken[resource] = self._taken.get(resource, frozenset()) - held
+            for device_id in held:
+                if self._holder.get(device_id) is container:
+                    del self._holder[device_id]
+        container.held.clear()
+
+    # Pairing, for the metric and the release of a container's devices. It follows the admission context's
+    # rules: an Allocate completes a pair when the previous Allocate was of the other kind, within `ttl_s`,
+    # and no preference call of that same other kind, nor one that found no context, came in between. A lone
+    # allocation is counted (level `none`) when the next call shows it had no partner, or at once when the
+    # other kind is not served here.
+
+    def _preference_started(self, kind: DeviceKind, context: frozenset[str]) -> list[AllocationLevel]:
+        container = self._open
+        if container is not None and (container.kind == kind or not context or self._stale(container)):
+            return self._close_open()
+        return []
+
+    def _close_open(self) -> list[AllocationLevel]:
+        container, self._open = self._open, None
+        return [] if container is None else [(container.resource, NO_PAIR)]
+
+    @staticmethod
+    def _pair_level(topology: Topology | None, kind: DeviceKind, ids: frozenset[str],
+                    partner: frozenset[str]) -> str:
+        if topology is None:
+            return NO_PAIR
+        gpus, nics = (ids, partner) if kind is DeviceKind.GPU else (partner, ids)
+        try:
+            return level_label(achieved_levels(topology, gpus, nics))
+        except Exception:  # the metric must never fail an Allocate
+            log.exception("cannot compute the GPU-NIC level of an allocation")
+            return NO_PAIR
+
+    def _stale(self, container: _Container) -> bool:
+        return self._clock() - container.at > self._ttl_s

@@ -1,0 +1,388 @@
+"""The composition root: builds each subsystem from the config and returns it; `agent.app` runs what it returns.
+
+Each builder takes exactly what its subsystem needs as arguments and returns values (a `Subsystem` to
+supervise, the service object), so nothing depends on the order things were built in and tests build one
+subsystem alone. Data flows one way: hardware -> topology -> consumers. Startup problems (no credentials, a
+socket path over the limit) are raised as `agent.supervisor.StartupError`, which the process turns into one
+log line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry
+
+from agent import aio
+from agent.clock import SYSTEM_CLOCK, Clock
+from agent.config import AgentConfig
+from agent.events import DeviceHealthEvent
+from agent.host.hardware import Hardware
+from agent.http import Readiness
+from agent.supervisor import RunFn, StartupError
+from agent.topology.model import Topology
+
+if TYPE_CHECKING:
+    from agent.deviceplugin.manager import DevicePluginManager
+    from agent.dra.service import DraService
+    from agent.kube.port import Cluster
+    from agent.netacct.service import NetacctService
+    from agent.remediation import RemediationService
+    from agent.remediation.preflight import PreflightCheck
+    from agent.simulate.kubelet import LocalKubelet
+
+log = logging.getLogger(__name__)
+
+TopologyListener = Callable[[Topology], Awaitable[None]]
+SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+SIMULATED_NODE = "simulated-node"
+
+
+@dataclass
+class Subsystem:
+    """One supervised loop, and what it does with a rescanned topology (if anything)."""
+
+    name: str
+    run: RunFn
+    on_topology: TopologyListener | None = None
+
+
+class ClusterPort:
+    """The process's one Kubernetes API client, opened on first use and shared by remediation and netacct.
+
+    In memory (the simulated node and its pods) only when no credentials are given: `--simulate` without
+    `--kubeconfig`, outside a cluster. `--simulate` never changes which API server a kubeconfig points at.
+    """
+
+    def __init__(self, cfg: AgentConfig, registry: CollectorRegistry, *,
+                 service_account_token: Path = SERVICE_ACCOUNT_TOKEN) -> None:
+        self._cfg = cfg
+        self._registry = registry
+        self.in_cluster = service_account_token.is_file()
+        self.in_memory = cfg.topology.simulate is not None and not cfg.api_server.kubeconfig and not self.in_cluster
+        self.opened: Cluster | None = None
+
+    @property
+    def node_name(self) -> str:
+        """This node's name (the simulated node's when in memory and none is given)."""
+        return self._cfg.node_name or (SIMULATED_NODE if self.in_memory else "")
+
+    def describe(self) -> str:
+        """Which API server, for the start line."""
+        if self.in_memory:
+            return f"in-memory cluster (node {self.node_name}; no credentials given)"
+        where = f"kubeconfig {self._cfg.api_server.kubeconfig}" if self._cfg.api_server.kubeconfig else \
+            "in-cluster service account" if self.in_cluster else "default kubeconfig"
+        return f"API server from {where} (node {self.node_name or '?'})"
+
+    def get(self) -> Cluster:
+        """The client; `ClusterConfigError` without a node name (a real cluster only) or without credentials."""
+        if self.opened is None:
+            from agent.kube import open_cluster
+
+            api = self._cfg.api_server
+            self.opened = open_cluster(self.node_name, self._registry, in_memory=self.in_memory,
+                                       kubeconfig=api.kubeconfig, timeout=api.timeout_seconds)
+        return self.opened
+
+    async def aclose(self) -> None:
+        """Release the client (after every subsystem using it has stopped)."""
+        cluster, self.opened = self.opened, None
+        if cluster is not None:
+            await cluster.aclose()
+
+
+def rescans(hardware: Hardware, rescan: asyncio.Event, interval: float,
+            listeners: Sequence[TopologyListener]) -> Subsystem:
+    """Rescan hardware on SIGHUP (`rescan`) and on a slow timer; publish a changed topology to `listeners`."""
+    async def run(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await aio.wait_any(stop, rescan, timeout=interval)
+            if stop.is_set():
+                return
+            requested = rescan.is_set()
+            rescan.clear()
+            before = hardware.topology
+            topology = await asyncio.to_thread(hardware.rescan)
+            if topology == before:
+                log.log(logging.INFO if requested else logging.DEBUG, "rescan: hardware unchanged")
+                continue
+            log.info("rescan: hardware changed: %d GPUs, %d RDMA NICs, %d VFs", len(topology.gpus),
+                     len(topology.rdma_nics), sum(len(n.vfs) for n in topology.rdma_nics))
+            for listener in listeners:
+                try:
+                    await listener(topology)
+                except Exception:
+                    log.exception("a subsystem failed to take the rescanned topology")
+
+    return Subsystem("rescan", run)
+
+
+async def _show_sample_allocations(kubelet: LocalKubelet, manager: DevicePluginManager,
+                                   topology: Topology) -> None:
+    """Simulate mode: admit a few containers through the stand-in kubelet and log what they got, and how close."""
+    from agent.placement.policy import achieved_levels
+
+    resources = sorted(manager.resources)
+    gpu_resources = [r for r in resources if manager.plugin(r).pool.kind == "gpu"]
+    for size in (1, 2, 4):
+        request = dict.fromkeys(resources, size)
+        try:
+            allocation = await kubelet.admit(request)
+        except Exception as exc:  # a demo must never take the agent down
+            log.warning("sample allocation of %s failed: %s", request, exc)
+            return
+        gpus = [i for r in gpu_resources for i in allocation.get(r, [])]
+        nics = [i for r in resources if r not in gpu_resources for i in allocation.get(r, [])]
+        hcas = [getattr(topology.find(i), "rdma", None) or i for i in nics]
+        if gpus:
+            indexes = [g.index for g in topology.gpus if g.uuid in gpus]
+            levels = [level.name for level in achieved_levels(topology, gpus, nics)]
+            log.info("sample allocation: %d GPU + %d NIC container got GPUs %s and HCAs %s; GPU-NIC levels %s",
+                     size, size, indexes, hcas, levels)
+        else:
+            log.info("sample allocation: %d-NIC container (GPUs served elsewhere) got HCAs %s on PFs %s", size,
+                     hcas, sorted({getattr(topology.find(i), "pf_bus_id", i) for i in nics}))
+        kubelet.release(allocation)
+
+
+def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, readiness: Readiness,
+                  scratch: Path, clock: Clock = SYSTEM_CLOCK) -> tuple[DevicePluginManager, Subsystem]:
+    """Serve the device-plugin resources; in simulate mode bring a stand-in kubelet when none is there."""
+    from agent.deviceplugin.manager import DevicePluginManager
+    from agent.deviceplugin.registration import SocketPathError
+    from agent.simulate.kubelet import LocalKubelet
+
+    dp = cfg.device_plugin
+    directory = Path(dp.device_plugin_dir)
+    stand_in = hardware.simulated is not None and not (directory / "kubelet.sock").exists()
+    if stand_in and not directory.is_dir():
+        directory = scratch / "dp"
+        directory.mkdir()
+        dp = dataclasses.replace(dp, device_plugin_dir=str(directory))
+    try:
+        manager = DevicePluginManager(dp, hardware.topology, registry=registry, clock=clock)
+    except SocketPathError as exc:
+        raise StartupError(f"device plugin: {exc}") from exc
+    readiness.require("device-plugin registered")
+
+    async def run(stop: asyncio.Event) -> None:
+        kubelet = LocalKubelet(directory) if stand_in else None
+        if kubelet is not None:
+            log.info("simulate mode: no kubelet at %s, starting a stand-in kubelet there", directory)
+            await kubelet.start()
+        samples: asyncio.Task[None] | None = None
+        try:
+            await manager.start()
+            while not stop.is_set():
+                registered = manager.registered.is_set()
+                readiness.set("device-plugin registered", registered)
+                if registered and kubelet is not None and samples is None:
+                    samples = asyncio.create_task(_show_sample_allocations(kubelet, manager, hardware.topology))
+                await clock.wait(stop, 0.5)
+        finally:
+            readiness.set("device-plugin registered", False)
+            await aio.cancel_and_wait(samples)  # a demo must never hold up shutdown
+            await manager.stop()
+            if kubelet is not None:
+                await kubelet.stop()
+
+    return manager, Subsystem("device-plugin", run, manager.update_topology)
+
+
+def dra(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, cluster: ClusterPort,
+        scratch: Path) -> tuple[DraService, Subsystem]:
+    """The DRA driver: this node's ResourceSlices and the kubelet DRA plugin. On a simulated node without kubelet
+    directories, the sockets and CDI specs go to the scratch directory."""
+    from agent.config.model import AgentConfig as _Defaults
+    from agent.dra.service import DraService
+    from agent.dra.sockets import SocketPathError
+    from agent.kube.errors import ClusterConfigError
+
+    dc = cfg.dra
+    state_dir = Path(cfg.state_dir)
+    if hardware.simulated is not None:
+        if not Path(dc.plugin_registry_dir).is_dir():
+            dc = dataclasses.replace(dc, plugin_registry_dir=str(scratch / "plugins_registry"),
+                                     plugin_dir=str(scratch / "dra"), cdi_spec_dir=str(scratch / "cdi"))
+        if cfg.state_dir == _Defaults().state_dir:
+            state_dir = scratch / "state"
+    try:
+        service = DraService(dc, cluster.get(), hardware.topology, state_dir, registry)
+    except (SocketPathError, ClusterConfigError) as exc:
+        raise StartupError(f"dra: {exc}") from exc
+
+    async def on_topology(topology: Topology) -> None:
+        service.update_topology(topology)
+
+    return service, Subsystem("dra", service.run, on_topology)
+
+
+def device_plugin_beside_dra(cfg: AgentConfig) -> AgentConfig:
+    """With --dra the device plugin serves only what DRA does not (two APIs for one device over-commit it)."""
+    dp, dc = cfg.device_plugin, cfg.dra
+    if not dc.enabled or not dp.enabled:
+        return cfg
+    serve_gpus = bool(dp.serve_gpus) and not dc.gpus
+    pools = [] if dc.rdma else dp.pools
+    if not serve_gpus and not pools:
+        log.info("DRA serves GPUs and RDMA functions; the device plugin is off")
+        return dataclasses.replace(cfg, device_plugin=dataclasses.replace(dp, enabled=False))
+    log.info("DRA serves %s; the device plugin serves the rest", " and ".join(
+        k for k, on in (("GPUs", dc.gpus), ("RDMA functions", dc.rdma)) if on))
+    return dataclasses.replace(cfg, device_plugin=dataclasses.replace(dp, serve_gpus=serve_gpus, pools=pools))
+
+
+def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, readiness: Readiness,
+           manager: DevicePluginManager | None, verdicts: asyncio.Queue[Any],
+           scratch: Path, dra: DraService | None = None) -> Subsystem:
+    """GPU and NIC health: device health to the device plugin and the DRA driver, node verdicts onto `verdicts`
+    for remediation."""
+    from agent.config.model import AgentConfig as _Defaults
+    from agent.health.service import HealthService
+
+    hc = cfg.health
+    state_dir = Path(cfg.state_dir)
+    if hardware.simulated is not None:
+        if hc.kmsg == "/dev/kmsg":  # simulated GPUs must not be judged by the host's kernel log
+            hc = dataclasses.replace(hc, kmsg="")
+        if cfg.state_dir == _Defaults().state_dir:  # a newcomer's laptop: no root-owned state dir
+            state_dir = scratch / "state"
+    events: asyncio.Queue[DeviceHealthEvent] = asyncio.Queue()
+
+    def resource_of(device_id: str) -> str | None:
+        if manager is None:
+            return None
+        return next((name for name in manager.resources if device_id in manager.plugin(name).pool.ids), None)
+
+    service = HealthService(hc, state_dir, hardware.topology, hardware.nvml, events, registry, hardware.links,
+                            resource_of=resource_of)
+    readiness.require("first health pass")
+
+    async def feed_remediation() -> None:
+        # No verdict before the first full pass: an early "healthy" could uncordon a node with a real fault.
+        await service.first_pass_done.wait()
+        readiness.set("first health pass")
+        verdicts.put_nowait(service.verdict.published())
+        service.add_listener(lambda verdict: verdicts.put_nowait(verdict.published()))
+
+    async def run(stop: asyncio.Event) -> None:
+        feeder = asyncio.create_task(feed_remediation())
+        drain = asyncio.create_task(_deliver(events, manager, dra))
+        try:
+            await service.run(stop)
+        finally:
+            await aio.cancel_and_wait(feeder, drain)
+
+    async def on_topology(topology: Topology) -> None:
+        service.update_topology(topology)
+
+    return Subsystem("health", run, on_topology)
+
+
+async def _deliver(queue: asyncio.Queue[DeviceHealthEvent], manager: DevicePluginManager | None,
+                   dra: DraService | None) -> None:
+    """Device-health events to whoever serves devices: the device plugin, the DRA driver, both or none (then
+    dropped, not queued forever)."""
+    while True:
+        event = await queue.get()
+        if manager is not None:
+            manager.health_events.put_nowait(event)
+        if dra is not None:
+            dra.set_device_health(event.device_id, event.healthy, event.reason)
+
+
+def _preflight_probes(hardware: Hardware) -> list[PreflightCheck]:
+    """Active health probes for preflight, on the same NVML and link sources health watches."""
+    from agent.remediation.preflight import probe_check
+
+    return [probe_check(name, probe) for name, probe in hardware.preflight_probes().items()]
+
+
+def remediation(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *,
+                verdicts: asyncio.Queue[Any], cluster: ClusterPort) -> RemediationService:
+    """Act on this node's API objects (`cluster`: a real API server, or the in-memory node when no credentials
+    are given); `--dry-run` only logs and records Events."""
+    from agent.kube.errors import ClusterConfigError
+    from agent.remediation import build_service
+    from agent.remediation.preflight import build_checks
+
+    rc = cfg.remediation
+    checks = build_checks(expected_gpus=rc.preflight_gpu_count, gpu_count=lambda: len(hardware.topology.gpus),
+                          command=rc.preflight_command, command_timeout=rc.preflight_command_timeout_seconds,
+                          extra=_preflight_probes(hardware))
+    try:
+        return build_service(rc, cluster.node_name, verdicts, registry, cluster=cluster.get(),
+                             preflight_checks=checks)
+    except (ValueError, ClusterConfigError) as exc:
+        raise StartupError(f"remediation: {exc}") from exc
+
+
+def netacct(cfg: AgentConfig, registry: CollectorRegistry, cluster: ClusterPort) -> NetacctService:
+    """Network accounting with iptables mangle rules and ipset counters (only with --netacct)."""
+    from agent.netacct.service import NetacctService, default_pod_source
+
+    # the pods file if set; else this node's pods from the API (the in-memory cluster's without credentials)
+    return NetacctService(cfg.netacct, registry, default_pod_source(cfg.netacct, cluster.get))
+
+
+def _netacct_subsystem(service: NetacctService) -> Subsystem:
+    async def run(stop: asyncio.Event) -> None:
+        try:
+            await service.run(stop)
+        finally:
+            service.close()  # keeps the rules, so counters continue after a restart; `netacct cleanup` removes them
+
+    return Subsystem("netacct", run)
+
+
+@dataclass
+class Wiring:
+    """Every enabled subsystem, and the shared client the process closes after they stop."""
+
+    cluster: ClusterPort
+    subsystems: list[Subsystem] = field(default_factory=list)
+    device_plugin: DevicePluginManager | None = None
+    dra: DraService | None = None
+    remediation: RemediationService | None = None
+    netacct: NetacctService | None = None
+
+    def describe(self) -> str:
+        """Which cluster and which mode, for the start line."""
+        if self.remediation is None:
+            mode = "off"
+        else:
+            mode = "dry-run (decisions logged and sent as Events only)" if self.remediation.config.dry_run \
+                else "acting on the node"
+        return f"cluster: {self.cluster.describe()}; remediation: {mode}"
+
+
+def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, readiness: Readiness,
+          rescan: asyncio.Event, scratch: Path, cluster: ClusterPort | None = None) -> Wiring:
+    """Every enabled subsystem, in the order data flows. Raises `StartupError` for a config that cannot run."""
+    wiring = Wiring(cluster or ClusterPort(cfg, registry))
+    verdicts: asyncio.Queue[Any] = asyncio.Queue()  # node verdicts, health -> remediation
+    cfg = device_plugin_beside_dra(cfg)
+    if cfg.device_plugin.enabled:
+        wiring.device_plugin, served = device_plugin(cfg, hardware, registry, readiness=readiness, scratch=scratch)
+        wiring.subsystems.append(served)
+    if cfg.dra.enabled:
+        wiring.dra, driver = dra(cfg, hardware, registry, cluster=wiring.cluster, scratch=scratch)
+        wiring.subsystems.append(driver)
+    wiring.subsystems.append(health(cfg, hardware, registry, readiness=readiness, manager=wiring.device_plugin,
+                                    verdicts=verdicts, scratch=scratch, dra=wiring.dra))
+    if cfg.remediation.enabled or wiring.cluster.in_memory:  # the in-memory node: remediation is part of the demo
+        wiring.remediation = remediation(cfg, hardware, registry, verdicts=verdicts, cluster=wiring.cluster)
+        wiring.subsystems.append(Subsystem("remediation", wiring.remediation.run))
+    if cfg.netacct.enabled:
+        wiring.netacct = netacct(cfg, registry, wiring.cluster)
+        wiring.subsystems.append(_netacct_subsystem(wiring.netacct))
+    listeners = [s.on_topology for s in wiring.subsystems if s.on_topology is not None]
+    wiring.subsystems.append(rescans(hardware, rescan, cfg.topology.rescan_interval_seconds, listeners))
+    return wiring

@@ -1,0 +1,52 @@
+"""The joint allocator's estimate of the other kind's free devices, on plain pools (no servers, no topology).
+
+Moved here from the admission context, whose copy of this estimate was never read in production: the
+assertions now hold for the estimate the allocator actually hands the policy (`other_free`).
+"""
+
+from __future__ import annotations
+
+from agent.placement.joint import JointAllocator
+from agent.placement.policy import ContainerRequest, DeviceKind, Reason
+from tests.placement.admission_sim import Pool
+
+GPU, NIC = DeviceKind.GPU, DeviceKind.NIC
+GPUS = Pool("test/gpu", "gpu", ("g0", "g1", "g2", "g3"), None)
+VFS = Pool("test/vf", "nic", ("v0", "v1"), None)
+
+
+class Server:
+    def __init__(self, pool: Pool, unhealthy: frozenset[str] = frozenset()) -> None:
+        self.pool = pool
+        self.unhealthy = unhealthy
+
+    def healthy_ids(self) -> frozenset[str]:
+        return frozenset(self.pool.ids) - self.unhealthy
+
+
+def test_believed_free_follows_offers_and_allocations() -> None:
+    allocator = JointAllocator(lambda: [Server(GPUS)])
+    assert allocator.other_free(NIC) == set(GPUS.ids)  # nothing seen taken yet
+    preference = allocator.prefer(GPUS, ContainerRequest(served=GPUS.ids, available=("g0", "g1", "g2"),
+                                                         must_include=("g2",), size=2))
+    assert preference.reason is Reason.OK and set(preference.devices) == {"g0", "g2"}
+    assert allocator.other_free(NIC) == {"g0", "g1"}  # g3 left out of the offer, g2 must be included
+    assert allocator.allocated(GPUS, ["g0", "g2"]) == [("test/gpu", "none")]  # no NICs served: alone
+    assert allocator.other_free(NIC) == {"g1"}
+    assert allocator.other_free(GPU) is None  # no NIC pool served here: unknown
+
+
+def test_unhealthy_devices_are_never_believed_free_and_known_facts_win() -> None:
+    servers = [Server(GPUS, unhealthy=frozenset({"g1"})), Server(VFS)]
+    assert JointAllocator(lambda: servers).other_free(NIC) == {"g0", "g2", "g3"}
+    known = JointAllocator(lambda: servers, known_free=lambda kind: frozenset({"g3"}) if kind is GPU else None)
+    assert known.other_free(NIC) == {"g3"}
+    assert known.other_free(GPU) == set(VFS.ids)  # no fact about NICs: the estimate
+
+
+def test_invalid_request_leaves_the_allocator_untouched() -> None:
+    allocator = JointAllocator(lambda: [Server(GPUS), Server(VFS)])
+    allocator.allocated(GPUS, ["g0"])
+    bad = allocator.prefer(VFS, ContainerRequest(served=VFS.ids, available=("v0", "nope"), size=1))
+    assert bad.reason is Reason.INVALID_REQUEST and bad.devices == ()
+    assert allocator.admission.begin_preference(NIC) == {"g0"}  # the GPU's record is still there

@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from agent import __version__, config
 from agent.config import AgentConfig
 from agent.config.remediation import RemediationConfig
 from agent.http import parse_address
-from tests.deploy.manifests import agent_container, configmap_config_text, one
+from tests.deploy.manifests import DEPLOY, agent_container, configmap_config_text, one
 
 DAEMONSET = one("DaemonSet")
 POD = DAEMONSET["spec"]["template"]["spec"]
@@ -166,7 +167,7 @@ def test_security_context_is_root_without_escalation_and_only_the_needed_capabil
     assert context["privileged"] is False
     assert context["readOnlyRootFilesystem"] is True
     assert context["capabilities"]["drop"] == ["ALL"]
-    assert sorted(context["capabilities"]["add"]) == ["DAC_READ_SEARCH", "NET_ADMIN", "NET_RAW", "SYSLOG"]
+    assert sorted(context["capabilities"]["add"]) == ["NET_ADMIN", "NET_RAW"]  # no DAC_READ_SEARCH, no SYSLOG
     tmp = _mount_for("/tmp/x")
     assert tmp is not None and "emptyDir" in VOLUMES[tmp["name"]], "a read-only root needs a writable /tmp"
 
@@ -203,3 +204,16 @@ def test_image_tag_is_the_package_version():
     image = CONTAINER["image"]
     assert image == f"ghcr.io/gpu-node-agent/gpu-node-agent:{__version__}"
     assert DAEMONSET["metadata"]["labels"]["app.kubernetes.io/version"] == __version__
+
+
+def test_the_api_token_is_mounted_only_when_a_subsystem_calls_the_api():
+    """Remediation, netacct's own-node pod watch and DRA call the API server; nothing else does."""
+    config = yaml.safe_load(configmap_config_text())
+    netacct = config.get("netacct") or {}
+    needs_api = bool((config.get("remediation") or {}).get("enabled")) or \
+        (bool(netacct.get("enabled")) and not netacct.get("podsFile")) or bool((config.get("dra") or {}).get("enabled"))
+    pod = one("DaemonSet")["spec"]["template"]["spec"]
+    assert pod.get("automountServiceAccountToken") is needs_api
+    assert one("ServiceAccount").get("automountServiceAccountToken") is False
+    dra_patch = yaml.safe_load((DEPLOY / "dra" / "daemonset-dra.yaml").read_text(encoding="utf-8"))
+    assert dra_patch["spec"]["template"]["spec"]["automountServiceAccountToken"] is True

@@ -50,7 +50,7 @@ def test_rbac_is_least_privilege() -> None:
     (role,) = _docs("ClusterRole")
     rules = {(g, r): sorted(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"]
              for r in rule["resources"]}
-    assert rules == {("resource.k8s.io", "resourceslices"): ["create", "delete", "get", "list", "update"],
+    assert rules == {("resource.k8s.io", "resourceslices"): ["create", "delete", "list", "update"],
                      ("resource.k8s.io", "resourceclaims"): ["get"]}
     (binding,) = _docs("ClusterRoleBinding")
     account = one("ServiceAccount")

@@ -21,17 +21,10 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
+from agent.config.address import parse_address
 from agent.http_serve import BoundedHttpServer, Handler, Limits, Request, Response
 
 log = logging.getLogger(__name__)
-
-def parse_address(address: str) -> tuple[str, int]:
-    """`:9400` -> ("", 9400) meaning every address; `127.0.0.1:0`; `[::1]:9400`. ValueError names the input."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"not a host:port address: {address!r}")
-    return host.strip("[]"), int(port)
-
 
 def _bind(host: str, port: int) -> list[socket.socket]:
     """Every address: one dual-stack `::` socket, or IPv4 only where the kernel has no IPv6. Else the given one."""

@@ -12,7 +12,8 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from agent.http import MetricsServer, Readiness, parse_address
+from agent.config.address import parse_address
+from agent.http import MetricsServer, Readiness
 from agent.http_serve import Limits
 
 

@@ -14,8 +14,8 @@ import yaml
 
 from agent import __version__, config
 from agent.config import AgentConfig
+from agent.config.address import parse_address
 from agent.config.remediation import RemediationConfig
-from agent.http import parse_address
 from tests.deploy.manifests import DEPLOY, agent_container, configmap_config_text, one
 
 DAEMONSET = one("DaemonSet")
@@ -78,7 +78,7 @@ def test_every_host_path_the_agent_uses_is_mounted_from_the_host(source, tmp_pat
     # the DRA driver's kubelet directories are mounted by the deploy/dra component (tests/deploy/test_dra_manifests)
     paths = [(name, path) for name, path in _paths(cfg) if not name.startswith("dra.")]
     assert {name for name, _ in paths} >= {"state_dir", "topology.sysfs_root", "device_plugin.device_plugin_dir",
-                                           "health.kmsg"}
+                                           "health.kmsg", "pod_resources.socket"}
     for name, path in paths:
         mount = _mount_for(path)
         assert mount is not None, f"{name} = {path} is not mounted into the container"
@@ -91,6 +91,9 @@ def test_every_host_path_the_agent_uses_is_mounted_from_the_host(source, tmp_pat
 EXPECTED_HOST_MOUNTS = [
     ("/var/lib/kubelet/device-plugins", "Directory", False),
     ("/var/lib/kubelet/pod-resources", "Directory", True),
+    ("/var/lib/kubelet/plugins_registry", "Directory", False),
+    ("/var/run/k8s.cni.cncf.io/devinfo/dp", "DirectoryOrCreate", False),
+    ("/var/run/cdi", "DirectoryOrCreate", False),
     ("/sys", "Directory", True),
     ("/dev/kmsg", "CharDevice", True),
     ("/run/xtables.lock", "FileOrCreate", False),
@@ -104,6 +107,14 @@ def test_host_mount(path, kind, read_only):
     assert mount is not None, f"{path} is not mounted"
     assert _host_path(mount) == {"path": path, "type": kind}
     assert bool(mount.get("readOnly", False)) is read_only
+
+
+def test_pod_resources_directory_is_mounted_not_the_socket(tmp_path):
+    # the kubelet recreates the socket on restart; a socket mount would keep pointing at the dead inode
+    socket = _load_configmap_config(tmp_path).pod_resources.socket
+    mount = _mount_for(socket)
+    assert mount is not None and mount["mountPath"] == posixpath.dirname(socket)
+    assert _host_path(mount)["type"] == "Directory" and mount["readOnly"] is True
 
 
 def test_no_other_writable_host_paths():

@@ -1,8 +1,9 @@
 """The architecture as a test: data flows one way, and only the ports touch the outside world.
 
 Sources (topology, nvml, simulate) never import consumers; the consumers do not import each other except
-through the data they share; pynvml, lightkube, pyroute2 and subprocesses stay inside their ports. Over all imports, lazy ones included, the
-module graph has no cycle and follows the layer order of `../shared/design/architecture.md` (see LAYERS).
+through the data they share; pynvml, lightkube, pyroute2 and subprocesses stay inside their ports. Over all
+imports, lazy ones included, the module graph has no cycle and follows the layer order of
+`../shared/design/architecture.md` (see LAYERS).
 """
 
 from __future__ import annotations

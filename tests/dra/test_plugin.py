@@ -263,3 +263,21 @@ async def test_deleted_sockets_are_served_again(node: Node, kubelet: DraKubelet)
         await until(service.registered.is_set, "registered again")
     node.allocate(UID_B, "after-restart")
     assert (await plugin.prepare(("default", UID_B, "after-restart"))).claims[UID_B].error == ""
+
+
+async def test_a_rescan_republishes_the_pool(node: Node, kubelet: DraKubelet) -> None:
+    service, _ = await started(node, kubelet)
+    generation = next(iter(node.api.resource_slices.values()))["spec"]["pool"]["generation"]
+    nic = node.topology.rdma_nics[0]
+    smaller = dataclasses.replace(node.topology, nics=tuple(
+        dataclasses.replace(n, vfs=n.vfs[:1]) if n is nic else n for n in node.topology.nics))
+    service.update_topology(smaller)
+
+    def published() -> list[dict[str, Any]]:
+        return [d for s in node.api.resource_slices.values() for d in s["spec"]["devices"]]
+
+    await until(lambda: len(published()) == len(service.devices), "the smaller pool published")
+    (current,) = node.api.resource_slices.values()
+    assert current["spec"]["pool"]["generation"] == generation + 1
+    assert {d["name"] for d in published()} == set(service.devices)
+    assert len(service.devices) == len(node.topology.gpus) + sum(len(n.vfs) for n in smaller.rdma_nics)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 
 async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
@@ -24,7 +25,7 @@ async def wait_any(*events: asyncio.Event, timeout: float | None = None) -> None
         await cancel_and_wait(*waiters)
 
 
-async def cancel_and_wait(*tasks: asyncio.Future[object] | None) -> None:
+async def cancel_and_wait(*tasks: asyncio.Future[Any] | None) -> None:
     """Cancel the tasks and wait until they have finished, whatever they raise (None entries are skipped)."""
     pending = [task for task in tasks if task is not None]
     for task in pending:

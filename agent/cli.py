@@ -7,6 +7,7 @@ Flags and environment are parsed here, once, into an `AgentConfig` that is passe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -145,7 +146,19 @@ def _cmd_simulate_dcgm_exporter(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    print(yaml.safe_dump(config.to_mapping(_load_config(args)), sort_keys=False), end="")
+    from agent.deviceplugin import sriovdp
+
+    cfg = _load_config(args)
+    plugin = cfg.device_plugin
+    if plugin.sriov_dp_config:  # show the pools the SR-IOV file gives, and what in it the agent cannot honour
+        try:
+            read = sriovdp.read_config(plugin.sriov_dp_config)
+        except sriovdp.SriovConfigError as exc:
+            raise UsageError(str(exc)) from exc
+        for warning in read.warnings:
+            print(f"gpu-node-agent config: warning: {plugin.sriov_dp_config}: {warning}", file=sys.stderr)
+        cfg = dataclasses.replace(cfg, device_plugin=dataclasses.replace(plugin, pools=list(read.pools)))
+    print(yaml.safe_dump(config.to_mapping(cfg), sort_keys=False), end="")
     return 0
 
 

@@ -156,6 +156,7 @@ def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegis
                   scratch: Path, clock: Clock = SYSTEM_CLOCK) -> tuple[DevicePluginManager, Subsystem]:
     """Serve the device-plugin resources; in simulate mode bring a stand-in kubelet when none is there."""
     from agent.deviceplugin.manager import DevicePluginManager
+    from agent.deviceplugin.pools import PoolConfigError
     from agent.deviceplugin.registration import SocketPathError
     from agent.simulate.kubelet import LocalKubelet
 
@@ -166,9 +167,14 @@ def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegis
         directory = scratch / "dp"
         directory.mkdir()
         dp = dataclasses.replace(dp, device_plugin_dir=str(directory))
+    registry_dir, cdi_dir = cfg.dra.plugin_registry_dir, cfg.dra.cdi_spec_dir  # node paths shared with DRA
+    if stand_in:  # the stand-in kubelet's world: no device-info files, plugin-watcher sockets or specs on the host
+        dp = dataclasses.replace(dp, device_info_dir=str(scratch / "devinfo"))
+        registry_dir, cdi_dir = str(directory / "plugins_registry"), str(scratch / "cdi")
     try:
-        manager = DevicePluginManager(dp, hardware.topology, registry=registry, clock=clock)
-    except SocketPathError as exc:
+        manager = DevicePluginManager(dp, hardware.topology, registry=registry, clock=clock,
+                                      plugin_registry_dir=registry_dir, cdi_spec_dir=cdi_dir)
+    except (SocketPathError, PoolConfigError) as exc:  # PoolConfigError: the SR-IOV DP config.json
         raise StartupError(f"device plugin: {exc}") from exc
     readiness.require("device-plugin registered")
 

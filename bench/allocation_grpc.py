@@ -98,7 +98,8 @@ async def drive(profile: str, containers: int, seed: int, single_share: float) -
         kubelet = LocalKubelet(directory, rng=random.Random(seed))
         await kubelet.start()
         registry = CollectorRegistry()
-        manager = DevicePluginManager(DevicePluginConfig(device_plugin_dir=directory, serve_gpus=True), topology,
+        manager = DevicePluginManager(DevicePluginConfig(device_plugin_dir=directory, serve_gpus=True,
+                                                         device_info_dir=""), topology,
                                       registry=registry, poll_interval=0.05, backoff_initial=0.05)
         await manager.start()
         try:

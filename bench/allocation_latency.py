@@ -14,15 +14,17 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-# Run as a script, this directory is on sys.path: the node builders are shared with tests/placement.
-from _nodes import dgx_h100_like, gpu_ids, nic_ids, pcie_pairs_like
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the node builders live in tests/fakes
 
 from agent.placement.policy import AllocationRequest, DeviceKind, preferred_allocation
 from agent.placement.tree import build_tree
 from agent.topology.model import Topology
+from tests.fakes.nodes import dgx_h100_like, gpu_ids, nic_ids, pcie_pairs_like
 
 NODES: dict[str, Callable[[], Topology]] = {"dgx-h100": dgx_h100_like, "pcie-pairs": pcie_pairs_like}
 

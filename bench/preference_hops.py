@@ -22,14 +22,16 @@ import logging
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
-from _nodes import dgx_h100_like  # run as a script, bench/ is on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the node builders live in tests/fakes
 
 from agent.config.model import DevicePluginConfig
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.v1beta1 import api_pb2
+from tests.fakes.nodes import dgx_h100_like
 
 GPU, RDMA = "nvidia.com/gpu", "gpunodeagent.io/sriov_rdma"
 Edge = tuple[str, str, str, str]  # caller module, caller function, callee module, callee function

@@ -1,3 +1,66 @@
-"""Test-wide fixtures (the shared fakes live in tests/fakes/)."""
+"""Test-wide fixtures (the shared fakes live in tests/fakes/), and the leak guard every test runs under.
+
+A test that leaves an asyncio task or a thread running fails (kopf's `_no_asyncio_pending_tasks` idea): a loop
+nobody stops in a test is a loop nobody stops in the agent. Stragglers get a short grace to finish (a
+cancelled task needs a turn of the loop to end), then they are cancelled and named in the failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
 
 pytest_plugins = ["tests.fakes.fixtures"]
+
+GRACE = 2.0  # seconds for stragglers to end by themselves; a guard, never a timing assertion
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every coroutine test runs under the task guard, set up first so it is torn down last (after the
+    fixtures that stop their own servers)."""
+    for item in items:
+        if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(item.obj):
+            item.fixturenames.insert(0, "_no_leaked_tasks")
+
+
+@pytest.fixture
+async def _no_leaked_tasks() -> AsyncIterator[None]:
+    yield
+    current = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + GRACE
+    while True:
+        leaked = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+        if not leaked or loop.time() > deadline:
+            break
+        await asyncio.sleep(0.01)
+    for task in leaked:
+        task.cancel()
+    await asyncio.gather(*leaked, return_exceptions=True)
+    names = [f"{t.get_name()} {t.get_coro()!r}" for t in leaked]
+    assert not leaked, f"tasks still running after the test: {names}"
+
+
+def _foreign(thread: threading.Thread) -> bool:
+    """Threads the test does not own: asyncio's executor workers (ended with their loop), library pools, and
+    grpc.aio's completion-queue poller (one per process, started with the first channel or server)."""
+    return thread.name.startswith(("asyncio_", "ThreadPoolExecutor-")) or "(_poll_wrapper)" in thread.name \
+        or not thread.is_alive()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_threads() -> Iterator[None]:
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + GRACE
+    while True:
+        leaked = [t for t in threading.enumerate() if t not in before and not _foreign(t)]
+        if not leaked or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert not leaked, f"threads still running after the test: {[t.name for t in leaked]}"

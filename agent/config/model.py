@@ -19,6 +19,8 @@ from agent.config.resources import resource_name_problem, vf_range_problem
 
 CONFIG_VERSION = 1
 DEFAULT_RESOURCE_PREFIX = PROJECT_DOMAIN
+# NVIDIA k8s-device-plugin's deviceListStrategy values (api/config/v1/strategy.go)
+DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
 
 
 @dataclass
@@ -70,6 +72,9 @@ class PoolConfig:
     resource_name: str = setting("", help="resource name without prefix, e.g. sriov_rdma")
     resource_prefix: str | None = setting(None, help="resource prefix; the device plugin's default when empty")
     selectors: SelectorConfig = setting(factory=SelectorConfig, help="which devices join this pool")
+    selector_list: list[SelectorConfig] = setting(
+        factory=list, help="more selector objects (SR-IOV device plugin's list form): a device also joins when "
+                           "it matches any of these")
     exclude_topology: bool = setting(False, help="do not report the devices' NUMA node to the kubelet "
                                                  "(SR-IOV device plugin's excludeTopology)")
 
@@ -93,6 +98,11 @@ class DevicePluginConfig:
     device_plugin_dir: str = setting(
         "/var/lib/kubelet/device-plugins", flag="--device-plugin-dir", env="GPU_NODE_AGENT_DEVICE_PLUGIN_DIR",
         help="kubelet device-plugin directory (kubelet.sock and the plugin sockets)")
+    registration_mode: str = setting(
+        "auto", flag="--registration-mode", env="GPU_NODE_AGENT_REGISTRATION_MODE",
+        choices=("auto", "kubelet-sock", "plugin-watcher"),
+        help="how resources register: Register on kubelet.sock, a socket in the kubelet's plugin-watcher "
+             "directory (--plugin-registry-dir), or auto (the watcher when that directory exists, as SR-IOV DP does)")
     resource_prefix: str = setting(DEFAULT_RESOURCE_PREFIX, flag="--resource-prefix",
                                    env="GPU_NODE_AGENT_RESOURCE_PREFIX",
                                    help="domain prefix of the NIC resources (<prefix>/sriov_rdma)")
@@ -104,13 +114,51 @@ class DevicePluginConfig:
                                      env="GPU_NODE_AGENT_GPU_RESOURCE_NAME",
                                      help="full resource name of the GPU pool")
     pools: list[PoolConfig] = setting(factory=_default_pools, help="NIC resource pools (first match wins)")
+    sriov_dp_config: str | None = setting(
+        None, flag="--sriov-dp-config", env="GPU_NODE_AGENT_SRIOV_DP_CONFIG",
+        help="the SR-IOV network device plugin's config.json; its resourceList replaces `pools` (no "
+             "resourcePrefix means intel.com, as there)")
+    device_info_dir: str = setting(
+        "/var/run/k8s.cni.cncf.io/devinfo/dp", flag="--device-info-dir", env="GPU_NODE_AGENT_DEVICE_INFO_DIR",
+        help="where Allocate writes Multus device-info files for NIC devices (device-info spec 1.1.0); empty "
+             "writes none")
     rdma_mad_devices: bool = setting(False, flag="--rdma-mad-devices", env="GPU_NODE_AGENT_RDMA_MAD_DEVICES",
                                      help="also pass /dev/infiniband/umad* and issm* to containers")
     gpu_cdi: bool = setting(False, flag="--gpu-cdi", env="GPU_NODE_AGENT_GPU_CDI",
                             help="also name allocated GPUs as CDI devices (<gpuCdiKind>=<UUID>) in Allocate; "
                                  "needs the DevicePluginCDIDevices feature and a CDI spec on the node")
     gpu_cdi_kind: str = setting("nvidia.com/gpu", flag="--gpu-cdi-kind", env="GPU_NODE_AGENT_GPU_CDI_KIND",
-                                help="CDI vendor/class of GPU devices, used with --gpu-cdi")
+                                help="CDI kind (vendor/class) of a GPU spec already on the node, as `nvidia-ctk cdi "
+                                     "generate` writes it; names GPUs for the cdi-* strategies")
+    device_list_strategy: list[str] = setting(
+        factory=lambda: ["envvar"], flag="--device-list-strategy", env="GPU_NODE_AGENT_DEVICE_LIST_STRATEGY",
+        help="how Allocate passes GPUs, as NVIDIA's plugin: envvar, volume-mounts, cdi-annotations, cdi-cri "
+             "(comma-separated, several allowed)")
+    device_id_strategy: str = setting("uuid", flag="--device-id-strategy", env="GPU_NODE_AGENT_DEVICE_ID_STRATEGY",
+                                      choices=("uuid", "index"),
+                                      help="GPU IDs in NVIDIA_VISIBLE_DEVICES, mounts and CDI names: uuid or index")
+    pass_device_specs: bool = setting(
+        False, flag="--pass-device-specs", env="GPU_NODE_AGENT_PASS_DEVICE_SPECS",
+        help="also return the /dev/nvidia* nodes a container needs when no runtime hook adds them (NVIDIA's "
+             "passDeviceSpecs; the agent must see the host's /dev/nvidiactl etc.)")
+    cdi_annotation_prefix: str = setting(
+        "cdi.k8s.io/", flag="--cdi-annotation-prefix", env="GPU_NODE_AGENT_CDI_ANNOTATION_PREFIX",
+        help="prefix of the CDI annotation key of the cdi-annotations strategy (nvidia.cdi.k8s.io/ makes the "
+             "NVIDIA runtime inject instead of the CRI)")
+
+    rdma_cdi: bool = setting(False, flag="--rdma-cdi", env="GPU_NODE_AGENT_RDMA_CDI",
+                             help="write a CDI spec per NIC pool and name RDMA devices in Allocate by annotation "
+                                  "instead of device nodes (as SR-IOV DP's -use-cdi)")
+
+    def _check_gpu_serving(self) -> None:
+        """The GPU strategies must be NVIDIA's (an unknown one is refused at start, as there)."""
+        strategies = [s.strip() for s in self.device_list_strategy if s.strip()]
+        unknown = [s for s in strategies if s not in DEVICE_LIST_STRATEGIES]
+        if unknown or not strategies:
+            raise ValueError(f"deviceListStrategy: {', '.join(unknown) or 'empty'}: use one or more of "
+                             f"{', '.join(DEVICE_LIST_STRATEGIES)}")
+        if not self.cdi_annotation_prefix.endswith("/"):
+            raise ValueError(f"cdiAnnotationPrefix: {self.cdi_annotation_prefix!r} must end with '/'")
 
     def check(self) -> None:
         """Every served resource name is valid and served once (the device plugin would crash-loop otherwise)."""
@@ -131,6 +179,7 @@ class DevicePluginConfig:
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ValueError(f"pools: resource {', '.join(twice)} is configured twice")
+        self._check_gpu_serving()
 
 
 @dataclass
@@ -144,12 +193,14 @@ class DraConfig:
                                help="DRA driver name (ResourceSlice spec.driver, DeviceClass selectors)")
     plugin_registry_dir: str = setting(
         "/var/lib/kubelet/plugins_registry", flag="--plugin-registry-dir", env="GPU_NODE_AGENT_PLUGIN_REGISTRY_DIR",
-        help="kubelet plugin-watcher directory (<driver>-reg.sock)")
+        help="kubelet plugin-watcher directory (<driver>-reg.sock, and the device plugin's sockets with "
+             "--registration-mode plugin-watcher)")
     plugin_dir: str = setting("", flag="--dra-plugin-dir", env="GPU_NODE_AGENT_DRA_PLUGIN_DIR",
                               help="directory of the DRA service socket dra.sock; /var/lib/kubelet/plugins/<driver> "
                                    "when empty")
     cdi_spec_dir: str = setting("/var/run/cdi", flag="--cdi-spec-dir", env="GPU_NODE_AGENT_CDI_SPEC_DIR",
-                                help="CDI spec directory the container runtime reads")
+                                help="CDI spec directory the container runtime reads (DRA claims, --rdma-cdi "
+                                     "pools; GPU specs are looked for here too)")
     gpus: bool = setting(True, help="publish GPUs (off when NVIDIA's GPU driver or device plugin serves them)")
     rdma: bool = setting(True, help="publish RDMA functions")
     rdma_resource_name: str = setting(f"{PROJECT_DOMAIN}/sriov_rdma",

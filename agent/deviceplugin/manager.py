@@ -14,16 +14,20 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from agent import aio
 from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config.model import DevicePluginConfig
+from agent.deviceplugin.cdi import SPEC_DIRS, RdmaSpecWriter, find_spec
+from agent.deviceplugin.devinfo import DeviceInfoWriter
 from agent.deviceplugin.metrics import AllocationMetrics
 from agent.deviceplugin.payload import AllocateOptions
+from agent.deviceplugin.pluginwatcher import PLUGIN_WATCHER, PluginWatcherLink, resolve_mode
 from agent.deviceplugin.pools import ResourcePool, build_pools, socket_name
 from agent.deviceplugin.registration import KubeletLink, check_socket_path
 from agent.deviceplugin.server import DevicePlugin, PreferencePolicy
+from agent.deviceplugin.sriovdp import apply as apply_sriov_dp_config
 from agent.events import DeviceHealthEvent
 from agent.placement.admission import DEFAULT_TTL_S
 from agent.placement.joint import JointAllocator
@@ -31,13 +35,20 @@ from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
 
+NOT_SERVED_REASONS = ("not_ready", "mig", "default_route", "no_uuid")
+# node paths shared with the DRA driver; set by --plugin-registry-dir and --cdi-spec-dir (config section `dra`)
+DEFAULT_PLUGIN_REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
+DEFAULT_CDI_SPEC_DIR = "/var/run/cdi"
+
 
 class DevicePluginManager:
     """Owns the per-resource DevicePlugin servers and their kubelet registration.
 
-    `policy`: None for the PCIe-aware joint policy (`self.allocator.prefer`); another policy replaces it,
-    while Allocates are still recorded and counted. `registry`: where the allocation metrics go (a private
-    registry when None). `admission_ttl_s` and `clock`: the admission context's time-out and time source.
+    `plugin_registry_dir`, `cdi_spec_dir`: the kubelet plugin watcher's and the runtime's CDI directories (node
+    paths the DRA driver shares). `policy`: None for the PCIe-aware joint policy (`self.allocator.prefer`);
+    another policy replaces it, while Allocates are still recorded and counted. `registry`: where the allocation
+    metrics go (a private registry when None). `admission_ttl_s` and `clock`: the admission context's time-out
+    and time source.
     """
 
     def __init__(self, config: DevicePluginConfig, topology: Topology, *,
@@ -45,18 +56,35 @@ class DevicePluginManager:
                  poll_interval: float = 1.0, register_timeout: float = 10.0,
                  backoff_initial: float = 0.5, backoff_max: float = 30.0,
                  policy: PreferencePolicy | None = None, registry: CollectorRegistry | None = None,
-                 admission_ttl_s: float = DEFAULT_TTL_S, clock: Clock = SYSTEM_CLOCK) -> None:
+                 admission_ttl_s: float = DEFAULT_TTL_S, clock: Clock = SYSTEM_CLOCK,
+                 plugin_registry_dir: str = DEFAULT_PLUGIN_REGISTRY_DIR,
+                 cdi_spec_dir: str = DEFAULT_CDI_SPEC_DIR) -> None:
+        config = apply_sriov_dp_config(config)  # SriovConfigError (a PoolConfigError) when it cannot be served
         self.config = config
         self.health_events: asyncio.Queue[DeviceHealthEvent] = health_events or asyncio.Queue()
         self._options = AllocateOptions.from_config(config)
+        self.device_info = DeviceInfoWriter(config.device_info_dir) if config.device_info_dir else None
+        self.cdi_spec_dir = cdi_spec_dir
+        self.rdma_specs = RdmaSpecWriter(cdi_spec_dir, config.rdma_mad_devices) if config.rdma_cdi else None
         self._plugins: dict[str, DevicePlugin] = {}
         self.metrics = AllocationMetrics(registry)
+        self.not_served = Gauge("gpu_node_agent_devices_not_served",
+                                "Devices found but not advertised, by reason (not_ready: VF without driver, RDMA "
+                                "device or known link; mig: GPU in MIG mode; default_route; no_uuid)",
+                                ["reason"], registry=self.metrics.registry)
+        for reason in NOT_SERVED_REASONS:
+            self.not_served.labels(reason).set(0)
         self.allocator = JointAllocator(self._plugins.values, ttl_s=admission_ttl_s, clock=clock.monotonic)
         self._policy = policy or self.allocator.prefer
         self._topology = topology
-        self._link = KubeletLink(config.device_plugin_dir, poll_interval=poll_interval,
-                                 register_timeout=register_timeout, backoff_initial=backoff_initial,
-                                 backoff_max=backoff_max, clock=clock)
+        self.registration_mode = resolve_mode(config.registration_mode, plugin_registry_dir)
+        self._link: KubeletLink | PluginWatcherLink
+        if self.registration_mode == PLUGIN_WATCHER:
+            self._link = PluginWatcherLink(plugin_registry_dir, poll_interval=poll_interval, clock=clock)
+        else:
+            self._link = KubeletLink(config.device_plugin_dir, poll_interval=poll_interval,
+                                     register_timeout=register_timeout, backoff_initial=backoff_initial,
+                                     backoff_max=backoff_max, clock=clock)
         self._unhealthy: dict[str, str] = {}  # device ID -> reason, across rescans and resources
         self._skipped: tuple[str, ...] = ()
         self._empty: tuple[str, ...] = ()
@@ -90,6 +118,8 @@ class DevicePluginManager:
     def _scan(self, topology: Topology) -> dict[str, ResourcePool]:
         """Pools to serve: like SR-IOV DP, a pool without devices gets no server."""
         scan = build_pools(topology, self.config)
+        for reason in NOT_SERVED_REASONS:
+            self.not_served.labels(reason).set(scan.not_served.get(reason, 0))
         if scan.skipped != self._skipped:
             self._skipped = scan.skipped
             if scan.skipped:
@@ -104,7 +134,7 @@ class DevicePluginManager:
 
     def _new_plugin(self, pool: ResourcePool) -> DevicePlugin:
         plugin = DevicePlugin(pool, self._options, policy=self._policy, on_allocate=self.allocator.allocated,
-                              metrics=self.metrics)
+                              metrics=self.metrics, device_info=self.device_info)
         self.metrics.add_resource(pool.resource_name)
         for device_id, reason in self._unhealthy.items():
             plugin.set_health(device_id, False, reason)
@@ -118,17 +148,38 @@ class DevicePluginManager:
         async with self._lock:
             if self._started:
                 return
+            directory = self._link.directory
             check_socket_path(f"{self.config.device_plugin_dir}/kubelet.sock")
             pools = self._scan(self._topology)
             for name in pools:
-                check_socket_path(f"{self.config.device_plugin_dir}/{socket_name(name)}")
+                check_socket_path(f"{directory}/{socket_name(name)}")
+            self._check_gpu_cdi(pools)
             for pool in pools.values():
                 self._add(pool)
             self._started = True
             self._health_task = asyncio.create_task(self._consume_health(), name="device-health")
             await self._link.start()
 
+    def _write_spec(self, pool: ResourcePool) -> None:
+        if self.rdma_specs is None:
+            return
+        try:
+            self.rdma_specs.write(pool)
+        except OSError as exc:  # the runtime will refuse containers naming these devices; say why
+            log.error("%s: cannot write CDI spec %s: %s", pool.resource_name, self.rdma_specs.path(pool),
+                      exc.strerror or exc)
+
+    def _check_gpu_cdi(self, pools: dict[str, ResourcePool]) -> None:
+        serving = self._options.gpu
+        if not serving.any_cdi or not any(p.kind == "gpu" for p in pools.values()):
+            return
+        if find_spec(serving.cdi_kind, (*SPEC_DIRS, self.cdi_spec_dir)) is None:
+            log.warning("no CDI spec of kind %s in %s: containers given GPUs by CDI name will not start; run "
+                        "`nvidia-ctk cdi generate` on the node or set --gpu-cdi-kind", serving.cdi_kind,
+                        ", ".join(dict.fromkeys((*SPEC_DIRS, self.cdi_spec_dir))))
+
     def _add(self, pool: ResourcePool) -> None:
+        self._write_spec(pool)
         plugin = self._new_plugin(pool)
         self._plugins[pool.resource_name] = plugin
         self._link.add(plugin, socket_name(pool.resource_name))
@@ -141,6 +192,10 @@ class DevicePluginManager:
             if task is not None:
                 await aio.cancel_and_wait(task)
             await self._link.stop()
+            if self.device_info is not None:
+                self.device_info.remove_all()
+            if self.rdma_specs is not None:
+                self.rdma_specs.remove_all()
             self._started = False
 
     async def update_topology(self, topology: Topology) -> None:
@@ -153,12 +208,20 @@ class DevicePluginManager:
             for name in [n for n in self._plugins if n not in pools]:
                 del self._plugins[name]
                 await self._link.remove(name)
+                if self.device_info is not None:
+                    self.device_info.retain(name, ())
+                if self.rdma_specs is not None:
+                    self.rdma_specs.remove(name)
             for name, pool in pools.items():
                 plugin = self._plugins.get(name)
                 if plugin is None:
                     self._add(pool)
                     continue
                 before = set(plugin.pool.ids)
+                if self.device_info is not None:
+                    self.device_info.retain(name, pool.ids)
+                if pool.devices != plugin.pool.devices:
+                    self._write_spec(pool)  # before the kubelet can allocate a new device by its CDI name
                 if plugin.update_pool(pool):
                     after = set(pool.ids)
                     log.info("%s: devices changed: %d added, %d removed, %d now", name, len(after - before),

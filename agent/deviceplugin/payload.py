@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from agent.config.model import DevicePluginConfig
+from agent.deviceplugin import cdi, nvidia
 from agent.deviceplugin.pools import PoolDevice, ResourcePool
 from agent.deviceplugin.v1beta1 import api_pb2
 from agent.topology.model import RdmaCharDevices
@@ -26,14 +27,20 @@ class AllocateOptions:
     """The config switches that change Allocate payloads."""
 
     rdma_mad_devices: bool = False
-    gpu_cdi: bool = False
-    gpu_cdi_kind: str = "nvidia.com/gpu"
+    gpu: nvidia.GpuServing = field(default_factory=nvidia.GpuServing)
+    rdma_cdi: bool = False  # name RDMA devices by CDI annotation instead of device nodes
+    cdi_annotation_prefix: str = nvidia.DEFAULT_CDI_ANNOTATION_PREFIX
 
     @classmethod
     def from_config(cls, config: DevicePluginConfig) -> AllocateOptions:
-        """Options taken from the device-plugin config section."""
-        return cls(rdma_mad_devices=config.rdma_mad_devices, gpu_cdi=config.gpu_cdi,
-                   gpu_cdi_kind=config.gpu_cdi_kind)
+        """Options taken from the device-plugin config section (`gpuCdi` adds the cdi-cri strategy)."""
+        strategies = [*config.device_list_strategy, *([nvidia.CDI_CRI] if config.gpu_cdi else [])]
+        gpu = nvidia.GpuServing(device_list_strategy=nvidia.parse_strategies(strategies),
+                                device_id_strategy=config.device_id_strategy,
+                                pass_device_specs=config.pass_device_specs,
+                                cdi_annotation_prefix=config.cdi_annotation_prefix, cdi_kind=config.gpu_cdi_kind)
+        return cls(rdma_mad_devices=config.rdma_mad_devices, gpu=gpu, rdma_cdi=config.rdma_cdi,
+                   cdi_annotation_prefix=config.cdi_annotation_prefix)
 
 
 @dataclass
@@ -83,7 +90,15 @@ def _rdma_paths(device: PoolDevice, options: AllocateOptions) -> list[str]:
 
 def rdma_char_devices(pool: ResourcePool, devices: Sequence[PoolDevice], options: AllocateOptions,
                       payload: ContainerPayload) -> None:
-    """Each RDMA function's own uverbs node plus rdma_cm (umad/issm only with `rdma_mad_devices`), rw."""
+    """Each RDMA function's own uverbs node plus rdma_cm (umad/issm only with `rdma_mad_devices`), rw.
+
+    With `rdma_cdi` the same nodes come from the pool's CDI spec: one annotation names the devices instead.
+    """
+    if options.rdma_cdi:
+        names = [cdi.device_name(pool, d.id) for d in devices if cdi.rdma_nodes(pool, d.id, options.rdma_mad_devices)]
+        if names:
+            payload.annotations[cdi.annotation_key(options.cdi_annotation_prefix, pool)] = ",".join(names)
+        return
     for device in devices:
         for path in _rdma_paths(device, options):
             payload.add_device(path)
@@ -137,13 +152,14 @@ def nccl_ib_hca(pool: ResourcePool, devices: Sequence[PoolDevice], options: Allo
 
 def nvidia_visible_devices(pool: ResourcePool, devices: Sequence[PoolDevice], options: AllocateOptions,
                            payload: ContainerPayload) -> None:
-    """`NVIDIA_VISIBLE_DEVICES` with the GPU UUIDs, plus `<kind>=<UUID>` CDI names when CDI is on."""
-    uuids = [device.id for device in devices if device.gpu is not None]
-    if not uuids:
-        return
-    payload.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(uuids)
-    if options.gpu_cdi:
-        payload.cdi_devices.extend(f"{options.gpu_cdi_kind}={uuid}" for uuid in uuids)
+    """The GPUs as NVIDIA's plugin passes them with the same options (env, mounts, device nodes, CDI)."""
+    part = nvidia.gpu_payload([device.gpu for device in devices if device.gpu is not None], options.gpu)
+    payload.envs.update(part.envs)
+    payload.mounts.extend((container, host, False) for container, host in part.mounts)
+    for container, host in part.devices:
+        payload.add_device(host, container)
+    payload.annotations.update(part.annotations)
+    payload.cdi_devices.extend(part.cdi_devices)
 
 
 NIC_CONTRIBUTORS: tuple[Contributor, ...] = (rdma_char_devices, pcidevice_env, nccl_ib_hca)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 from agent.config.model import DevicePluginConfig, PoolConfig, SelectorConfig
@@ -79,6 +80,8 @@ class PoolScan:
 
     pools: tuple[ResourcePool, ...]
     skipped: tuple[str, ...] = ()
+    # devices left out, by reason: not_ready, default_route, no_uuid, mig (for the metric)
+    not_served: dict[str, int] = field(default_factory=dict, compare=False)
 
     def by_name(self) -> dict[str, ResourcePool]:
         """Pools keyed by full resource name."""
@@ -185,16 +188,47 @@ def matches(selector: SelectorConfig, function: Vf | Nic, pf: Nic) -> bool:
     return all(checks)
 
 
-def _candidates(topology: Topology, skipped: list[str]) -> list[tuple[Vf | Nic, Nic]]:
-    """NIC functions that can be devices: every VF, and each PF that has none unless it is the node's uplink."""
+def not_ready(function: Vf | Nic, pf: Nic) -> str:
+    """Why a NIC function cannot be handed out yet, or "" when it can.
+
+    Advertising a VF before it is configured is a known production failure (OpenShift blocks the SR-IOV device
+    plugin until its config daemon is done; the RDMA shared plugin checks every char device). Ready means: bound
+    to a kernel driver; when it runs its PF's driver on an RDMA NIC, its RDMA device and uverbs node exist (the
+    RDMA driver may load later); an RDMA device always comes with its uverbs node; and the PF's link state is
+    known (its RDMA ports report a state, or it has a netdev).
+    """
+    kind = "VF" if isinstance(function, Vf) else "NIC"
+    if not function.pci.driver:
+        return f"{kind} {function.bus_id} is bound to no driver"
+    if function.rdma is None and pf.rdma is not None and function.pci.driver == pf.pci.driver:
+        return f"{kind} {function.bus_id} has no RDMA device yet ({pf.bus_id} is {pf.rdma})"
+    if function.rdma is not None and not function.chardevs.uverbs:
+        return f"{kind} {function.bus_id} ({function.rdma}) has no uverbs device"
+    if (pf.rdma is not None and not (pf.ports and all(port.state for port in pf.ports))) or \
+            (pf.rdma is None and not pf.netdevs):
+        return f"{kind} {function.bus_id}: link state of {pf.bus_id} is unknown"
+    return ""
+
+
+def _candidates(topology: Topology, skipped: list[str], counts: Counter[str]) -> list[tuple[Vf | Nic, Nic]]:
+    """Ready NIC functions: every VF, and each PF that has none unless it is the node's uplink."""
     found: list[tuple[Vf | Nic, Nic]] = []
     for nic in sorted(topology.nics, key=lambda n: n.bus_id):
+        functions: list[Vf | Nic]
         if nic.vfs:
-            found.extend((vf, nic) for vf in sorted(nic.vfs, key=lambda v: v.bus_id))
+            functions = sorted(nic.vfs, key=lambda v: v.bus_id)
         elif uplinks := sorted(set(nic.netdevs) & topology.default_route_netdevs):
             skipped.append(f"NIC {nic.bus_id} carries the default route ({', '.join(uplinks)})")
+            counts["default_route"] += 1
+            continue
         else:
-            found.append((nic, nic))
+            functions = [nic]
+        for function in functions:
+            if reason := not_ready(function, nic):
+                skipped.append(reason)
+                counts["not_ready"] += 1
+            else:
+                found.append((function, nic))
     return found
 
 
@@ -205,10 +239,11 @@ def build_pools(topology: Topology, config: DevicePluginConfig) -> PoolScan:
     """
     check_config(config)
     skipped: list[str] = []
+    counts: Counter[str] = Counter()
     members: list[list[PoolDevice]] = [[] for _ in config.pools]
-    for function, pf in _candidates(topology, skipped):
+    for function, pf in _candidates(topology, skipped, counts):
         for i, pool in enumerate(config.pools):
-            if matches(pool.selectors, function, pf):
+            if any(matches(selector, function, pf) for selector in (pool.selectors, *pool.selector_list)):
                 members[i].append(PoolDevice(id=function.bus_id, bus_id=function.bus_id, numa=pf.numa,
                                              function=function, pf=pf))
                 break
@@ -219,9 +254,13 @@ def build_pools(topology: Topology, config: DevicePluginConfig) -> PoolScan:
         prefix, _, name = config.gpu_resource_name.rpartition("/")
         gpus = []
         for gpu in sorted(topology.gpus, key=lambda g: g.index):
-            if gpu.uuid:
+            if gpu.mig_enabled:
+                skipped.append(f"GPU {gpu.index} at {gpu.bus_id} is in MIG mode: not served as a whole GPU")
+                counts["mig"] += 1
+            elif gpu.uuid:
                 gpus.append(PoolDevice(id=gpu.uuid, bus_id=gpu.bus_id, numa=gpu.numa, gpu=gpu))
             else:
                 skipped.append(f"GPU {gpu.index} at {gpu.bus_id} has no UUID")
+                counts["no_uuid"] += 1
         pools.append(ResourcePool(prefix=prefix, name=name, kind="gpu", devices=tuple(gpus), topology=topology))
-    return PoolScan(pools=tuple(pools), skipped=tuple(skipped))
+    return PoolScan(pools=tuple(pools), skipped=tuple(skipped), not_served=dict(counts))

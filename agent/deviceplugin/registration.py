@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,8 +60,9 @@ class PluginServer:
     """One gRPC server for one DevicePlugin servicer on `<directory>/<endpoint>`."""
 
     def __init__(self, servicer: DevicePlugin, directory: str, endpoint: str,
-                 stop_grace: float = 0.5) -> None:
+                 stop_grace: float = 0.5, also_serve: Callable[[grpc.aio.Server], None] | None = None) -> None:
         self.servicer = servicer
+        self._also_serve = also_serve  # more services on the same socket (the plugin watcher's Registration)
         self.endpoint = endpoint
         self.path = check_socket_path(Path(directory) / endpoint)
         self._grace = stop_grace
@@ -79,6 +81,8 @@ class PluginServer:
         self.servicer.accept_streams()
         server = grpc.aio.server()
         api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
+        if self._also_serve is not None:
+            self._also_serve(server)
         try:
             if server.add_insecure_port(f"unix://{self.path}") == 0:
                 raise OSError(f"cannot bind {self.path}")

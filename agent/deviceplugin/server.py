@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import grpc
 
+from agent.deviceplugin.devinfo import DeviceInfoError, DeviceInfoWriter
 from agent.deviceplugin.metrics import POLICY_ERROR, AllocationMetrics
 from agent.deviceplugin.payload import AllocateOptions, Contributor, build_container_payload
 from agent.deviceplugin.pools import ResourcePool
@@ -46,8 +47,10 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
                  policy: PreferencePolicy | None = None,
                  contributors: Sequence[Contributor] | None = None, *,
                  on_allocate: AllocationHook | None = None,
-                 metrics: AllocationMetrics | None = None) -> None:
+                 metrics: AllocationMetrics | None = None,
+                 device_info: DeviceInfoWriter | None = None) -> None:
         self._pool = pool
+        self._device_info = device_info
         self._options = options or AllocateOptions()
         self._policy = policy or simple_policy
         self._contributors = contributors
@@ -202,6 +205,12 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
                 log.warning("%s: allocating unhealthy devices %s", self.resource_name, ", ".join(sick))
             found = [device for device in devices if device is not None]
             payload = build_container_payload(self._pool, found, self._options, self._contributors)
+            if self._device_info is not None:
+                try:
+                    self._device_info.write(self._pool, found)
+                except DeviceInfoError as exc:  # as SR-IOV DP: the CNI would miss the device's info
+                    log.error("%s: Allocate failed: %s", self.resource_name, exc)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"{self.resource_name}: {exc}")
             response.container_responses.append(payload.to_proto())
             log.info("%s: allocated %s", self.resource_name, ", ".join(ids))
             if self._on_allocate is not None:

@@ -28,6 +28,7 @@ from agent.dra.sockets import PluginSockets
 from agent.dra.state import PreparedStore
 from agent.kube.errors import ApiError
 from agent.kube.port import ResourceClaimApi, ResourceSliceApi
+from agent.supervisor import Backoff
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class DraService:
     async def run(self, stop: asyncio.Event) -> None:
         """Serve and publish until `stop`."""
         loop = asyncio.get_running_loop()
-        delay = BACKOFF_INITIAL
+        backoff = Backoff(BACKOFF_INITIAL, BACKOFF_MAX)
         self._changed.set()
         next_resync = loop.time()
         try:
@@ -122,14 +123,14 @@ class DraService:
                     self._changed.clear()
                     try:
                         await self.publish()
-                        delay = BACKOFF_INITIAL
+                        backoff.reset()
                         next_resync = loop.time() + self.cfg.resync_seconds
                     except ApiError as exc:
                         self.publishes.labels("error").inc()
+                        delay = backoff.next()
                         log.warning("DRA: publishing ResourceSlices failed (%s); retrying in %.0f s", exc, delay)
                         self._changed.set()
                         await aio.sleep_or_stop(stop, delay)
-                        delay = min(delay * 2, BACKOFF_MAX)
                         continue
                 wait = max(0.0, min(SOCKET_CHECK_SECONDS, next_resync - loop.time()))
                 await aio.wait_any(stop, self._changed, timeout=wait)

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
 from agent import aio
+from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config.netacct import NetacctConfig
 from agent.netacct.backend import Host
 from agent.netacct.collector import NetacctCollector
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from agent.kube.port import PodWatchApi
 
 log = logging.getLogger(__name__)
+
+FOREVER = 365 * 86400.0  # a pod-change wait bounded by the clock's timeout, not its own
 
 
 def default_pod_source(config: NetacctConfig, cluster: Callable[[], PodWatchApi] | None = None) -> PodSource:
@@ -54,13 +57,15 @@ class NetacctService:
     """Network accounting for one node (or one network namespace, given a `Host(netns=...)`)."""
 
     def __init__(self, config: NetacctConfig, registry: CollectorRegistry, pod_source: PodSource | None = None,
-                 *, host: Host | None = None, settle_seconds: float = 0.2, backoff_initial: float = 1.0) -> None:
+                 *, host: Host | None = None, settle_seconds: float = 0.2, backoff_initial: float = 1.0,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
         self.engine = Netacct(config, host)
         self.pods = pod_source if pod_source is not None else default_pod_source(config)
         self.collector = NetacctCollector(self.engine, per_pod=config.per_pod_metrics)
         self.registry = registry
         self.settle_seconds = settle_seconds
+        self.clock = clock
         self.backoff_initial = backoff_initial
         self.synced = asyncio.Event()  # set after each successful sync (tests and readiness)
         registry.register(self.collector)
@@ -83,18 +88,24 @@ class NetacctService:
                     wait = self.config.sync_interval_seconds
                     self.synced.set()
                 if await self._wait(stop, version, wait):
-                    await aio.sleep_or_stop(stop, self.settle_seconds)
+                    await self.clock.wait(stop, self.settle_seconds)
         finally:
             await aio.cancel_and_wait(source)
 
     async def _wait(self, stop: asyncio.Event, version: int, timeout: float) -> bool:
-        """Wait for a pod change, `timeout` or stop; True when the pods changed."""
-        changed = asyncio.create_task(self.pods.wait_changed(version, timeout))
-        stopped = asyncio.create_task(stop.wait())
+        """Wait for a pod change, `timeout` (on the clock) or stop; True when the pods changed."""
+        woke = asyncio.Event()
+
+        async def wake_on(waiting: Awaitable[object]) -> None:
+            await waiting
+            woke.set()
+
+        watchers = [asyncio.create_task(wake_on(self.pods.wait_changed(version, FOREVER))),
+                    asyncio.create_task(wake_on(stop.wait()))]
         try:
-            await asyncio.wait({changed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            await self.clock.wait(woke, timeout)
         finally:
-            await aio.cancel_and_wait(changed, stopped)
+            await aio.cancel_and_wait(*watchers)
         return self.pods.snapshot()[0] != version
 
     def close(self) -> None:

@@ -5,6 +5,13 @@ on `<dir>/kubelet.sock`; on Register it dials the plugin back, reads its options
 stream open (the latest full list per resource; a stream that ends marks the devices Unhealthy); it admits
 containers with the kubelet's call sequence (GetPreferredAllocation, intersect with what is available, fill
 the rest, Allocate); and it restarts the way the kubelet does, deleting every unix socket in the directory.
+
+With `plugins_registry` it also plays the kubelet's plugin watcher (pkg/kubelet/pluginmanager): it notices sockets
+that appear in that directory (names starting with `.` and non-sockets are ignored), calls
+`pluginregistration.Registration/GetInfo`, validates a `DevicePlugin` answer as the device manager's handler does
+(v1beta1 among the versions, an extended resource name), dials `endpoint` and reports the outcome with
+`NotifyRegistrationStatus`; a socket that goes away is deregistered. A restart leaves that directory alone and
+walks it again, as the kubelet does.
 """
 
 from __future__ import annotations
@@ -24,10 +31,13 @@ import grpc
 
 from agent import aio
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.pluginregistration.v1 import api_pb2 as reg_pb2
+from agent.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_VERSIONS = ("v1beta1",)
+WATCH_INTERVAL = 0.05  # the real watcher reacts to inotify events; polling this often is close enough
 
 
 class AdmissionError(RuntimeError):
@@ -72,8 +82,12 @@ class LocalKubelet(api_pb2_grpc.RegistrationServicer):
     """Registration server plus device-manager behaviour in one directory (keep its path short)."""
 
     def __init__(self, directory: str | os.PathLike[str], *, rng: random.Random | None = None,
-                 dial_timeout: float = 10.0) -> None:
+                 dial_timeout: float = 10.0, plugins_registry: str | os.PathLike[str] | None = None) -> None:
         self.directory = Path(directory)
+        self.plugins_registry = Path(plugins_registry) if plugins_registry is not None else None
+        self.watched: dict[str, tuple[int, int]] = {}  # registry socket path -> identity it was registered with
+        self.statuses: list[tuple[str, bool, str]] = []  # (socket, plugin_registered, error) sent to plugins
+        self._watcher: asyncio.Task[None] | None = None
         self.socket_path = str(self.directory / "kubelet.sock")
         self.rng = rng or random.Random()  # noqa: S311 - simulation, not security
         self.dial_timeout = dial_timeout
@@ -112,12 +126,19 @@ class LocalKubelet(api_pb2_grpc.RegistrationServicer):
         await server.start()
         self._server = server
         log.info("stand-in kubelet serving %s", self.socket_path)
+        if self.plugins_registry is not None:
+            self.plugins_registry.mkdir(parents=True, exist_ok=True)
+            self.watched.clear()  # a starting kubelet walks the directory and registers every socket again
+            self._watcher = asyncio.create_task(self._watch_registry(), name="kubelet-plugin-watcher")
 
     async def stop(self) -> None:
         """Stop serving and drop every plugin connection."""
         server, self._server = self._server, None
         if server is not None:
             await server.stop(0)
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            await aio.cancel_and_wait(watcher)
         for view in self.plugins.values():
             await self._drop(view)
 
@@ -142,16 +163,30 @@ class LocalKubelet(api_pb2_grpc.RegistrationServicer):
                        context: grpc.aio.ServicerContext) -> api_pb2.Empty:
         """Check the request, dial the plugin back, read its options and start watching its devices."""
         name = request.resource_name
-        prefix, _, short = name.rpartition("/")
-        problem = ""
-        if request.version not in SUPPORTED_VERSIONS:
-            problem = f"unsupported API version {request.version!r}"
-        elif not prefix or not short or prefix == "kubernetes.io" or prefix.endswith(".kubernetes.io"):
-            problem = f"invalid extended resource name {name!r}"
+        problem = self._problem(name, [request.version])
         if problem:
             self._record(KubeletEvent("rejected", name, detail=problem))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        channel = grpc.aio.insecure_channel(f"unix://{self.directory / request.endpoint}")
+        try:
+            await self._connect(name, str(self.directory / request.endpoint), request.endpoint)
+        except ConnectionError as exc:
+            await context.abort(grpc.StatusCode.UNKNOWN, str(exc))
+        self.registrations.append(request)
+        return api_pb2.Empty()
+
+    @staticmethod
+    def _problem(name: str, versions: Iterable[str]) -> str:
+        """Why the device manager would refuse this registration, or ""."""
+        prefix, _, short = name.rpartition("/")
+        if not set(versions) & set(SUPPORTED_VERSIONS):
+            return f"unsupported API versions {sorted(versions)}"
+        if not prefix or not short or prefix == "kubernetes.io" or prefix.endswith(".kubernetes.io"):
+            return f"invalid extended resource name {name!r}"
+        return ""
+
+    async def _connect(self, name: str, socket: str, endpoint: str, via: str = "kubelet.sock") -> None:
+        """Dial a plugin, read its options and watch its devices; ConnectionError when it cannot be reached."""
+        channel = grpc.aio.insecure_channel(f"unix://{socket}")
         stub = api_pb2_grpc.DevicePluginStub(channel)
         try:
             options = await stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=self.dial_timeout,
@@ -159,18 +194,62 @@ class LocalKubelet(api_pb2_grpc.RegistrationServicer):
         except grpc.aio.AioRpcError as exc:
             await channel.close()
             self._record(KubeletEvent("rejected", name, detail=f"dial-back failed: {exc.details()}"))
-            await context.abort(grpc.StatusCode.UNKNOWN,
-                                f"cannot reach plugin {request.endpoint}: {exc.details()}")
+            raise ConnectionError(f"cannot reach plugin {endpoint}: {exc.details()}") from exc
         old = self.plugins.get(name)
         if old is not None:
             await self._drop(old)
-        view = PluginView(name, request.endpoint, options, channel, stub)
+        view = PluginView(name, endpoint, options, channel, stub)
         self.plugins[name] = view
-        self.registrations.append(request)
         view.task = asyncio.create_task(self._watch(view), name=f"kubelet-watch-{name}")
-        self._record(KubeletEvent("register", name, detail=request.endpoint))
-        log.info("stand-in kubelet: %s registered at %s", name, request.endpoint)
-        return api_pb2.Empty()
+        self._record(KubeletEvent("register", name, detail=f"{endpoint} via {via}"))
+        log.info("stand-in kubelet: %s registered at %s through %s", name, endpoint, via)
+
+    async def _watch_registry(self) -> None:
+        assert self.plugins_registry is not None
+        names: dict[str, str] = {}  # socket path -> resource name registered through it
+        while True:
+            present: dict[str, tuple[int, int]] = {}
+            for entry in os.scandir(self.plugins_registry):
+                info = entry.stat(follow_symlinks=False)
+                if not entry.name.startswith(".") and stat.S_ISSOCK(info.st_mode):
+                    present[entry.path] = (info.st_ino, info.st_ctime_ns)
+            for path in [p for p in self.watched if p not in present]:  # the socket went: DeRegisterPlugin
+                del self.watched[path]
+                view = self.plugins.pop(names.pop(path, ""), None)
+                if view is not None:
+                    await self._drop(view)
+                    self._record(KubeletEvent("deregister", view.resource_name, detail=path))
+            for path, identity in present.items():
+                if self.watched.get(path) != identity:
+                    self.watched[path] = identity
+                    name = await self._register_watched(path)
+                    if name:
+                        names[path] = name
+            await asyncio.sleep(WATCH_INTERVAL)
+
+    async def _register_watched(self, path: str) -> str:
+        """GetInfo, validate, connect, NotifyRegistrationStatus; the resource name when registered."""
+        async with grpc.aio.insecure_channel(f"unix://{path}") as channel:
+            stub = reg_grpc.RegistrationStub(channel)
+            try:
+                info = await stub.GetInfo(reg_pb2.InfoRequest(), timeout=1.0, wait_for_ready=True)
+            except grpc.aio.AioRpcError as exc:
+                self._record(KubeletEvent("rejected", detail=f"{path}: GetInfo failed: {exc.code().name}"))
+                return ""
+            problem = "" if info.type == "DevicePlugin" else f"plugin type {info.type!r} is not handled here"
+            problem = problem or self._problem(info.name, info.supported_versions)
+            if not problem:
+                try:
+                    await self._connect(info.name, info.endpoint or path, info.endpoint or path, via="plugin watcher")
+                except ConnectionError as exc:
+                    problem = str(exc)
+            if problem:
+                self._record(KubeletEvent("rejected", info.name, detail=problem))
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await stub.NotifyRegistrationStatus(
+                    reg_pb2.RegistrationStatus(plugin_registered=not problem, error=problem), timeout=5.0)
+            self.statuses.append((path, not problem, problem))
+            return "" if problem else info.name
 
     async def _watch(self, view: PluginView) -> None:
         detail = "stream ended"

@@ -30,7 +30,8 @@ class SimulatedNode:
 
     def topology(self) -> Topology:
         """Read the written tree back with the real readers."""
-        return load_topology(self.sysfs_root, self.nvml.gpu_uuids(), self.topology_file)
+        return load_topology(self.sysfs_root, self.nvml.gpu_uuids(), self.topology_file,
+                             gpu_minors=self.nvml.gpu_minors(), mig_gpus=self.nvml.mig_gpus())
 
 
 def build_simulated_node(name: str, root: Path) -> SimulatedNode:

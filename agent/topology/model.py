@@ -107,6 +107,8 @@ class Gpu:
     pci: PciInfo
     location: Location
     uuid: str | None = None
+    minor: int | None = None  # N of /dev/nvidiaN, from NVML
+    mig_enabled: bool = False  # MIG mode on: served as MIG devices or not at all, never as a whole GPU
 
     @property
     def bus_id(self) -> str:

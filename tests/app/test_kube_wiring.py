@@ -24,6 +24,7 @@ from agent.netacct.pods import FilePodSource, PodFeed
 from tests.fakes.allowed import assert_only_allowed
 from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
 from tests.fakes.clock import FakeClock
+from tests.fakes.polling import until
 
 NODE = "gpu-node-3"
 
@@ -80,10 +81,7 @@ async def test_remediation_and_netacct_share_one_client_and_one_request_counter(
             return ctx.registry.get_sample_value("gpu_node_agent_apiserver_requests_total",
                                                  {"verb": verb, "code": "200"}) or 0.0
 
-        for _ in range(2000):  # a guard against hangs, not a timing assertion
-            if api.open_watches == 2 and requests("watch") == 2:
-                break
-            await asyncio.sleep(0.005)
+        await until(lambda: api.open_watches == 2 and requests("watch") == 2, "the node and the pod watch")
         assert api.open_watches == 2  # the node watch and the pod watch, on one client
         assert requests("get") >= 1 and requests("list") == 1 and requests("watch") == 2  # on one counter
         assert netacct.pods.snapshot()[1] is not None and len(netacct.pods.snapshot()[1]) == 1

@@ -46,6 +46,7 @@ AGENT_METRICS: dict[str, str] = {
     "gpu_node_agent_dcgm_scrapes_total": "counter {result}",
     "gpu_node_agent_dcgm_unknown_gpus": "gauge",
     "gpu_node_agent_allocations_total": "counter {resource,level}",
+    "gpu_node_agent_devices_not_served": "gauge {reason}: devices found but not advertised",
     "gpu_node_agent_preferred_allocation_failures_total": "counter {resource}",
     "gpu_node_agent_remediation_actions_total": "counter {action,result}",
     "gpu_node_agent_apiserver_requests_total": "counter {verb,code}",

@@ -90,6 +90,9 @@ def test_every_host_path_the_agent_uses_is_mounted_from_the_host(source, tmp_pat
 EXPECTED_HOST_MOUNTS = [
     ("/var/lib/kubelet/device-plugins", "Directory", False),
     ("/var/lib/kubelet/pod-resources", "Directory", True),
+    ("/var/lib/kubelet/plugins_registry", "Directory", False),
+    ("/var/run/k8s.cni.cncf.io/devinfo/dp", "DirectoryOrCreate", False),
+    ("/var/run/cdi", "DirectoryOrCreate", False),
     ("/sys", "Directory", True),
     ("/dev/kmsg", "CharDevice", True),
     ("/run/xtables.lock", "FileOrCreate", False),

@@ -98,7 +98,8 @@ async def kubelet(sockdir: str) -> AsyncIterator[LocalKubelet]:
 
 def dp_config(directory: str, **changes: object) -> DevicePluginConfig:
     """Device-plugin config for tests: GPUs served, sockets in `directory`."""
-    config = DevicePluginConfig(device_plugin_dir=directory, serve_gpus=True)
+    config = DevicePluginConfig(device_plugin_dir=directory, serve_gpus=True,
+                                device_info_dir=f"{directory}/devinfo")
     return replace(config, **changes)
 
 
@@ -109,7 +110,9 @@ async def make_manager() -> AsyncIterator[Callable[..., Awaitable[DevicePluginMa
 
     async def make(config: DevicePluginConfig, topology: Topology | None = None,
                    **options: object) -> DevicePluginManager:
-        manager = DevicePluginManager(config, topology or small_topology(), **{**FAST, **options})
+        defaults = {"plugin_registry_dir": f"{config.device_plugin_dir}/plugins_registry",
+                    "cdi_spec_dir": f"{config.device_plugin_dir}/cdi"}
+        manager = DevicePluginManager(config, topology or small_topology(), **{**FAST, **defaults, **options})
         started.append(manager)
         await manager.start()
         return manager

@@ -16,6 +16,8 @@ from agent.deviceplugin.v1beta1 import api_pb2
 from agent.events import DeviceHealthEvent
 from agent.simulate.kubelet import AdmissionError, LocalKubelet
 from tests.deviceplugin.conftest import FAST, GPU_UUIDS, dp_config, small_topology, without_nic
+from tests.fakes.clock import FakeClock
+from tests.fakes.polling import until
 
 RDMA = "gpunodeagent.io/sriov_rdma"
 GPU = "nvidia.com/gpu"
@@ -92,15 +94,19 @@ async def test_own_socket_deleted_is_reserved(kubelet: LocalKubelet, make_manage
 
 async def test_kubelet_absent_at_start_then_appears(make_manager, sockdir: str,
                                                     caplog: pytest.LogCaptureFixture) -> None:
-    manager = await make_manager(dp_config(sockdir))
-    await asyncio.sleep(0.3)  # several poll intervals with no kubelet
+    clock = FakeClock()
+    manager = await make_manager(dp_config(sockdir), clock=clock)
+    for _ in range(6):  # several poll intervals (0.05 s of fake time each) with no kubelet
+        await clock.advance(0.05)
+        await asyncio.sleep(0.01)
     assert not manager.registered.is_set()
     waiting = [r for r in caplog.records if "waiting for the kubelet" in r.getMessage()]
     assert len(waiting) == 1  # one line per state change, not one per poll
     late = LocalKubelet(sockdir)
     await late.start()
     try:
-        await late.wait_for(lambda: len(late.registrations) == 2, TIMEOUT)
+        await until(lambda: len(late.registrations) == 2, "registration with the late kubelet", TIMEOUT,
+                    clock=clock, step=0.05)
         await asyncio.wait_for(manager.registered.wait(), TIMEOUT)
     finally:
         await late.stop()

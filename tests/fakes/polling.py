@@ -1,6 +1,7 @@
-"""Waiting for asynchronous effects in tests: poll a predicate, fail loudly if it never holds.
+"""The one way tests wait for asynchronous effects: poll a predicate, fail loudly if it never holds.
 
-The timeout is a guard against hangs, never a timing assertion: the figures live in bench/.
+The timeout is a guard against hangs, never a timing assertion: the figures live in bench/. Given a fake
+clock, each poll also moves fake time by `step`, so loops that sleep on the clock make progress.
 """
 
 from __future__ import annotations
@@ -8,13 +9,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from tests.fakes.clock import FakeClock
+
 
 async def until(predicate: Callable[[], object], what: str = "condition", timeout: float = 20.0,
-                interval: float = 0.005) -> None:
-    """Return once `predicate()` is true; AssertionError naming `what` after `timeout` seconds."""
+                interval: float = 0.005, *, clock: FakeClock | None = None, step: float = 0.0) -> None:
+    """Return once `predicate()` is true; AssertionError naming `what` after `timeout` real seconds."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not predicate():
         if loop.time() > deadline:
             raise AssertionError(f"never happened: {what}")
+        if clock is not None and step > 0:
+            await clock.advance(step)
         await asyncio.sleep(interval)

@@ -19,7 +19,6 @@ from agent.host.links import SysfsLinkPort
 from agent.host.nvml import SimulatedNvml
 from agent.simulate import profiles
 from agent.simulate.node import SimulatedNode, build_simulated_node
-from tests.fakes.polling import until
 
 TIMEOUT = 10.0  # generous: "eventually" checks, never timing assertions
 
@@ -35,11 +34,6 @@ def fast_config(kmsg: Path | str, **changes: Any) -> HealthConfig:
 def xid_record(seq: int, bus: str, code: int, text: str = "pid=1, name=python3, test") -> str:
     """One /dev/kmsg record line with a real-format Xid message (bus like `0000:1b:00`)."""
     return f"3,{seq},{1000 + seq},-;NVRM: Xid (PCI:{bus}): {code}, {text}\n"
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = TIMEOUT) -> None:
-    """Poll `predicate` until it holds (the shared helper with this suite's timeout)."""
-    await until(predicate, timeout=timeout, interval=0.01)
 
 
 @pytest.fixture(scope="session")

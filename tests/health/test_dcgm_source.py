@@ -22,8 +22,9 @@ from agent.host.nvml import MemoryHealth
 from agent.simulate.dcgm_exporter import DcgmExporterServer, ExporterGpu, SimulatedDcgmExporter
 from agent.simulate.node import SimulatedNode
 from agent.topology.model import Topology
+from tests.fakes.polling import until
 from tests.fakes.ports import free_port
-from tests.health.conftest import fast_config, wait_until, xid_record
+from tests.health.conftest import fast_config, xid_record
 
 REPLAY = "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL"
 
@@ -104,10 +105,10 @@ async def test_one_xid_in_the_kernel_log_and_dcgm_is_one_count_and_one_action(
     assert verdicts.get_nowait().verdict == "healthy"
     gpu = node.topology().gpus[2]
     kmsg_file.write_text(xid_record(1, gpu.bus_id[:-2], 79, "GPU has fallen off the bus."))
-    await wait_until(lambda: running.health().get(gpu.uuid) is False)
+    await until(lambda: running.health().get(gpu.uuid) is False)
     scrapes = running.service.dcgm.results["ok"]  # type: ignore[union-attr]
     sim.inject_xid(gpu.uuid, 79)  # DCGM saw the same fault, a scrape later
-    await wait_until(lambda: running.service.dcgm.results["ok"] >= scrapes + 3)  # type: ignore[union-attr]
+    await until(lambda: running.service.dcgm.results["ok"] >= scrapes + 3)  # type: ignore[union-attr]
     labels = {"gpu": "2", "uuid": gpu.uuid, "pci_bus_id": gpu.bus_id, "xid": "79"}
     assert running.registry.get_sample_value("gpu_node_agent_xid_errors_total", labels) == 1
     assert [f.key for f in running.service.assessor.book.findings()] == [f"lost:{gpu.uuid}"]
@@ -301,7 +302,7 @@ async def test_xids_dcgm_counted_while_the_agent_was_down_are_acted_on_after_a_r
     assert first.service.verdict.verdict == "healthy"
     sim.inject_xid(gpu.uuid, 48)  # while the agent is down (a rolling update, say)
     second = await start_service(node, config, state_dir=tmp_path / "state")
-    await wait_until(lambda: second.health().get(gpu.uuid) is False)
+    await until(lambda: second.health().get(gpu.uuid) is False)
     assert second.service.verdict.reason == "GpuXid48"
     labels = {"gpu": "6", "uuid": gpu.uuid, "pci_bus_id": gpu.bus_id}
     assert second.registry.get_sample_value("gpu_node_agent_xid_errors_total", {**labels, "xid": "48"}) == 1
@@ -312,5 +313,5 @@ async def test_xids_dcgm_counted_while_the_agent_was_down_are_acted_on_after_a_r
     sim.inject_xid(gpu.uuid, 79)
     third = await start_service(node, config, state_dir=tmp_path / "state")
     scrapes = third.service.dcgm.results["ok"]  # type: ignore[union-attr]
-    await wait_until(lambda: third.service.dcgm.results["ok"] >= scrapes + 2)  # type: ignore[union-attr]
+    await until(lambda: third.service.dcgm.results["ok"] >= scrapes + 2)  # type: ignore[union-attr]
     assert third.service.verdict.verdict == "healthy"

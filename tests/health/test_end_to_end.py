@@ -23,7 +23,8 @@ from agent.health.service import HealthService
 from agent.host.links import SysfsLinkPort
 from agent.simulate.kubelet import LocalKubelet
 from agent.simulate.node import SimulatedNode
-from tests.health.conftest import TIMEOUT, fast_config, wait_until
+from tests.fakes.polling import until
+from tests.health.conftest import TIMEOUT, fast_config
 
 GPU_RESOURCE = "nvidia.com/gpu"
 XID_79 = ("3,{seq},8123456789,-;NVRM: Xid (PCI:{bus}): 79, pid='<unknown>', name=<unknown>, "
@@ -86,7 +87,7 @@ async def test_xid_79_in_kmsg_flips_listandwatch_and_recovery_flips_it_back(
 
         node.nvml.lose_gpu(gpu.uuid)  # what NVML does after Xid 79
         polls = health.nvml_poll.polls
-        await wait_until(lambda: health.nvml_poll.polls >= polls + 2)  # the poller has seen it lost
+        await until(lambda: health.nvml_poll.polls >= polls + 2)  # the poller has seen it lost
         assert _listed(kubelet, GPU_RESOURCE)[gpu.uuid] == "Unhealthy"
         node.nvml.reset_gpu(gpu.uuid)  # the node is power-cycled/reset: NVML answers again
         await kubelet.wait_for(lambda: _listed(kubelet, GPU_RESOURCE)[gpu.uuid] == "Healthy", TIMEOUT)

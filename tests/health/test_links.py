@@ -12,7 +12,8 @@ from agent.host.nvml import SimulatedNvml
 from agent.simulate.node import SimulatedNode
 from agent.topology.load import load_topology
 from agent.topology.model import Nic, Topology
-from tests.health.conftest import fast_config, wait_until
+from tests.fakes.polling import until
+from tests.health.conftest import fast_config
 
 
 def _pf(topology: Topology, index: int = 0) -> Nic:
@@ -64,7 +65,7 @@ async def test_link_flap_marks_the_pfs_vfs_unhealthy_and_back(writable_node: Sim
     vfs = {vf.bus_id for vf in nic.vfs}
     assert len(vfs) == 8
     _set_link(node, nic, up=False)
-    await wait_until(lambda: all(running.health().get(vf) is False for vf in vfs))
+    await until(lambda: all(running.health().get(vf) is False for vf in vfs))
     assert running.health()[nic.bus_id] is False
     assert not {vf.bus_id for vf in other.vfs} & set(running.health())  # only that PF's VFs
     assert running.service.verdict.verdict == "degraded"
@@ -74,7 +75,7 @@ async def test_link_flap_marks_the_pfs_vfs_unhealthy_and_back(writable_node: Sim
                                               "rdma": nic.rdma}) == 0
     assert get("gpu_node_agent_device_healthy", {"resource": "nic_vf", "device": nic.vfs[0].bus_id}) == 0
     _set_link(node, nic, up=True)
-    await wait_until(lambda: all(running.health().get(vf) is True for vf in vfs))
+    await until(lambda: all(running.health().get(vf) is True for vf in vfs))
     assert running.service.verdict.verdict == "healthy"
     assert get("gpu_node_agent_device_healthy", {"resource": "nic_vf", "device": nic.vfs[0].bus_id}) == 1
 
@@ -84,4 +85,4 @@ async def test_link_down_action_is_configurable(writable_node: SimulatedNode, km
     running = await start_service(node, fast_config(kmsg_file, link_down_action="cordon"))
     nic = _pf(node.topology(), 0)
     _set_link(node, nic, up=False)
-    await wait_until(lambda: running.service.verdict.verdict == "cordon")
+    await until(lambda: running.service.verdict.verdict == "cordon")

@@ -22,7 +22,8 @@ from agent.host.nvml import (
     SimulatedNvml,
 )
 from agent.simulate.node import SimulatedNode
-from tests.health.conftest import fast_config, wait_until, xid_record
+from tests.fakes.polling import until
+from tests.health.conftest import fast_config, xid_record
 
 LOST, NOT_SUPPORTED, TIMEOUT_CODE, UNKNOWN = (pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_NOT_SUPPORTED,
                                               pynvml.NVML_ERROR_TIMEOUT, pynvml.NVML_ERROR_UNKNOWN)
@@ -177,7 +178,7 @@ async def test_without_nvml_the_nvml_checks_are_unavailable_and_the_rest_runs(no
     gpu = node.topology().gpus[2]
     with kmsg_file.open("a") as log:
         log.write(xid_record(1, "0000:52:00", 95))
-    await wait_until(lambda: running.health().get(gpu.uuid) is False)
+    await until(lambda: running.health().get(gpu.uuid) is False)
     assert running.service.verdict.verdict == "drain"
 
 
@@ -193,10 +194,10 @@ async def test_lost_gpu_is_unhealthy_until_nvml_answers_again(node: SimulatedNod
     running = await start_service(node, fast_config(kmsg_file))
     uuid = node.topology().gpus[1].uuid
     node.nvml.lose_gpu(uuid)
-    await wait_until(lambda: running.health().get(uuid) is False)
+    await until(lambda: running.health().get(uuid) is False)
     assert running.service.verdict.verdict == "drain"
     node.nvml.reset_gpu(uuid)
-    await wait_until(lambda: running.health().get(uuid) is True)
+    await until(lambda: running.health().get(uuid) is True)
     assert running.service.verdict.verdict == "healthy"
 
 
@@ -204,7 +205,7 @@ async def test_unsupported_calls_skip_their_checks_only(node: SimulatedNode, kms
     gpus = node.topology().gpus
     node.nvml.set_unsupported(gpus[0].uuid, "ecc", "remapped_rows", "events")
     running = await start_service(node, fast_config(kmsg_file))
-    await wait_until(lambda: running.service.nvml_poll.polls >= 2)
+    await until(lambda: running.service.nvml_poll.polls >= 2)
     labels = {"gpu": "0", "uuid": gpus[0].uuid, "pci_bus_id": "0000:1b:00.0"}
     get = running.registry.get_sample_value
     assert get("gpu_node_agent_row_remap_pending", labels) is None
@@ -213,7 +214,7 @@ async def test_unsupported_calls_skip_their_checks_only(node: SimulatedNode, kms
                                                     "pci_bus_id": "0000:43:00.0"}) == 0
     assert running.service.checks["nvml_poll"] == "ok" and running.service.verdict.verdict == "healthy"
     node.nvml.inject_xid(gpus[1].uuid, 48)  # the other GPUs' events still flow
-    await wait_until(lambda: running.health().get(gpus[1].uuid) is False)
+    await until(lambda: running.health().get(gpus[1].uuid) is False)
 
 
 async def test_memory_findings(node: SimulatedNode, kmsg_file, start_service) -> None:
@@ -221,29 +222,29 @@ async def test_memory_findings(node: SimulatedNode, kmsg_file, start_service) ->
     gpus = node.topology().gpus
     a, b = gpus[3].uuid, gpus[4].uuid
     node.nvml.set_memory(a, remap_pending=True)
-    await wait_until(lambda: running.health().get(a) is False)
+    await until(lambda: running.health().get(a) is False)
     assert running.service.verdict.verdict == "cordon"
     labels = {"gpu": "3", "uuid": a, "pci_bus_id": "0000:61:00.0"}
     assert running.registry.get_sample_value("gpu_node_agent_row_remap_pending", labels) == 1
     node.nvml.reset_gpu(a)  # applies the remap
-    await wait_until(lambda: running.health().get(a) is True)
+    await until(lambda: running.health().get(a) is True)
     node.nvml.inject_ecc(b, corrected=5)
-    await wait_until(lambda: running.service.verdict.verdict == "degraded")
+    await until(lambda: running.service.verdict.verdict == "degraded")
     assert b not in running.health()  # degraded is a node verdict, not device health
     ecc = {"gpu": "4", "uuid": b, "pci_bus_id": "0000:9d:00.0", "error_type": "corrected",
            "counter_type": "aggregate"}
-    await wait_until(lambda: running.registry.get_sample_value("gpu_node_agent_ecc_errors_total", ecc) == 5)
+    await until(lambda: running.registry.get_sample_value("gpu_node_agent_ecc_errors_total", ecc) == 5)
 
 
 async def test_volatile_ecc_zeroed_is_a_reset(node: SimulatedNode, kmsg_file, start_service) -> None:
     running = await start_service(node, fast_config(kmsg_file))
     uuid = node.topology().gpus[5].uuid
     node.nvml.inject_ecc(uuid, uncorrected=2)
-    await wait_until(lambda: running.service.nvml_poll.polls >= 2)
+    await until(lambda: running.service.nvml_poll.polls >= 2)
     node.nvml.inject_xid(uuid, 48)
-    await wait_until(lambda: running.health().get(uuid) is False)
+    await until(lambda: running.health().get(uuid) is False)
     polls = running.service.nvml_poll.polls
-    await wait_until(lambda: running.service.nvml_poll.polls >= polls + 2)
+    await until(lambda: running.service.nvml_poll.polls >= polls + 2)
     assert running.health()[uuid] is False  # a reset-class Xid stays until a reset is seen
     node.nvml.reset_gpu(uuid)
-    await wait_until(lambda: running.health().get(uuid) is True)
+    await until(lambda: running.health().get(uuid) is True)

@@ -13,7 +13,8 @@ from agent.health import kmsg_watch
 from agent.health.findings import NodeVerdict
 from agent.simulate.node import SimulatedNode
 from tests.fakes.clock import FakeClock
-from tests.health.conftest import fast_config, wait_until, xid_record
+from tests.fakes.polling import until
+from tests.health.conftest import fast_config, xid_record
 
 
 def _xid_total(running, gpu, code: int) -> float | None:
@@ -42,7 +43,7 @@ async def test_restart_does_not_replay_old_xids(node: SimulatedNode, kmsg_file: 
     assert second.service.verdict.verdict == "drain"
     with kmsg_file.open("a") as log:
         log.write(xid_record(3, "0000:1b:00", 13))
-    await wait_until(lambda: _xid_total(second, gpus[0], 13) == 1)
+    await until(lambda: _xid_total(second, gpus[0], 13) == 1)
 
 
 async def test_reboot_starts_fresh(node: SimulatedNode, kmsg_file: Path, boot_id_file: Path,
@@ -70,7 +71,7 @@ async def test_a_flood_is_counted_and_acted_on_once(node: SimulatedNode, kmsg_fi
         log.writelines(xid_record(10 + i, "0000:d1:00", 45, "pid=7, name=python3, Ch 00000001 caused by previous "
                                   "Xid 149") for i in range(500))
         log.writelines(xid_record(600 + i, "0000:d1:00", 119, "Timeout after 6s waiting for RPC") for i in range(50))
-    await wait_until(lambda: _xid_total(running, gpu, 119) == 50)
+    await until(lambda: _xid_total(running, gpu, 119) == 50)
     assert _xid_total(running, gpu, 45) == 500
     assert [e.healthy for e in running.drain()] == [False]  # one device event
     assert verdicts.qsize() == 1 and verdicts.get_nowait().verdict == "drain"  # one verdict
@@ -88,11 +89,11 @@ async def test_other_line_forms_reach_the_right_gpu(node: SimulatedNode, kmsg_fi
         log.write("3,3,3,-;NVRM: Xid (0000:9d:00): 13, Graphics Exception\n")
         log.write("3,4,4,-;NVRM: Xid (PCI:0000:ee:00): 79, GPU has fallen off the bus.\n")  # not one of ours
         log.write("3,5,5,-;NVRM: Xid (GPU 7): 62, pid=1, PMU halt\n")  # no address at all: not one of ours either
-    await wait_until(lambda: running.health().get(gpus[7].uuid) is False)
-    await wait_until(lambda: running.health().get(gpus[5].uuid) is False)
+    await until(lambda: running.health().get(gpus[7].uuid) is False)
+    await until(lambda: running.health().get(gpus[5].uuid) is False)
     assert _xid_total(running, gpus[4], 13) == 1 and gpus[4].uuid not in running.health()
     # a device that is not an address of this node is a logged skip, never a finding (issue 14)
-    await wait_until(lambda: _skipped(running, "foreign_device") == 2)
+    await until(lambda: _skipped(running, "foreign_device") == 2)
     stranger = {"gpu": "", "uuid": "", "pci_bus_id": "0000:ee:00.0", "xid": "79"}
     assert running.registry.get_sample_value("gpu_node_agent_xid_errors_total", stranger) is None
     assert running.service.verdict.verdict == "drain"
@@ -107,10 +108,10 @@ async def test_remediation_reset_and_listeners(node: SimulatedNode, kmsg_file: P
     running.service.add_listener(lambda verdict: heard.append(verdict.verdict))
     running.service.add_listener(lambda verdict: 1 / 0)  # a broken listener harms no one
     node.nvml.inject_xid(gpu.uuid, 62)
-    await wait_until(lambda: heard == ["drain"])
+    await until(lambda: heard == ["drain"])
     running.service.gpu_reset_done(gpu.uuid)
     assert heard == ["drain", "healthy"]
-    await wait_until(lambda: running.health() == {gpu.uuid: True})
+    await until(lambda: running.health() == {gpu.uuid: True})
 
 
 class _Broken:
@@ -131,11 +132,11 @@ async def test_a_failing_producer_is_restarted_and_the_rest_runs(node: Simulated
     running = await start_service(node, fast_config(kmsg_file), link_port=_Broken())
     assert running.service.checks["links"].startswith("failed: OSError")
     assert running.registry.get_sample_value("gpu_node_agent_health_check_up", {"check": "links"}) == 0
-    await wait_until(lambda: _Broken.calls >= 3)  # retried with backoff
+    await until(lambda: _Broken.calls >= 3)  # retried with backoff
     gpu = node.topology().gpus[0]
     with kmsg_file.open("a") as log:
         log.write(xid_record(1, "0000:1b:00", 79))
-    await wait_until(lambda: running.health().get(gpu.uuid) is False)
+    await until(lambda: running.health().get(gpu.uuid) is False)
 
 
 async def test_a_missing_kmsg_file_is_waited_for(node: SimulatedNode, tmp_path: Path, start_service,
@@ -146,7 +147,7 @@ async def test_a_missing_kmsg_file_is_waited_for(node: SimulatedNode, tmp_path: 
     assert running.service.checks["kmsg"].startswith("unavailable: no such file")
     assert running.service.checks["nvml_poll"] == "ok"
     path.write_text(xid_record(1, "0000:1b:00", 79))
-    await wait_until(lambda: running.health().get(node.topology().gpus[0].uuid) is False)
+    await until(lambda: running.health().get(node.topology().gpus[0].uuid) is False)
     assert running.service.checks["kmsg"] == "ok"
 
 
@@ -163,7 +164,7 @@ async def test_stop_leaves_no_tasks_or_threads(node: SimulatedNode, kmsg_file: P
     assert any(t.name.startswith("nvml-events") for t in threading.enumerate())
     await running.halt()
     assert asyncio.all_tasks() - before == set()
-    await wait_until(lambda: not any(t.name.startswith("nvml-events") for t in threading.enumerate()))
+    await until(lambda: not any(t.name.startswith("nvml-events") for t in threading.enumerate()))
 
 
 async def test_kmsg_can_be_off(node: SimulatedNode, start_service) -> None:
@@ -181,7 +182,7 @@ async def test_a_character_device_is_followed_by_readiness(node: SimulatedNode, 
         assert running.service.checks["kmsg"] == "ok"
         gpu = node.topology().gpus[3]
         os.write(master, xid_record(7, "0000:61:00", 74).encode())
-        await wait_until(lambda: running.health().get(gpu.uuid) is False)
+        await until(lambda: running.health().get(gpu.uuid) is False)
         await running.halt()
     finally:
         os.close(master)
@@ -192,16 +193,16 @@ async def test_degraded_findings_expire_after_the_hold(node: SimulatedNode, kmsg
     clock = FakeClock(1000.0)
     running = await start_service(node, fast_config(kmsg_file, degraded_hold_seconds=60), clock=clock)
     uuid = node.topology().gpus[0].uuid
-    await wait_until(lambda: running.service.nvml_poll.polls >= 1)
+    await until(lambda: running.service.nvml_poll.polls >= 1)
     node.nvml.inject_ecc(uuid, corrected=1)
-    await wait_until(lambda: running.service.verdict.verdict == "degraded")
+    await until(lambda: running.service.verdict.verdict == "degraded")
     polls = running.service.nvml_poll.polls
-    await wait_until(lambda: running.service.nvml_poll.polls >= polls + 2)  # the poll saw the growth too
+    await until(lambda: running.service.nvml_poll.polls >= polls + 2)  # the poll saw the growth too
     await clock.advance(59)
-    await wait_until(lambda: running.service.nvml_poll.polls >= polls + 4)
+    await until(lambda: running.service.nvml_poll.polls >= polls + 4)
     assert running.service.verdict.verdict == "degraded"
     await clock.advance(2)
-    await wait_until(lambda: running.service.verdict.verdict == "healthy")
+    await until(lambda: running.service.verdict.verdict == "healthy")
 
 
 # A GB200-style NVLink5 burst as NVIDIA's driver writes it: every NVRM line with KERN_CONT, so /dev/kmsg flags each
@@ -240,7 +241,7 @@ async def test_a_real_driver_burst_counts_every_xid_on_every_gpu(node: Simulated
     with kmsg_file.open("a") as log:
         for seq, text in enumerate(_BURST, start=100):
             log.write(f"4,{seq},{437812449 + seq},c;{text.format(**keys)}\n")
-    await wait_until(lambda: _xid_total(running, c, 13) == 3)
+    await until(lambda: _xid_total(running, c, 13) == 3)
     assert _xid_total(running, a, 149) == 1 and _xid_total(running, b, 149) == 1  # the second GPU is not lost
     assert _xid_total(running, a, 154) == 1 and _xid_total(running, b, 154) == 1
     assert _xid_total(running, a, 45) == 2 and _xid_total(running, c, 45) == 1 and _xid_total(running, d, 45) == 1
@@ -260,8 +261,8 @@ async def test_user_space_writes_and_dmesg_multiline_bus_loss(node: SimulatedNod
                   "               NVRM: (PCI ID: 10de:26b5) installed in this system has\n"
                   "               NVRM: fallen off the bus and is not responding to commands.\n"
                   "[ 1843.439662] NVRM: The NVIDIA probe routine failed for 1 device(s).\n")
-    await wait_until(lambda: running.health().get(gpus[6].uuid) is False)
-    await wait_until(lambda: _skipped(running, "not_kernel") == 1)
+    await until(lambda: running.health().get(gpus[6].uuid) is False)
+    await until(lambda: _skipped(running, "not_kernel") == 1)
     assert gpus[0].uuid not in running.health()
 
 

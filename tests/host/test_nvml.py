@@ -54,3 +54,18 @@ def test_real_nvml_normalises_bus_ids_and_skips_lost_gpus(caplog):
 
 def test_simulated_nvml_answers_with_the_profile_uuids():
     assert SimulatedNvml({"0000:1B:00.0": "GPU-x"}).gpu_uuids() == {"0000:1b:00.0": "GPU-x"}
+
+
+def test_real_nvml_reads_minors_and_mig_mode():
+    lib = _library(["00000000:3B:00.0", None, "00000000:86:00.0"])
+    lib.nvmlDeviceGetMinorNumber = lambda h: {0: 2, 2: 0}[h]
+    lib.nvmlDeviceGetMigMode = lambda h: (1, 1) if h == 2 else (0, 1)  # (current, pending) as pynvml returns
+    nvml = RealNvml(lib)
+    assert nvml.gpu_minors() == {"0000:3b:00.0": 2, "0000:86:00.0": 0}
+    assert nvml.mig_gpus() == {"0000:86:00.0"}
+
+
+def test_simulated_nvml_minors_follow_bus_order_and_mig_is_configurable():
+    nvml = SimulatedNvml({"0000:86:00.0": "GPU-b", "0000:1b:00.0": "GPU-a"}, mig=["0000:86:00.0"])
+    assert nvml.gpu_minors() == {"0000:1b:00.0": 0, "0000:86:00.0": 1}
+    assert nvml.mig_gpus() == {"0000:86:00.0"}

@@ -18,6 +18,7 @@ from agent.kube.model import Condition, EventRecord, LeaseView
 from agent.kube.transport import request_verb
 from tests.fakes.apiserver import write_kubeconfig
 from tests.fakes.clock import FakeClock
+from tests.fakes.polling import until
 from tests.kube.conftest import AGENT_NS, NODE, count
 
 
@@ -132,10 +133,9 @@ async def test_watch_by_name_with_bookmarks_until_the_server_timeout(port, api, 
             seen.append(event)
 
     task = asyncio.create_task(consume())
-    await asyncio.sleep(0.05)
+    await until(lambda: api.open_watches == 1, "the watch is open")
     api.admin_patch({"spec": {"unschedulable": True}})
-    while not seen:
-        await asyncio.sleep(0.01)
+    await until(lambda: seen, "the MODIFIED event")
     await clock.advance(301)
     await asyncio.wait_for(task, 5)
     assert [e.type for e in seen] == ["MODIFIED", "BOOKMARK"]

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,20 +14,12 @@ from agent.config.netacct import NetacctConfig
 from agent.netacct.backend import Host
 from agent.netacct.pods import FilePodSource, PodFeed, make_pod
 from agent.netacct.service import NetacctService
+from tests.fakes.polling import until
 from tests.netacct import netns
 from tests.netacct.fakes import FakeHost
 from tests.netacct.netns import INET4, OTHER_POD4, POD4, POD6
 
 TIMEOUT = 10.0  # "eventually" bounds, never timing assertions
-
-
-async def eventually(check: Callable[[], bool], timeout: float = TIMEOUT) -> None:
-    """Poll `check` until it holds."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.05)
 
 
 def write_pods(path: Path, pods: list[dict[str, object]]) -> None:
@@ -51,18 +41,18 @@ async def test_follows_the_pods_file(topology: netns.Topology, tmp_path: Path,
     task = asyncio.create_task(service.run(stop))
     try:
         await asyncio.wait_for(service.synced.wait(), TIMEOUT)
-        await eventually(lambda: netns.members(topology.node, "gna-rx-inet4") == {POD4})
+        await until(lambda: netns.members(topology.node, "gna-rx-inet4") == {POD4})
         netns.flow(topology.inet, INET4, topology.pod, POD4, count=3, size=400)
         labels = {"namespace": "team-a", "pod": "trainer-0", "traffic": "internet"}
         assert registry.get_sample_value("gpu_node_agent_pod_network_receive_bytes_total", labels) == 3 * 428
 
         path.write_text("{not json")  # a broken update keeps the last good pod list
-        await eventually(lambda: "invalid" in caplog.text)
+        await until(lambda: "invalid" in caplog.text)
         assert netns.members(topology.node, "gna-rx-inet4") == {POD4}
         assert registry.get_sample_value("gpu_node_agent_pod_network_receive_bytes_total", labels) == 3 * 428
 
         write_pods(path, [{"namespace": "team-b", "name": "server", "ips": [OTHER_POD4]}])
-        await eventually(lambda: netns.members(topology.node, "gna-rx-inet4") == {OTHER_POD4})
+        await until(lambda: netns.members(topology.node, "gna-rx-inet4") == {OTHER_POD4})
         assert registry.get_sample_value("gpu_node_agent_pod_network_receive_bytes_total", labels) is None
         other = {"namespace": "team-b", "pod": "server", "traffic": "internet"}
         assert registry.get_sample_value("gpu_node_agent_pod_network_receive_bytes_total", other) == 0
@@ -92,7 +82,7 @@ async def test_failed_syncs_are_retried_and_never_end_the_loop(caplog: pytest.Lo
     assert registry.get_sample_value("gpu_node_agent_netacct_sync_failures_total") == 3
     reads = host.reads
     feed.publish([make_pod("ns", "p", ["10.1.2.4"])])  # a pod change syncs at once, not after the interval
-    await eventually(lambda: host.reads > reads)
+    await until(lambda: host.reads > reads)
     stop.set()
     await asyncio.wait_for(task, TIMEOUT)
     service.close()

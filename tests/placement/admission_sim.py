@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from agent.placement.joint import JointAllocator
 from agent.placement.policy import ContainerRequest, DeviceKind, achieved_levels
 from agent.topology.model import Level, Topology
-from bench._nodes import gpu_ids, nic_ids
+from tests.fakes.nodes import gpu_ids, nic_ids
 
 GPU, NIC = DeviceKind.GPU, DeviceKind.NIC
 

@@ -1,6 +1,6 @@
 """Topology builders for the allocation tests: the two reference nodes and random nodes of up to 8 GPUs.
 
-The builders themselves live in `bench/_nodes.py` (the benchmark uses them too); this adds the hypothesis
+The builders themselves live in `tests/fakes/nodes.py` (the benchmark uses them too); this adds the hypothesis
 strategies that draw random PCIe trees: sockets, root complexes, top and lower switches, and GPUs and RDMA
 NIC PFs (1-8 VFs, or none: the PF is then the device) placed on them.
 """
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import strategies as st
 
 from agent.topology.model import Topology
-from bench._nodes import Slot, build_node, dgx_h100_like, pcie_pairs_like
+from tests.fakes.nodes import Slot, build_node, dgx_h100_like, pcie_pairs_like
 
 
 @pytest.fixture(scope="session")

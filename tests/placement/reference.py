@@ -14,7 +14,7 @@ from functools import cache
 from agent.placement.policy import AllocationRequest, DeviceKind
 from agent.placement.score import FIELDS, Mode, Term
 from agent.topology.model import Gpu, Level, Location, Nic, Topology, Vf
-from bench._nodes import gpu_ids, nic_ids
+from tests.fakes.nodes import gpu_ids, nic_ids
 
 LEVELS = (Level.PIX, Level.PXB, Level.PHB, Level.NODE, Level.SYS)
 

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from agent.placement.policy import AllocationRequest, DeviceKind
 from agent.topology.model import Topology
-from bench._nodes import gpu_ids, nic_ids
+from tests.fakes.nodes import gpu_ids, nic_ids
 from tests.placement.conftest import nodes
 
 

@@ -18,7 +18,7 @@ from agent.placement.policy import (
 )
 from agent.simulate.node import simulated_topology
 from agent.topology.model import Level, Topology
-from bench._nodes import nic_ids
+from tests.fakes.nodes import nic_ids
 from tests.placement.admission_sim import GPU, NIC, SimulatedAdmission
 
 

@@ -22,6 +22,7 @@ from tests.fakes import fixtures
 from tests.fakes.allowed import assert_only_allowed as check_allowed
 from tests.fakes.apiserver import ApiServerDouble, Request, write_kubeconfig
 from tests.fakes.clock import FakeClock
+from tests.fakes.polling import until
 
 NODE = fixtures.NODE  # the node the shared API double serves
 AGENT_NS = "gpu-system"
@@ -111,11 +112,7 @@ class Harness:
 
     async def until(self, predicate: Callable[[], bool], what: str = "condition") -> None:
         """Poll `predicate` (a guard against hangs, not a timing assertion)."""
-        for _ in range(1000):
-            if predicate():
-                return
-            await asyncio.sleep(0.005)
-        raise AssertionError(f"never happened: {what}")
+        await until(predicate, what, timeout=5.0)
 
     def actions(self, action: str, result: str) -> float:
         return self.registry.get_sample_value("gpu_node_agent_remediation_actions_total",
@@ -143,10 +140,4 @@ async def harness(api: ApiServerDouble, clock: FakeClock, tmp_path: Path):
     await h.stop()
     assert_only_allowed(api.requests)
     await api.stop()
-    current = asyncio.current_task()
-    for _ in range(100):  # every loop the service started has ended (kopf's no-pending-tasks check)
-        leaked = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
-        if not leaked:
-            break
-        await asyncio.sleep(0.01)
-    assert not leaked, leaked
+    # every loop the service started has ended: the test-wide leak guard (tests/conftest.py) checks it

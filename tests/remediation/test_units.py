@@ -20,6 +20,7 @@ from agent.remediation.events import EventRecorder
 from agent.remediation.metrics import ActionCounter
 from agent.remediation.slots import Slots
 from tests.fakes.clock import FakeClock
+from tests.fakes.polling import until
 
 
 def test_verdicts_validate_and_order():
@@ -150,10 +151,7 @@ async def test_simulated_dry_run_shows_the_decisions_without_a_cluster(caplog):
     stop = asyncio.Event()
     task = asyncio.create_task(service.run(stop))
     await queue.put(NodeVerdict("drain", "GpuXid79", "GPU has fallen off the bus", ("GPU-3",), hardware=True))
-    for _ in range(200):
-        if any(e.reason == "Cordoned" for e in cluster.events):
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: any(e.reason == "Cordoned" for e in cluster.events), "the cordon Event")
     stop.set()
     await asyncio.wait_for(task, 5)
     assert [e.reason for e in cluster.events][:2] == ["Cordoned", "Draining"]
@@ -172,10 +170,7 @@ async def test_the_simulation_also_applies_changes_without_dry_run():
     stop = asyncio.Event()
     task = asyncio.create_task(service.run(stop))
     await queue.put(NodeVerdict("cordon", "GpuXid79", "fell off", hardware=True))
-    for _ in range(200):
-        if cluster.node.unschedulable:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: cluster.node.unschedulable, "the cordon")
     stop.set()
     await asyncio.wait_for(task, 5)
     assert cluster.node.unschedulable and cluster.node.taint("gpunodeagent.io/gpu-unhealthy") is not None

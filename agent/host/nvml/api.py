@@ -68,6 +68,12 @@ class Nvml(Protocol):
     def gpu_uuids(self) -> dict[str, str]:
         """GPU UUIDs keyed by canonical bus id (`0000:3b:00.0`); empty when NVML is unavailable."""
 
+    def gpu_minors(self) -> dict[str, int]:
+        """Device minor numbers (`/dev/nvidia<minor>`) keyed by canonical bus id; empty without NVML."""
+
+    def mig_gpus(self) -> set[str]:
+        """Canonical bus ids of GPUs whose current MIG mode is enabled."""
+
 
 class NvmlEventSet(Protocol):
     """Registered Xid/ECC events of some GPUs. `wait` and `close` belong to one (blocking) thread."""

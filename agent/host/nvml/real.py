@@ -86,6 +86,36 @@ class RealNvml:
                 log.warning("NVML GPU %d skipped: %s", index, exc)
         return found
 
+    def _per_gpu(self, what: str, read: Any) -> dict[str, Any]:
+        """`read(nvml, handle)` for every GPU by canonical bus id; a GPU that errors is skipped with a warning."""
+        nvml = self._init()
+        if nvml is None:
+            return {}
+        found: dict[str, Any] = {}
+        try:
+            count = nvml.nvmlDeviceGetCount()
+        except nvml.NVMLError as exc:
+            log.warning("NVML device count failed: %s", exc)
+            return {}
+        for index in range(count):
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                bus_id = normalize_bus_id(_text(nvml.nvmlDeviceGetPciInfo(handle).busId))
+                found[bus_id] = read(nvml, handle)
+            except (nvml.NVMLError, BusIdError) as exc:
+                if _code(exc) != _NOT_SUPPORTED:
+                    log.warning("NVML GPU %d: no %s: %s", index, what, exc)
+        return found
+
+    def gpu_minors(self) -> dict[str, int]:
+        """nvmlDeviceGetMinorNumber per GPU."""
+        return self._per_gpu("minor number", lambda nvml, handle: int(nvml.nvmlDeviceGetMinorNumber(handle)))
+
+    def mig_gpus(self) -> set[str]:
+        """GPUs whose current MIG mode (nvmlDeviceGetMigMode) is enabled; GPUs without MIG are not."""
+        modes = self._per_gpu("MIG mode", lambda nvml, handle: nvml.nvmlDeviceGetMigMode(handle)[0])
+        return {bus_id for bus_id, current in modes.items() if current == 1}
+
     def _lib(self) -> ModuleType:
         nvml = self._init()
         if nvml is None:

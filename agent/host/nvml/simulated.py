@@ -35,8 +35,9 @@ class SimulatedNvml:
     """NVML for a simulated node: the profile's UUIDs, healthy GPUs, and methods that inject faults."""
 
     def __init__(self, uuids: Mapping[str, str], *, available: bool = True,
-                 unavailable_reason: str = "NVMLError_LibraryNotFound: simulated") -> None:
+                 unavailable_reason: str = "NVMLError_LibraryNotFound: simulated", mig: Iterable[str] = ()) -> None:
         self._uuids = {normalize_bus_id(k): v for k, v in uuids.items()}
+        self._mig = {normalize_bus_id(bus_id) for bus_id in mig}
         self._available = available
         self._reason = "" if available else unavailable_reason
         self._lock = threading.Lock()
@@ -56,6 +57,14 @@ class SimulatedNvml:
     def gpu_uuids(self) -> dict[str, str]:
         """The profile's UUIDs."""
         return dict(self._uuids) if self._available else {}
+
+    def gpu_minors(self) -> dict[str, int]:
+        """Minors in bus-id order, as the driver numbers GPUs it probes in that order."""
+        return {bus_id: minor for minor, bus_id in enumerate(sorted(self._uuids))} if self._available else {}
+
+    def mig_gpus(self) -> set[str]:
+        """The GPUs built with MIG mode on."""
+        return set(self._mig) if self._available else set()
 
     def open_events(self, uuids: Iterable[str]) -> NvmlEventSet:
         """An event set fed by the inject_* methods."""

@@ -2,7 +2,8 @@
 
 No sysfs round trip (that is `agent.simulate`'s job): these are exact, tiny and fast to build, so property
 tests can make thousands of them. Bus ids follow the tree (depth first), so GPU index order is bus order as
-on a real host. Shared by `tests/placement` and `bench/allocation_latency.py`; no pytest here.
+on a real host. Shared by `tests/placement` and `bench/allocation_latency.py` (which puts the repository
+root on sys.path); no pytest here.
 """
 
 from __future__ import annotations

@@ -1,0 +1,218 @@
+"""Read the SR-IOV network device plugin's `config.json` into the agent's own pool config.
+
+An operator replacing `sriov-network-device-plugin` keeps its ConfigMap: `--sriov-dp-config FILE` turns each
+`resourceList` entry into a `PoolConfig` with the same resource name and the same devices, so pods and
+NetworkAttachmentDefinitions that name `intel.com/…` or `nvidia.com/…` resources keep working.
+
+Keys keep the SR-IOV plugin's meaning (k8snetworkplumbingwg/sriov-network-device-plugin:pkg/types/types.go,
+pkg/netdevice/netDeviceProvider.go, README "Config parameters"):
+
+- no `resourcePrefix` means `intel.com` (the plugin's `-resource-prefix` default);
+- `selectors` is one object or a list of objects; a device joins a pool when any object matches, and the first
+  pool in file order that claims it;
+- `isRdma: true` keeps RDMA functions only; `false` is no filter (not "non-RDMA only");
+- keys are matched case-insensitively, as Go's encoding/json does (`"IsRdma"` in the plugin's own per-node
+  example works there and here).
+
+What the agent cannot honour is never dropped silently: a key that would narrow a pool (`ddpProfiles`, `pKeys`,
+`acpiIndexes`, `vdpaType`, `needVhostNet: true`) or a `deviceType` other than `netDevice` is an error that names
+the pool and the key (serving a wider pool than configured would hand out wrong devices); a key that changes no
+device set (`additionalInfo`, unknown keys the plugin itself ignores) is a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from agent.config.model import DevicePluginConfig, PoolConfig, SelectorConfig
+from agent.deviceplugin.pools import PoolConfigError, check_resource_name
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = "intel.com"  # sriov-network-device-plugin's -resource-prefix default
+NET_DEVICE = "netdevice"  # deviceType, compared lower-case
+
+# selector key (lower case) -> SelectorConfig field, for the selectors the agent applies itself
+_LIST_SELECTORS = {
+    "vendors": "vendors",
+    "devices": "devices",
+    "drivers": "drivers",
+    "pciaddresses": "pci_addresses",
+    "pfnames": "pf_names",
+    "rootdevices": "root_devices",
+    "linktypes": "link_types",
+}
+# selectors that narrow a pool in the SR-IOV plugin and that the agent cannot evaluate
+_UNSUPPORTED_SELECTORS = {
+    "acpiindexes": "acpiIndexes",
+    "ddpprofiles": "ddpProfiles",
+    "pkeys": "pKeys",
+    "vdpatype": "vdpaType",
+    "auxtypes": "auxTypes",
+}
+_RESOURCE_KEYS = {"resourcename", "resourceprefix", "devicetype", "excludetopology", "selectors",
+                  "additionalinfo", "selectorobjs"}
+
+
+class SriovConfigError(PoolConfigError):
+    """The SR-IOV device plugin config cannot be served as written; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class SriovConfig:
+    """The pools read from one config.json, and what was ignored (each also logged once as a warning)."""
+
+    pools: tuple[PoolConfig, ...]
+    warnings: tuple[str, ...] = ()
+
+
+def _lower_keys(data: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
+    """lower-case key -> (key as written, value); Go's decoder matches keys case-insensitively."""
+    return {str(key).lower(): (str(key), value) for key, value in data.items()}
+
+
+class _Reader:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.warnings: list[str] = []
+
+    def error(self, where: str, message: str) -> SriovConfigError:
+        return SriovConfigError(f"SR-IOV device plugin config {self.path}: {where}: {message}")
+
+    def warn(self, where: str, message: str) -> None:
+        self.warnings.append(f"{where}: {message}")
+
+    def string_list(self, value: Any, where: str) -> list[str]:
+        if value is None:
+            return []
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise self.error(where, f"expected a list of strings, got {json.dumps(value)[:80]}")
+        return list(value)
+
+    def boolean(self, value: Any, where: str) -> bool:
+        if value is None:
+            return False
+        if not isinstance(value, bool):
+            raise self.error(where, f"expected true or false, got {json.dumps(value)[:40]}")
+        return value
+
+    def selector(self, data: Any, where: str) -> SelectorConfig:
+        if not isinstance(data, Mapping):
+            raise self.error(where, f"a selector object must be a JSON object, got {json.dumps(data)[:80]}")
+        fields: dict[str, Any] = {}
+        for key, (written, value) in _lower_keys(data).items():
+            at = f"{where}.{written}"
+            if key in _LIST_SELECTORS:
+                fields[_LIST_SELECTORS[key]] = self.string_list(value, at)
+            elif key == "isrdma":
+                # true: RDMA functions only; false: no filter, exactly as in the SR-IOV plugin
+                fields["is_rdma"] = True if self.boolean(value, at) else None
+            elif key == "needvhostnet":
+                if self.boolean(value, at):
+                    raise self.error(at, "vhost-net devices are not served by gpu-node-agent; keep this pool on "
+                                         "the SR-IOV device plugin or remove needVhostNet")
+            elif key in _UNSUPPORTED_SELECTORS:
+                if value not in (None, [], ""):
+                    raise self.error(at, f"selector {_UNSUPPORTED_SELECTORS[key]} is not supported by "
+                                         "gpu-node-agent; without it the pool would take devices it should not. "
+                                         "Remove it or keep this pool on the SR-IOV device plugin")
+            else:
+                self.warn(at, "unknown selector, ignored (the SR-IOV device plugin ignores it too)")
+        return SelectorConfig(**fields)
+
+    def selectors(self, value: Any, where: str) -> list[SelectorConfig]:
+        if isinstance(value, list):
+            return [self.selector(item, f"{where}[{i}]") for i, item in enumerate(value)]
+        return [self.selector(value, where)]
+
+    def resource(self, data: Any, index: int) -> PoolConfig | None:
+        where = f"resourceList[{index}]"
+        if not isinstance(data, Mapping):
+            raise self.error(where, f"expected an object, got {json.dumps(data)[:80]}")
+        keys = _lower_keys(data)
+        name = keys.get("resourcename", ("", None))[1]
+        if not isinstance(name, str) or not name:
+            raise self.error(where, "resourceName is required")
+        where = f"{where} ({name})"
+        prefix = keys.get("resourceprefix", ("", None))[1] or DEFAULT_PREFIX
+        if not isinstance(prefix, str):
+            raise self.error(where, f"resourcePrefix must be a string, got {json.dumps(prefix)}")
+        try:
+            check_resource_name(prefix, name)
+        except PoolConfigError as exc:
+            raise self.error(where, str(exc)) from None
+        device_type = keys.get("devicetype", ("", None))[1] or "netDevice"
+        if str(device_type).lower() != NET_DEVICE:
+            raise self.error(where, f"deviceType {device_type!r} is not served by gpu-node-agent (only "
+                                    "netDevice); keep this pool on the SR-IOV device plugin or remove it")
+        for key, (written, value) in keys.items():
+            if key == "additionalinfo" and value:
+                self.warn(f"{where}.{written}", "not supported: the PCIDEVICE_…_INFO variable carries no "
+                                                "extraInfo")
+            elif key == "isrdma":
+                self.warn(f"{where}.{written}", "isRdma belongs inside selectors; at the resource level the "
+                                                "SR-IOV device plugin ignores it, and so does the agent")
+            elif key not in _RESOURCE_KEYS:
+                self.warn(f"{where}.{written}", "unknown key, ignored (the SR-IOV device plugin ignores it too)")
+        raw_selectors = keys.get("selectors", ("", None))[1]
+        if raw_selectors is None or raw_selectors == []:
+            self.warn(where, "no selectors: the SR-IOV device plugin serves no devices for it; not served")
+            return None
+        first, *more = self.selectors(raw_selectors, f"{where}.selectors")
+        return PoolConfig(resource_name=name, resource_prefix=prefix, selectors=first, selector_list=more,
+                          exclude_topology=self.boolean(keys.get("excludetopology", ("", None))[1],
+                                                        f"{where}.excludeTopology"))
+
+    def read(self) -> SriovConfig:
+        try:
+            text = Path(self.path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise SriovConfigError(f"SR-IOV device plugin config {self.path}: cannot read: "
+                                   f"{exc.strerror or exc}") from exc
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SriovConfigError(f"SR-IOV device plugin config {self.path}: not valid JSON: {exc.msg} at "
+                                   f"line {exc.lineno} column {exc.colno}") from None
+        if not isinstance(data, Mapping):
+            raise self.error("top level", "expected an object with resourceList")
+        keys = _lower_keys(data)
+        for key, (written, _) in keys.items():
+            if key != "resourcelist":
+                self.warn(written, "unknown key, ignored")
+        resources = keys.get("resourcelist", ("", None))[1]
+        if not isinstance(resources, list):
+            raise self.error("resourceList", "required, a list of resource objects")
+        pools = [pool for i, item in enumerate(resources) if (pool := self.resource(item, i)) is not None]
+        seen: set[str] = set()
+        for pool in pools:
+            full = f"{pool.resource_prefix}/{pool.resource_name}"
+            if full in seen:
+                raise self.error("resourceList", f"resource {full} is configured twice")
+            seen.add(full)
+        return SriovConfig(pools=tuple(pools), warnings=tuple(self.warnings))
+
+
+def read_config(path: str) -> SriovConfig:
+    """Parse and check one SR-IOV device plugin config.json. Raises SriovConfigError naming file and key."""
+    return _Reader(path).read()
+
+
+def apply(config: DevicePluginConfig) -> DevicePluginConfig:
+    """The device-plugin config with `pools` replaced by the SR-IOV file's pools when `sriov_dp_config` is set.
+
+    Warnings are logged here, once, naming the file.
+    """
+    if not config.sriov_dp_config:
+        return config
+    read = read_config(config.sriov_dp_config)
+    for warning in read.warnings:
+        log.warning("SR-IOV device plugin config %s: %s", config.sriov_dp_config, warning)
+    log.info("SR-IOV device plugin config %s: serving %d pools from it: %s", config.sriov_dp_config,
+             len(read.pools), ", ".join(f"{p.resource_prefix}/{p.resource_name}" for p in read.pools))
+    return replace(config, pools=list(read.pools))

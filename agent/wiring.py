@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from agent.dra.service import DraService
     from agent.kube.port import Cluster
     from agent.netacct.service import NetacctService
+    from agent.ownership.subsystem import OwnershipSubsystem
     from agent.remediation import RemediationService
     from agent.remediation.preflight import PreflightCheck
     from agent.simulate.kubelet import LocalKubelet
@@ -67,6 +68,7 @@ class ClusterPort:
         self.in_cluster = service_account_token.is_file()
         self.in_memory = cfg.topology.simulate is not None and not cfg.api_server.kubeconfig and not self.in_cluster
         self.opened: Cluster | None = None
+        self._failure: Exception | None = None
 
     @property
     def node_name(self) -> str:
@@ -84,11 +86,17 @@ class ClusterPort:
     def get(self) -> Cluster:
         """The client; `ClusterConfigError` without a node name (a real cluster only) or without credentials."""
         if self.opened is None:
-            from agent.kube import open_cluster
+            from agent.kube import ClusterConfigError, open_cluster
 
+            if self._failure is not None:  # every user hears the same answer; the client is made once
+                raise self._failure
             api = self._cfg.api_server
-            self.opened = open_cluster(self.node_name, self._registry, in_memory=self.in_memory,
-                                       kubeconfig=api.kubeconfig, timeout=api.timeout_seconds)
+            try:
+                self.opened = open_cluster(self.node_name, self._registry, in_memory=self.in_memory,
+                                           kubeconfig=api.kubeconfig, timeout=api.timeout_seconds)
+            except ClusterConfigError as exc:
+                self._failure = exc
+                raise
         return self.opened
 
     async def aclose(self) -> None:
@@ -153,8 +161,10 @@ async def _show_sample_allocations(kubelet: LocalKubelet, manager: DevicePluginM
 
 
 def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, readiness: Readiness,
-                  scratch: Path, clock: Clock = SYSTEM_CLOCK) -> tuple[DevicePluginManager, Subsystem]:
-    """Serve the device-plugin resources; in simulate mode bring a stand-in kubelet when none is there."""
+                  scratch: Path, clock: Clock = SYSTEM_CLOCK
+                  ) -> tuple[DevicePluginManager, Subsystem, LocalKubelet | None]:
+    """Serve the device-plugin resources; in simulate mode bring a stand-in kubelet when none is there (returned,
+    so that device ownership reads its records)."""
     from agent.deviceplugin.manager import DevicePluginManager
     from agent.deviceplugin.pools import PoolConfigError
     from agent.deviceplugin.registration import SocketPathError
@@ -177,9 +187,9 @@ def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegis
     except (SocketPathError, PoolConfigError) as exc:  # PoolConfigError: the SR-IOV DP config.json
         raise StartupError(f"device plugin: {exc}") from exc
     readiness.require("device-plugin registered")
+    kubelet = LocalKubelet(directory) if stand_in else None
 
     async def run(stop: asyncio.Event) -> None:
-        kubelet = LocalKubelet(directory) if stand_in else None
         if kubelet is not None:
             log.info("simulate mode: no kubelet at %s, starting a stand-in kubelet there", directory)
             await kubelet.start()
@@ -199,7 +209,7 @@ def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegis
             if kubelet is not None:
                 await kubelet.stop()
 
-    return manager, Subsystem("device-plugin", run, manager.update_topology)
+    return manager, Subsystem("device-plugin", run, manager.update_topology), kubelet
 
 
 def dra(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, cluster: ClusterPort,
@@ -247,9 +257,10 @@ def device_plugin_beside_dra(cfg: AgentConfig) -> AgentConfig:
 
 def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, readiness: Readiness,
            manager: DevicePluginManager | None, verdicts: asyncio.Queue[Any],
-           scratch: Path, dra: DraService | None = None) -> Subsystem:
-    """GPU and NIC health: device health to the device plugin and the DRA driver, node verdicts onto `verdicts`
-    for remediation."""
+           scratch: Path, dra: DraService | None = None,
+           device_health_copies: Sequence[asyncio.Queue[DeviceHealthEvent]] = ()) -> Subsystem:
+    """GPU and NIC health: device health to the device plugin and the DRA driver (and a copy onto each of
+    `device_health_copies`: pod Events), node verdicts onto `verdicts` for remediation."""
     from agent.config.model import AgentConfig as _Defaults
     from agent.health.service import HealthService
 
@@ -280,7 +291,7 @@ def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *,
 
     async def run(stop: asyncio.Event) -> None:
         feeder = asyncio.create_task(feed_remediation())
-        drain = asyncio.create_task(_deliver(events, manager, dra))
+        drain = asyncio.create_task(_deliver(events, manager, dra, device_health_copies))
         try:
             await service.run(stop)
         finally:
@@ -293,15 +304,41 @@ def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *,
 
 
 async def _deliver(queue: asyncio.Queue[DeviceHealthEvent], manager: DevicePluginManager | None,
-                   dra: DraService | None) -> None:
+                   dra: DraService | None, copies: Sequence[asyncio.Queue[DeviceHealthEvent]] = ()) -> None:
     """Device-health events to whoever serves devices: the device plugin, the DRA driver, both or none (then
-    dropped, not queued forever)."""
+    dropped, not queued forever); and a copy to each of `copies` (pod Events)."""
     while True:
         event = await queue.get()
         if manager is not None:
             manager.health_events.put_nowait(event)
         if dra is not None:
             dra.set_device_health(event.device_id, event.healthy, event.reason)
+        for copy in copies:
+            copy.put_nowait(event)
+
+
+def ownership(cfg: AgentConfig, registry: CollectorRegistry, cluster: ClusterPort,
+              kubelet: LocalKubelet | None) -> OwnershipSubsystem:
+    """Who holds which device: the kubelet's PodResources API (the stand-in kubelet's records when the agent
+    brought one), pod specs from the own-node pod watch and pod Events when the API server is reachable."""
+    from agent.host.podresources import PodResourcesPort, Reachability
+    from agent.host.podresources.simulated import InMemoryPodResources
+    from agent.kube.errors import ClusterConfigError
+    from agent.ownership.subsystem import OwnershipSubsystem, open_port
+
+    pc = cfg.pod_resources
+    port: PodResourcesPort
+    if kubelet is not None:
+        port = InMemoryPodResources(kubelet.records, Reachability(registry, "the stand-in kubelet"))
+    else:
+        port = open_port(pc.socket, registry)
+    try:
+        api: Cluster | None = cluster.get()
+    except ClusterConfigError as exc:
+        log.info("device ownership without pod specs or pod Events: %s", exc)
+        api = None
+    return OwnershipSubsystem(port, registry, cluster=api, poll_interval=pc.poll_interval_seconds,
+                              lookup_timeout=pc.lookup_timeout_seconds)
 
 
 def _preflight_probes(hardware: Hardware) -> list[PreflightCheck]:
@@ -355,6 +392,7 @@ class Wiring:
     cluster: ClusterPort
     subsystems: list[Subsystem] = field(default_factory=list)
     device_plugin: DevicePluginManager | None = None
+    ownership: OwnershipSubsystem | None = None
     dra: DraService | None = None
     remediation: RemediationService | None = None
     netacct: NetacctService | None = None
@@ -375,14 +413,20 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
     wiring = Wiring(cluster or ClusterPort(cfg, registry))
     verdicts: asyncio.Queue[Any] = asyncio.Queue()  # node verdicts, health -> remediation
     cfg = device_plugin_beside_dra(cfg)
+    kubelet = None
     if cfg.device_plugin.enabled:
-        wiring.device_plugin, served = device_plugin(cfg, hardware, registry, readiness=readiness, scratch=scratch)
+        wiring.device_plugin, served, kubelet = device_plugin(cfg, hardware, registry, readiness=readiness,
+                                                              scratch=scratch)
         wiring.subsystems.append(served)
     if cfg.dra.enabled:
         wiring.dra, driver = dra(cfg, hardware, registry, cluster=wiring.cluster, scratch=scratch)
         wiring.subsystems.append(driver)
+    if cfg.pod_resources.socket:
+        wiring.ownership = ownership(cfg, registry, wiring.cluster, kubelet)
+        wiring.subsystems.append(Subsystem("ownership", wiring.ownership.run))
+    copies = [wiring.ownership.health_changes] if wiring.ownership is not None else []
     wiring.subsystems.append(health(cfg, hardware, registry, readiness=readiness, manager=wiring.device_plugin,
-                                    verdicts=verdicts, scratch=scratch, dra=wiring.dra))
+                                    verdicts=verdicts, scratch=scratch, dra=wiring.dra, device_health_copies=copies))
     if cfg.remediation.enabled or wiring.cluster.in_memory:  # the in-memory node: remediation is part of the demo
         wiring.remediation = remediation(cfg, hardware, registry, verdicts=verdicts, cluster=wiring.cluster)
         wiring.subsystems.append(Subsystem("remediation", wiring.remediation.run))

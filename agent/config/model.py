@@ -183,6 +183,28 @@ class DevicePluginConfig:
 
 
 @dataclass
+class PodResourcesConfig:
+    """The kubelet's PodResources API: which container holds which device."""
+
+    socket: str = setting("/var/lib/kubelet/pod-resources/kubelet.sock", flag="--pod-resources-socket",
+                          env="GPU_NODE_AGENT_POD_RESOURCES_SOCKET",
+                          help="the kubelet's PodResources v1 socket (mount its directory, not the socket, so "
+                               "the agent sees it again after a kubelet restart); \"\" turns its use off")
+    poll_interval_seconds: float = setting(10.0, help="seconds between reads of who holds which device (metrics, "
+                                                      "free devices after a restart)")
+    lookup_timeout_seconds: float = setting(
+        0.005, help="deadline of the PodResources lookup inside a GetPreferredAllocation call; on time-out the "
+                    "agent answers with its own policy")
+
+    def check(self) -> None:
+        """An absolute socket path and positive intervals."""
+        if self.socket and not self.socket.startswith("/"):
+            raise ValueError(f"socket: {self.socket!r} must be an absolute path")
+        if self.poll_interval_seconds <= 0 or self.lookup_timeout_seconds <= 0:
+            raise ValueError("pollIntervalSeconds and lookupTimeoutSeconds must be positive")
+
+
+@dataclass
 class DraConfig:
     """The DRA driver: GPUs and RDMA functions as ResourceSlices, prepared for pods by the kubelet DRA plugin."""
 
@@ -256,6 +278,8 @@ class AgentConfig:
     topology: TopologyConfig = setting(factory=TopologyConfig, help="hardware model sources")
     device_plugin: DevicePluginConfig = setting(factory=DevicePluginConfig, help="kubelet device plugin")
     api_server: ApiServerConfig = setting(factory=ApiServerConfig, help="Kubernetes API server access")
+    pod_resources: PodResourcesConfig = setting(factory=PodResourcesConfig,
+                                                help="kubelet PodResources API (device ownership)")
     dra: DraConfig = setting(factory=DraConfig, help="DRA driver (ResourceSlices, kubelet DRA plugin)")
     health: HealthConfig = setting(factory=HealthConfig, help="GPU and NIC health checks")
     remediation: RemediationConfig = setting(factory=RemediationConfig, help="actions on this node's API objects")

@@ -13,6 +13,7 @@ hence the pinned lightkube minor version. One `LightkubeCluster` serves every su
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -197,21 +198,35 @@ class LightkubeCluster:
     async def write_event(self, event: EventRecord) -> EventRecord:
         """Create a core/v1 Event on the Node, or fold a repeat into it (count, lastTimestamp)."""
         last = format_time(event.last_time)
+
+        def namespace() -> str:  # an Event lives in its object's namespace (a Pod's), the Node's in the configured one
+            involved = event.involved
+            return self._event_ns if involved is None else url_segment(involved.namespace, namespace=True)
+
         if event.name:
             body = {"count": event.count, "lastTimestamp": last, "message": event.message}
-            await self._do(lambda: self._client.patch(Event, url_segment(event.name), body,
-                                                      namespace=self._event_ns, patch_type=PatchType.MERGE))
+            await self._do(lambda: self._client.patch(Event, url_segment(event.name), body, namespace=namespace(),
+                                                      patch_type=PatchType.MERGE))
             return event
         created = await self._do(lambda: self._client.create(
-            Event.from_dict(self._event_body(event)), namespace=self._event_ns))
-        return EventRecord(event.reason, event.message, event.type, created.metadata.name, event.count,
-                           event.first_time, event.last_time)
+            Event.from_dict(self._event_body(event, namespace())), namespace=namespace()))
+        return dataclasses.replace(event, name=created.metadata.name)
 
-    def _event_body(self, event: EventRecord) -> dict[str, Any]:
-        return {
-            "metadata": {"generateName": f"{self.node_name}.", "namespace": self._event_namespace},
+    def _event_body(self, event: EventRecord, namespace: str) -> dict[str, Any]:
+        involved = event.involved
+        if involved is None:
             # kubelet names the Node's uid after the node, so `kubectl describe node` lists these Events
-            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": self.node_name},
+            about = {"apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": self.node_name}
+            prefix = self.node_name
+        else:  # `kubectl describe pod` selects Events by the pod's kind, namespace, name and uid
+            about = {"apiVersion": "v1", "kind": involved.kind, "namespace": involved.namespace,
+                     "name": involved.name}
+            if involved.uid:
+                about["uid"] = involved.uid
+            prefix = involved.name
+        return {
+            "metadata": {"generateName": f"{prefix}.", "namespace": namespace},
+            "involvedObject": about,
             "reason": event.reason, "message": event.message, "type": event.type, "count": event.count,
             "firstTimestamp": format_time(event.first_time), "lastTimestamp": format_time(event.last_time),
             "source": {"component": COMPONENT, "host": self.node_name},

@@ -111,8 +111,40 @@ class NodeView:
 
 
 @dataclass(frozen=True)
+class ContainerSpec:
+    """One container of a pod spec as device ownership needs it: which extended resources it asks for.
+
+    `resources`: names with a '/' (device-plugin resources such as nvidia.com/gpu) whose limit (or request,
+    for a spec that sets only requests) is above zero. `init`: an init container; `sidecar`: a restartable
+    init container (restartPolicy Always), which the kubelet lists in PodResources like an app container.
+    """
+
+    name: str
+    resources: frozenset[str] = frozenset()
+    init: bool = False
+    sidecar: bool = False
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], init: bool = False) -> ContainerSpec:
+        """Parse one entry of spec.containers or spec.initContainers."""
+        resources = data.get("resources") or {}
+        wanted = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
+        names = frozenset(str(k) for k, v in wanted.items() if "/" in str(k) and _positive(v))
+        return cls(name=str(data.get("name") or ""), resources=names, init=init,
+                   sidecar=init and data.get("restartPolicy") == "Always")
+
+
+def _positive(quantity: Any) -> bool:
+    """Extended resources are whole numbers; anything else is not a device request."""
+    try:
+        return int(str(quantity)) > 0
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
 class PodView:
-    """What drain and network accounting need of a Pod."""
+    """What drain, network accounting and device ownership need of a Pod."""
 
     namespace: str
     name: str
@@ -123,6 +155,8 @@ class PodView:
     ips: tuple[str, ...] = ()  # status.podIPs (status.podIP when the list is absent), as the server spells them
     host_network: bool = False
     resource_version: str = ""
+    uid: str = ""
+    containers: tuple[ContainerSpec, ...] = ()  # init containers first, then app containers, in spec order
 
     @property
     def key(self) -> tuple[str, str]:
@@ -143,7 +177,9 @@ class PodView:
                    mirror="kubernetes.io/config.mirror" in (meta.get("annotations") or {}),
                    phase=status.get("phase") or "Pending", terminating=bool(meta.get("deletionTimestamp")),
                    ips=ips, host_network=bool(spec.get("hostNetwork")),
-                   resource_version=str(meta.get("resourceVersion") or ""))
+                   resource_version=str(meta.get("resourceVersion") or ""), uid=str(meta.get("uid") or ""),
+                   containers=tuple([ContainerSpec.from_dict(c, init=True) for c in spec.get("initContainers") or ()]
+                                    + [ContainerSpec.from_dict(c) for c in spec.get("containers") or ()]))
 
 
 @dataclass(frozen=True)
@@ -197,8 +233,19 @@ class LeaseView:
 
 
 @dataclass(frozen=True)
+class ObjectRef:
+    """The object an Event is about, when it is not the agent's Node (a Pod: kind, namespace, name, uid)."""
+
+    kind: str
+    namespace: str
+    name: str
+    uid: str = ""
+
+
+@dataclass(frozen=True)
 class EventRecord:
-    """A core/v1 Event about the Node; `name` is set once created, and `count` grows as repeats are folded in."""
+    """A core/v1 Event about the Node (or `involved`); `name` is set once created, and `count` grows as repeats
+    are folded in."""
 
     reason: str
     message: str
@@ -207,6 +254,7 @@ class EventRecord:
     count: int = 1
     first_time: float = 0.0
     last_time: float = 0.0
+    involved: ObjectRef | None = None
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,11 @@ that appear in that directory (names starting with `.` and non-sockets are ignor
 (v1beta1 among the versions, an extended resource name), dials `endpoint` and reports the outcome with
 `NotifyRegistrationStatus`; a socket that goes away is deregistered. A restart leaves that directory alone and
 walks it again, as the kubelet does.
+
+With `pod_resources_socket` it also serves the PodResources v1 API there (`agent.simulate.podresources`) from
+the same device records the admissions write: a pod is listed from the start of its admission, each
+container's devices appear resource by resource as each Allocate returns (so a plugin's preference call for a
+container's second resource sees its first), and a pod's devices go when it ends (`end_pod`).
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ import grpc
 
 from agent import aio
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.host.podresources.simulated import DeviceRecords
 from agent.pluginregistration.v1 import api_pb2 as reg_pb2
 from agent.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from agent.simulate.podresources import PodResourcesServer
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +89,8 @@ class LocalKubelet(api_pb2_grpc.RegistrationServicer):
     """Registration server plus device-manager behaviour in one directory (keep its path short)."""
 
     def __init__(self, directory: str | os.PathLike[str], *, rng: random.Random | None = None,
-                 dial_timeout: float = 10.0, plugins_registry: str | os.PathLike[str] | None = None) -> None:
+                 dial_timeout: float = 10.0, plugins_registry: str | os.PathLike[str] | None = None,
+                 pod_resources_socket: str | os.PathLike[str] | None = None) -> None:
         self.directory = Path(directory)
         self.plugins_registry = Path(plugins_registry) if plugins_registry is not None else None
         self.watched: dict[str, tuple[int, int]] = {}  # registry socket path -> identity it was registered with
@@ -99,6 +107,14 @@ class LocalKubelet(api_pb2_grpc.RegistrationServicer):
         self._server: grpc.aio.Server | None = None
         self._changed = asyncio.Event()
         self._admit_lock = asyncio.Lock()
+        self.records = DeviceRecords(self.allocatable)
+        self.pod_resources = (PodResourcesServer(self.records, pod_resources_socket)
+                              if pod_resources_socket is not None else None)
+        self._pods_admitted = 0
+
+    def allocatable(self) -> dict[str, frozenset[str]]:
+        """Resource -> devices the kubelet considers healthy (GetAllocatableResources)."""
+        return {name: frozenset(view.healthy()) for name, view in self.plugins.items()}
 
     def _record(self, event: KubeletEvent) -> None:
         self.events.append(event)
@@ -125,6 +141,8 @@ class LocalKubelet(api_pb2_grpc.RegistrationServicer):
             raise OSError(f"cannot bind {self.socket_path}")
         await server.start()
         self._server = server
+        if self.pod_resources is not None:
+            await self.pod_resources.start()
         log.info("stand-in kubelet serving %s", self.socket_path)
         if self.plugins_registry is not None:
             self.plugins_registry.mkdir(parents=True, exist_ok=True)
@@ -136,6 +154,8 @@ class LocalKubelet(api_pb2_grpc.RegistrationServicer):
         server, self._server = self._server, None
         if server is not None:
             await server.stop(0)
+        if self.pod_resources is not None:
+            await self.pod_resources.stop()
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             await aio.cancel_and_wait(watcher)
@@ -274,21 +294,47 @@ class LocalKubelet(api_pb2_grpc.RegistrationServicer):
             raise ValueError(f"order {order} must name exactly the requested resources {sorted(requests)}")
         return list(order)
 
-    async def admit(self, requests: dict[str, int], order: list[str] | None = None) -> dict[str, list[str]]:
-        """Allocate devices for one container, resource by resource; returns resource -> device IDs.
+    async def admit(self, requests: dict[str, int], order: list[str] | None = None, *,
+                    pod: tuple[str, str] | None = None, container: str = "main") -> dict[str, list[str]]:
+        """Admit a one-container pod (`pod` = (namespace, name), a fresh name when None): allocate its devices
+        resource by resource; returns resource -> device IDs.
 
-        Raises AdmissionError (nothing stays allocated) when the kubelet would refuse the pod.
+        Raises AdmissionError (nothing stays allocated, the pod is not listed) when the kubelet would refuse it.
         """
+        done = await self.admit_pod(pod, [(container, requests)], orders={container: order} if order else None)
+        return done[container]
+
+    async def admit_pod(self, pod: tuple[str, str] | None, containers: list[tuple[str, dict[str, int]]], *,
+                        orders: Mapping[str, list[str]] | None = None) -> dict[str, dict[str, list[str]]]:
+        """Admit a pod: listed in PodResources at once, then each container in order, each resource in a random
+        order (or `orders[container]`); returns container -> resource -> device IDs."""
         async with self._admit_lock:
-            done: dict[str, list[str]] = {}
+            self._pods_admitted += 1
+            namespace, name = pod or ("default", f"pod-{self._pods_admitted}")
+            self.records.add_pod(namespace, name, [c for c, _ in containers])
+            done: dict[str, dict[str, list[str]]] = {}
             try:
-                for name in self._order(requests, order):
-                    if requests[name] > 0:
-                        done[name] = await self._admit_one(name, requests[name])
+                for container, requests in containers:
+                    done[container] = got = {}
+                    for resource in self._order(requests, (orders or {}).get(container)):
+                        if requests[resource] > 0:
+                            got[resource] = await self._admit_one(resource, requests[resource])
+                            self.records.record(namespace, name, container, resource, got[resource])
             except BaseException:
-                self.release(done)
+                self.records.remove_pod(namespace, name)  # a rejected pod is Failed: no longer active
+                for got in done.values():
+                    self.release(got)
                 raise
             return done
+
+    def end_pod(self, namespace: str, name: str) -> None:
+        """The pod ended: it is no longer listed and its devices are free again."""
+        record = self.records.pods.get((namespace, name))
+        if record is None:
+            return
+        self.records.remove_pod(namespace, name)
+        for devices in record.containers.values():
+            self.release(devices)
 
     async def _admit_one(self, name: str, required: int) -> list[str]:
         view = self.plugins.get(name)
@@ -332,6 +378,10 @@ class LocalKubelet(api_pb2_grpc.RegistrationServicer):
         return chosen
 
     def release(self, allocation: Mapping[str, Iterable[str]]) -> None:
-        """Give devices back (the pod ended)."""
+        """Give devices back (the pod ended); a pod left holding none of its devices is no longer listed."""
         for name, ids in allocation.items():
             self.allocated.get(name, set()).difference_update(ids)
+        for key in [k for k, p in self.records.pods.items() if p.containers and not any(
+                i in self.allocated.get(r, ()) for c in p.containers.values() for r, ids in c.items() for i in ids)]:
+            if any(c for c in self.records.pods[key].containers.values()):
+                self.records.remove_pod(*key)

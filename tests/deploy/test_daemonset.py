@@ -76,7 +76,7 @@ def test_every_host_path_the_agent_uses_is_mounted_from_the_host(source, tmp_pat
     cfg = AgentConfig() if source == "defaults" else _load_configmap_config(tmp_path)
     paths = _paths(cfg)  # dra.pluginDir (empty: /var/lib/kubelet/plugins/<driver>) is the deploy/dra component's
     assert {name for name, _ in paths} >= {"state_dir", "topology.sysfs_root", "device_plugin.device_plugin_dir",
-                                           "health.kmsg"}
+                                           "health.kmsg", "pod_resources.socket"}
     for name, path in paths:
         mount = _mount_for(path)
         assert mount is not None, f"{name} = {path} is not mounted into the container"
@@ -105,6 +105,14 @@ def test_host_mount(path, kind, read_only):
     assert mount is not None, f"{path} is not mounted"
     assert _host_path(mount) == {"path": path, "type": kind}
     assert bool(mount.get("readOnly", False)) is read_only
+
+
+def test_pod_resources_directory_is_mounted_not_the_socket(tmp_path):
+    # the kubelet recreates the socket on restart; a socket mount would keep pointing at the dead inode
+    socket = _load_configmap_config(tmp_path).pod_resources.socket
+    mount = _mount_for(socket)
+    assert mount is not None and mount["mountPath"] == posixpath.dirname(socket)
+    assert _host_path(mount)["type"] == "Directory" and mount["readOnly"] is True
 
 
 def test_no_other_writable_host_paths():

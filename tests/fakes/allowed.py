@@ -14,7 +14,8 @@ def allowed(node: str, lease_namespace: str) -> list[tuple[str, str]]:
         ("PATCH", rf"/api/v1/nodes/{node}/status"),
         ("GET", r"/api/v1/nodes"),  # watch only, checked below
         ("GET", r"/api/v1/pods"), ("POST", r"/api/v1/namespaces/[^/]+/pods/[^/]+/eviction"),
-        ("POST", r"/api/v1/namespaces/default/events"), ("PATCH", r"/api/v1/namespaces/default/events/[^/]+"),
+        # Events about the node live in `default`; Events about a pod in the pod's namespace
+        ("POST", r"/api/v1/namespaces/[^/]+/events"), ("PATCH", r"/api/v1/namespaces/[^/]+/events/[^/]+"),
         ("GET", rf"/apis/coordination.k8s.io/v1/namespaces/{lease_namespace}/leases"),
         ("POST", rf"/apis/coordination.k8s.io/v1/namespaces/{lease_namespace}/leases"),
         ("PUT", rf"/apis/coordination.k8s.io/v1/namespaces/{lease_namespace}/leases/[^/]+"),

@@ -27,7 +27,7 @@ from tests.fakes.apistore import EventsAndLeases, merge_patch
 from tests.fakes.clock import FakeClock
 from tests.fakes.httpdouble import Answer, HttpDouble, Request, status_body
 
-__all__ = ["ApiServerDouble", "Request", "merge_patch", "write_kubeconfig"]
+__all__ = ["ApiServerDouble", "Request", "container_spec", "merge_patch", "write_kubeconfig"]
 
 
 def write_kubeconfig(path: Path, url: str) -> Path:
@@ -40,7 +40,14 @@ def write_kubeconfig(path: Path, url: str) -> Path:
     return path
 
 
+def container_spec(name: str, limits: dict[str, int] | None = None, **extra: Any) -> dict[str, Any]:
+    """One spec.containers entry with extended-resource limits (quantities as the API serialises them)."""
+    return {"name": name, "image": "busybox", "resources": {"limits": {k: str(v) for k, v in (limits or {}).items()}},
+            **extra}
+
+
 class ApiServerDouble(EventsAndLeases, ResourceApi, HttpDouble):
+
     """One node, its pods (and pods of other nodes), Events and Leases, over HTTP."""
 
     def __init__(self, clock: FakeClock, node_name: str = "gpu-node-1") -> None:
@@ -75,14 +82,18 @@ class ApiServerDouble(EventsAndLeases, ResourceApi, HttpDouble):
 
     def add_pod(self, namespace: str, name: str, *, owner: str = "ReplicaSet", mirror: bool = False,
                 phase: str = "Running", node: str | None = None, ips: tuple[str, ...] = (),
-                host_network: bool = False) -> dict[str, Any]:
-        """Create (ADDED) or replace (MODIFIED) a pod, by default on the double's node."""
+                host_network: bool = False, containers: list[dict[str, Any]] | None = None,
+                init_containers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Create (ADDED) or replace (MODIFIED) a pod, by default on the double's node; `containers` are
+        spec.containers entries (name, resources), e.g. from `container_spec`."""
         meta: dict[str, Any] = {"name": name, "namespace": namespace, "uid": f"uid-{namespace}-{name}",
                                 "ownerReferences": [{"kind": owner, "name": "x", "apiVersion": "v1", "uid": "o"}]
                                 if owner else []}
         if mirror:
             meta["annotations"] = {"kubernetes.io/config.mirror": "abc"}
-        spec: dict[str, Any] = {"nodeName": node or self.node_name, "containers": []}
+        spec: dict[str, Any] = {"nodeName": node or self.node_name, "containers": containers or []}
+        if init_containers:
+            spec["initContainers"] = init_containers
         if host_network:
             spec["hostNetwork"] = True
         status: dict[str, Any] = {"phase": phase}

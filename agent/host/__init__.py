@@ -1,0 +1,1 @@
+"""Ports to the machine: everything outside the process that the agent reads, each with a simulated twin."""

@@ -1,0 +1,77 @@
+"""Kubernetes Events on the pods that hold a device that turned Unhealthy, so `kubectl describe pod` says why.
+
+One Warning Event per pod holding the device (reason `GpuDeviceUnhealthy` or `NicDeviceUnhealthy`, the message
+names the device, the container and the finding: Xid or check), with the pod as involvedObject (kind,
+namespace, name and, from the own-node pod watch, uid, which `kubectl describe` selects on). Posted once per
+pod while the device stays Unhealthy; a recovery re-arms it. Written in dry-run too: an Event on a pod changes
+nothing about it, and it is what a dry-run operator wants to see. API errors are logged, never raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from agent.kube.errors import ApiError
+from agent.kube.model import EventRecord, ObjectRef
+from agent.kube.port import EventApi
+from agent.ownership.book import Holder
+from agent.ownership.service import OwnershipService
+
+log = logging.getLogger(__name__)
+
+GPU_REASON = "GpuDeviceUnhealthy"
+NIC_REASON = "NicDeviceUnhealthy"
+
+
+def is_gpu_id(device_id: str) -> bool:
+    """GPU and MIG UUIDs (NVIDIA's and the agent's GPU device IDs); everything else here is a NIC bus id."""
+    return device_id.startswith(("GPU-", "MIG-"))
+
+
+class PodDeviceEvents:
+    """Posts the Events; `events` None means no API access (nothing is posted, holders are still returned)."""
+
+    def __init__(self, events: EventApi | None, ownership: OwnershipService,
+                 now: Callable[[], float] = time.time) -> None:
+        self.events = events
+        self.ownership = ownership
+        self._now = now
+        self._told: set[tuple[str, str, str]] = set()  # (device, namespace, pod) while the device is Unhealthy
+        self.posted = 0
+
+    def device_healthy(self, device_id: str) -> None:
+        """The device recovered: a later fault is reported again."""
+        self._told = {t for t in self._told if t[0] != device_id}
+
+    async def device_unhealthy(self, device_id: str, detail: str) -> tuple[Holder, ...]:
+        """Tell every pod holding `device_id`; returns the holders (for the node condition's message)."""
+        holders = self.ownership.holders(device_id)
+        for pod_key in sorted({(h.namespace, h.pod) for h in holders}):
+            told = (device_id, *pod_key)
+            if told in self._told or self.events is None:
+                continue
+            containers = sorted(h.container for h in holders if (h.namespace, h.pod) == pod_key)
+            if await self._post(device_id, pod_key, containers, detail):
+                self._told.add(told)
+        return holders
+
+    async def _post(self, device_id: str, pod_key: tuple[str, str], containers: list[str], detail: str) -> bool:
+        namespace, name = pod_key
+        spec = self.ownership.pod(namespace, name)
+        kind = "GPU" if is_gpu_id(device_id) else "NIC"
+        message = (f"{kind} {device_id} used by container {', '.join(containers)} is unhealthy: "
+                   f"{detail or 'health check failed'}")
+        now = self._now()
+        record = EventRecord(GPU_REASON if kind == "GPU" else NIC_REASON, message[:1024], "Warning",
+                             first_time=now, last_time=now,
+                             involved=ObjectRef("Pod", namespace, name, spec.uid if spec is not None else ""))
+        assert self.events is not None
+        try:
+            await self.events.write_event(record)
+        except ApiError as exc:
+            log.warning("cannot post %s on pod %s/%s: %s", record.reason, namespace, name, exc)
+            return False
+        self.posted += 1
+        return True

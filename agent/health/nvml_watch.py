@@ -16,6 +16,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from agent import aio
 from agent.health.assess import HealthAssessor
@@ -46,7 +47,8 @@ class NvmlEventWatcher:
         worker = loop.run_in_executor(thread, self._watch, halt, deliver)
         stopper = asyncio.ensure_future(stop.wait())
         try:
-            await asyncio.wait([worker, stopper], return_when=asyncio.FIRST_COMPLETED)
+            racers: list[asyncio.Future[Any]] = [worker, stopper]
+            await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
         finally:
             halt.set()
             await aio.cancel_and_wait(stopper)

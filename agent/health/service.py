@@ -16,6 +16,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -169,7 +170,8 @@ class HealthService:
         waiting = asyncio.ensure_future(asyncio.gather(*(event.wait() for event in ready)))
         stopping = asyncio.ensure_future(stop.wait())
         try:
-            await asyncio.wait([waiting, stopping], return_when=asyncio.FIRST_COMPLETED)
+            racers: list[asyncio.Future[Any]] = [waiting, stopping]
+            await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
         finally:
             waiting.cancel()
             stopping.cancel()

@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from agent.clock import Clock
 from agent.events import NodeVerdict
@@ -189,7 +190,17 @@ def _aws_time(text: str | None) -> float | None:
         return _rfc1123(text)
 
 
-SOURCES = {"azure": AzureSource, "gcp": GcpSource, "aws": AwsSource}
+class MaintenanceSource(Protocol):
+    """One cloud's metadata service: its name and one poll for the events scheduled for this VM."""
+
+    name: str
+
+    async def poll(self, fetch: Fetch, base: str, now: float) -> list[MaintenanceEvent]:
+        """The actionable events known now."""
+        ...
+
+
+SOURCES: dict[str, Callable[[], MaintenanceSource]] = {"azure": AzureSource, "gcp": GcpSource, "aws": AwsSource}
 
 
 def to_verdict(events: list[MaintenanceEvent], now: float, drain_before: float) -> NodeVerdict | None:

@@ -1,8 +1,9 @@
 """The architecture as a test: data flows one way, and only the ports touch the outside world.
 
 Sources (topology, nvml, simulate) never import consumers; the consumers do not import each other except
-through the data they share; pynvml, lightkube, pyroute2 and subprocesses stay inside their ports. Over all imports, lazy ones included, the
-module graph has no cycle and follows the layer order of `../shared/design/architecture.md` (see LAYERS).
+through the data they share; pynvml, lightkube, pyroute2 and subprocesses stay inside their ports. Over all
+imports, lazy ones included, the module graph has no cycle and follows the layer order of
+`../shared/design/architecture.md` (see LAYERS).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def test_subprocesses_run_only_in_the_host_ports_and_the_iptables_port():
 
 
 SOURCES = ("agent.topology", "agent.host", "agent.simulate.profiles", "agent.simulate.sysfs_writer",
-           "agent.simulate.sysfs_tree", "agent.config", "agent.events", "agent.placement")
+           "agent.simulate.sysfs_tree", "agent.config", "agent.signals", "agent.placement")
 CONSUMERS = ("agent.deviceplugin", "agent.dra", "agent.health", "agent.remediation", "agent.netacct", "agent.kube",
              "agent.app", "agent.wiring", "agent.cli")
 
@@ -76,7 +77,7 @@ def test_sources_never_import_consumers(source):
     ("agent.remediation", ("agent.netacct", "agent.health", "agent.deviceplugin")),
     ("agent.netacct", ("agent.remediation", "agent.health", "agent.deviceplugin")),
     ("agent.deviceplugin", ("agent.remediation", "agent.netacct", "agent.health", "agent.kube", "agent.dra")),
-    # health publishes events (agent.events) and verdicts; it never reaches into the subsystems acting on them
+    # health publishes device health and verdicts (agent.signals); it never reaches into the subsystems acting on them
     ("agent.health", ("agent.deviceplugin", "agent.remediation", "agent.netacct", "agent.kube")),
 ])
 def test_consumers_stay_apart(package, forbidden):
@@ -93,6 +94,11 @@ def test_the_model_takes_plain_data_from_the_host_ports():
             bad = {name for name in imports if name == "agent.host.nvml" or name.startswith("agent.host.nvml.")}
             assert not bad, f"{module} imports {bad}"
     assert not any(name.startswith("agent.topology") for name in MODULES["agent.host.nvml.real"])
+
+
+def test_the_health_contract_is_one_module_that_imports_no_agent_code():
+    assert not {name for name in MODULES["agent.signals"] if name.startswith("agent")}
+    assert not (AGENT / "events.py").exists()
 
 
 def test_placement_is_pure_policy_over_the_topology():

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from agent.clock import Clock
-from agent.events import NodeVerdict
+from agent.signals import NodeVerdict, Severity
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ def to_verdict(events: list[MaintenanceEvent], now: float, drain_before: float) 
     message = f"{first.cloud} scheduled {first.kind} {first.event_id} not before {when}".replace("  ", " ")
     if first.description:
         message += f": {first.description}"
-    return NodeVerdict("drain" if drain else "cordon", first.reason, message.strip())
+    return NodeVerdict(Severity.DRAIN if drain else Severity.CORDON, first.reason, message.strip())
 
 
 class MaintenanceWatcher:

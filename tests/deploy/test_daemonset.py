@@ -75,8 +75,7 @@ def test_container_args_are_valid_run_flags_and_point_at_the_mounted_config():
 @pytest.mark.parametrize("source", ["defaults", "configmap"])
 def test_every_host_path_the_agent_uses_is_mounted_from_the_host(source, tmp_path):
     cfg = AgentConfig() if source == "defaults" else _load_configmap_config(tmp_path)
-    # the DRA driver's kubelet directories are mounted by the deploy/dra component (tests/deploy/test_dra_manifests)
-    paths = [(name, path) for name, path in _paths(cfg) if not name.startswith("dra.")]
+    paths = _paths(cfg)  # dra.pluginDir (empty: /var/lib/kubelet/plugins/<driver>) is the deploy/dra component's
     assert {name for name, _ in paths} >= {"state_dir", "topology.sysfs_root", "device_plugin.device_plugin_dir",
                                            "health.kmsg", "pod_resources.socket"}
     for name, path in paths:

@@ -159,7 +159,6 @@ class PodView:
     annotations: tuple[tuple[str, str], ...] = ()  # sorted (key, value) pairs
     containers: tuple[ContainerSpec, ...] = ()  # init containers first, then app containers, in spec order
     labels: tuple[tuple[str, str], ...] = ()  # metadata.labels, sorted (a tuple keeps the view hashable)
-    annotations: tuple[tuple[str, str], ...] = ()  # metadata.annotations, sorted
 
     def label(self, key: str) -> str | None:
         """One metadata.labels value, or None."""
@@ -190,14 +189,13 @@ class PodView:
                    ips=ips, host_network=bool(spec.get("hostNetwork")),
                    resource_version=str(meta.get("resourceVersion") or ""), uid=str(meta.get("uid") or ""),
                    annotations=tuple(sorted((str(k), str(v)) for k, v in (meta.get("annotations") or {}).items())),
-
                    containers=tuple([ContainerSpec.from_dict(c, init=True) for c in spec.get("initContainers") or ()]
                                     + [ContainerSpec.from_dict(c) for c in spec.get("containers") or ()]),
-                   labels=_string_pairs(meta.get("labels")), annotations=_string_pairs(meta.get("annotations")))
+                   labels=_string_pairs(meta.get("labels")))
 
 
 def _string_pairs(data: Any) -> tuple[tuple[str, str], ...]:
-    """A label or annotation map as sorted (key, value) pairs; non-string entries are dropped."""
+    """A label map as sorted (key, value) pairs; non-string entries are dropped."""
     if not isinstance(data, Mapping):
         return ()
     return tuple(sorted((k, v) for k, v in data.items() if isinstance(k, str) and isinstance(v, str)))

@@ -424,6 +424,12 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
     if cfg.pod_resources.socket:
         wiring.ownership = ownership(cfg, registry, wiring.cluster, kubelet)
         wiring.subsystems.append(Subsystem("ownership", wiring.ownership.run))
+        if wiring.device_plugin is not None:
+            from agent.deviceplugin.facts import OwnershipFacts
+
+            manager = wiring.device_plugin
+            manager.use_ownership(OwnershipFacts(wiring.ownership.service, manager.pools,
+                                                 cfg.device_plugin.gpu_resource_name))
     copies = [wiring.ownership.health_changes] if wiring.ownership is not None else []
     wiring.subsystems.append(health(cfg, hardware, registry, readiness=readiness, manager=wiring.device_plugin,
                                     verdicts=verdicts, scratch=scratch, dra=wiring.dra, device_health_copies=copies))

@@ -18,6 +18,7 @@ from collections import Counter
 
 from agent import aio
 from agent.health.assess import HealthAssessor
+from agent.health.checks import Checks, CheckState
 from agent.health.dcgm import XID_LAST, DcgmInterpreter, MalformedScrapeError, Reading, parse_scrape
 from agent.health.findings import GpuRef
 from agent.host.busid import bus_key
@@ -29,12 +30,17 @@ log = logging.getLogger(__name__)
 CHECK = "dcgm"
 
 
+UNKNOWN_NAMED = 3  # foreign GPUs named in the one log line a scrape may add
+
+
 class DcgmWatcher:
     """Scrapes every `interval` seconds; each good scrape's changes go to the assessor."""
 
     def __init__(self, port: DcgmExporterPort, assessor: HealthAssessor, topology: Topology, interval: float, *,
-                 nvlink_errors_per_minute: float = 0.0, pcie_replays_per_minute: float = 8.0) -> None:
+                 nvlink_errors_per_minute: float = 0.0, pcie_replays_per_minute: float = 8.0,
+                 checks: Checks | None = None) -> None:
         self.port = port
+        self.checks = checks if checks is not None else Checks()
         self.assessor = assessor
         self.interval = interval
         self.interpreter = DcgmInterpreter(topology, nvlink_errors_per_minute, pcie_replays_per_minute)
@@ -96,15 +102,20 @@ class DcgmWatcher:
 
     def _ref(self, gpu: Gpu) -> GpuRef:
         # The kernel log's way of naming the GPU, so a DCGM Xid pairs with the kmsg line of the same fault.
-        return self.assessor.gpu_by_kernel_device(bus_key(gpu.bus_id))
+        return self.assessor.names.by_kernel_device(bus_key(gpu.bus_id))
 
     def _unknown(self, unknown: set[str]) -> None:
-        for identity in sorted(unknown - self.unknown_gpus):
-            log.warning("dcgm-exporter shows a GPU that is not on this node: %s; its samples are ignored", identity)
+        """New foreign GPUs are one log line per scrape, naming a few: a page of 60,000 is not 60,000 lines."""
+        new = sorted(unknown - self.unknown_gpus)
+        if new:
+            shown = ", ".join(new[:UNKNOWN_NAMED])
+            more = f" and {len(new) - UNKNOWN_NAMED} more" if len(new) > UNKNOWN_NAMED else ""
+            log.warning("dcgm-exporter shows %d GPU(s) that are not on this node: %s%s; their samples are ignored",
+                        len(new), shown, more)
         self.unknown_gpus = set(unknown)
 
     def _ok(self, reading: Reading) -> None:
-        self.assessor.checks[CHECK] = "ok"
+        self.checks.set(CHECK, CheckState.OK)
         state = f"ok:{reading.xid_metric}"
         if state != self._state:
             log.info("dcgm-exporter %s: scrape ok, %d GPU(s) matched, Xids read from %s%s", self.port.url,
@@ -115,7 +126,7 @@ class DcgmWatcher:
 
     def _failed(self, result: str, message: str) -> bool:
         self.results[result] += 1
-        self.assessor.checks[CHECK] = f"failed: {result}: {message}"
+        self.checks.set(CHECK, CheckState.FAILED, f"{result}: {message}")
         if result != self._state:
             log.warning("dcgm-exporter %s: scrape failed (%s: %s); findings stay as they are, retrying every %g s",
                         self.port.url, result, message, self.interval)

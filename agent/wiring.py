@@ -472,6 +472,8 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
                                     device_health_copies=copies))
     if cfg.remediation.enabled or wiring.cluster.in_memory:  # the in-memory node: remediation is part of the demo
         wiring.remediation = remediation(cfg, hardware, registry, verdicts=verdicts, cluster=wiring.cluster)
+        if wiring.ownership is not None:  # the node condition names the pods holding the affected devices
+            wiring.remediation.engine.pods_of = wiring.ownership.service.pods_holding
         wiring.subsystems.append(Subsystem("remediation", wiring.remediation.run))
     if cfg.netacct.enabled:
         wiring.netacct = netacct(cfg, registry, wiring.cluster)

@@ -80,6 +80,10 @@ class OwnershipService:
         """Containers holding `device_id` in the latest reading (empty when unknown)."""
         return self.latest.holders(device_id) if self.latest is not None else ()
 
+    def pods_holding(self, device_ids: Iterable[str]) -> list[str]:
+        """"namespace/name" of every pod holding one of `device_ids` in the latest reading, sorted."""
+        return sorted({f"{h.namespace}/{h.pod}" for d in device_ids for h in self.holders(d)})
+
     def pod(self, namespace: str, name: str) -> PodView | None:
         """The pod spec from the own-node pod watch, when there is one."""
         specs = self.pod_specs()

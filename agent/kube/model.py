@@ -156,6 +156,7 @@ class PodView:
     host_network: bool = False
     resource_version: str = ""
     uid: str = ""
+    annotations: tuple[tuple[str, str], ...] = ()  # sorted (key, value) pairs
     containers: tuple[ContainerSpec, ...] = ()  # init containers first, then app containers, in spec order
 
     @property
@@ -178,6 +179,8 @@ class PodView:
                    phase=status.get("phase") or "Pending", terminating=bool(meta.get("deletionTimestamp")),
                    ips=ips, host_network=bool(spec.get("hostNetwork")),
                    resource_version=str(meta.get("resourceVersion") or ""), uid=str(meta.get("uid") or ""),
+                   annotations=tuple(sorted((str(k), str(v)) for k, v in (meta.get("annotations") or {}).items())),
+
                    containers=tuple([ContainerSpec.from_dict(c, init=True) for c in spec.get("initContainers") or ()]
                                     + [ContainerSpec.from_dict(c) for c in spec.get("containers") or ()]))
 

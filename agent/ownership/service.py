@@ -44,7 +44,7 @@ class OwnershipService:
         self.poll_interval = poll_interval
         self.lookup_timeout = lookup_timeout
         self.poll_timeout = poll_timeout
-        self._monotonic = monotonic
+        self.monotonic = monotonic
         self.latest: Ownership | None = None
         self.read_at: float | None = None  # monotonic time of `latest`
         self.refreshed = asyncio.Event()
@@ -63,7 +63,7 @@ class OwnershipService:
             log.debug("ownership poll: %s", exc)
             return None
         self.latest = Ownership(containers, allocatable)
-        self.read_at = self._monotonic()
+        self.read_at = self.monotonic()
         self.refreshed.set()
         return self.latest
 

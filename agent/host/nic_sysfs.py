@@ -125,6 +125,7 @@ class NicSysfs:
         self._counter_files: dict[tuple[str, int], tuple[tuple[str, str], ...]] = {}
         self._ports: dict[str, tuple[int, ...]] = {}
         self._upstream: dict[str, tuple[str, ...]] = {}
+        self._link_layer: dict[tuple[str, int], str] = {}
 
     def ports(self, device: str) -> tuple[int, ...]:
         """Port numbers of an RDMA device (cached; () when it has none or is gone)."""
@@ -179,16 +180,21 @@ class NicSysfs:
         if files and not counters:
             self._counter_files.pop((device, port), None)
             return None, f"cannot read the counters under {base}"
-        return PortReading(device, port, _state_name(state).upper(), _state_name(_read(f"{base}/phys_state")),
-                           float(rate.group(1)) if rate else None, (_read(f"{base}/link_layer") or "").strip(),
-                           counters), ""
+        name = _state_name(state).upper()
+        if (device, port) not in self._link_layer:  # fixed for the port's life; the others change
+            self._link_layer[(device, port)] = (_read(f"{base}/link_layer") or "").strip()
+        physical = "LinkUp" if name == "ACTIVE" else _state_name(_read(f"{base}/phys_state"))  # ACTIVE needs LinkUp
+        return PortReading(device, port, name, physical, float(rate.group(1)) if rate else None,
+                           self._link_layer[(device, port)], counters), ""
 
-    def read_link(self, bus_id: str) -> PcieLink | None:
-        """Link width and speed of a function; None when its directory is gone."""
+    def read_link(self, bus_id: str, speed: bool = True) -> PcieLink | None:
+        """Link width (and speed) of a function; None when its directory is gone."""
         base = f"{self.root}/bus/pci/devices/{bus_id}"
         width = _read(f"{base}/current_link_width")
         if width is None and not os.path.isdir(base):
             return None
+        if not speed:
+            return PcieLink(bus_id, _int(width), _int(_read(f"{base}/max_link_width")))
         return PcieLink(bus_id, _int(width), _int(_read(f"{base}/max_link_width")),
                         _speed(_read(f"{base}/current_link_speed")), _speed(_read(f"{base}/max_link_speed")))
 
@@ -216,14 +222,15 @@ class NicSysfs:
                     missing[f"{device}/{number}"] = why
                 else:
                     ports.append(reading)
-        wanted = list(dict.fromkeys(functions))
-        for bus_id in list(wanted):
+        endpoints = list(dict.fromkeys(functions))
+        wanted = list(endpoints)
+        for bus_id in endpoints:
             wanted.extend(b for b in self.upstream_ports(bus_id) if b not in wanted)
         links: list[PcieLink] = []
         aer: dict[str, dict[str, int]] = {}
         present: set[str] = set()
-        for bus_id in wanted:
-            link = self.read_link(bus_id)
+        for i, bus_id in enumerate(wanted):
+            link = self.read_link(bus_id, speed=i < len(endpoints))  # bridges: width only (speed is exported)
             if link is None:
                 continue
             present.add(bus_id)

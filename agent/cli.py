@@ -117,7 +117,7 @@ def _cmd_simulate_dcgm_exporter(args: argparse.Namespace) -> int:
     import socket
     import threading
 
-    from agent.http import parse_address
+    from agent.config.address import parse_address
     from agent.simulate.dcgm_exporter import DcgmExporterServer, SimulatedDcgmExporter
 
     try:

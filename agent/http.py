@@ -18,6 +18,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from agent.config.address import parse_address
+
 log = logging.getLogger(__name__)
 
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
@@ -42,14 +44,6 @@ class _DualStackWSGIServer(_ThreadingWSGIServer):
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("http: " + format, *args)
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """`:9400` -> ("", 9400) meaning every address; `127.0.0.1:0`; `[::1]:9400`. ValueError names the input."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"not a host:port address: {address!r}")
-    return host.strip("[]"), int(port)
 
 
 def _bind(host: str, port: int, app: Callable[..., Iterable[bytes]]) -> WSGIServer:

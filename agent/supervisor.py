@@ -109,6 +109,7 @@ class Supervisor:
         """Register a child before `run()`; `restart=False`: its failure ends the group and is re-raised."""
         self._children.append(_Child(name, run, restart))
         self.failures[name] = 0
+        self._mark(name, False)  # the series exists from the first scrape on; 1 once the child runs
 
     def _mark(self, name: str, up: bool) -> None:
         if self.up is not None:

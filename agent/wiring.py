@@ -15,16 +15,16 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
 from agent import aio
 from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config import AgentConfig
-from agent.events import DeviceHealthEvent
 from agent.host.hardware import Hardware
 from agent.http import Readiness
+from agent.signals import DeviceHealth, DeviceHealthEvent, Latest, NodeVerdict
 from agent.supervisor import RunFn, StartupError
 from agent.topology.model import Topology
 
@@ -161,7 +161,7 @@ async def _show_sample_allocations(kubelet: LocalKubelet, manager: DevicePluginM
 
 
 def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, readiness: Readiness,
-                  scratch: Path, clock: Clock = SYSTEM_CLOCK
+                  scratch: Path, device_health: DeviceHealth, clock: Clock = SYSTEM_CLOCK
                   ) -> tuple[DevicePluginManager, Subsystem, LocalKubelet | None]:
     """Serve the device-plugin resources; in simulate mode bring a stand-in kubelet when none is there (returned,
     so that device ownership reads its records)."""
@@ -182,8 +182,8 @@ def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegis
         dp = dataclasses.replace(dp, device_info_dir=str(scratch / "devinfo"))
         registry_dir, cdi_dir = str(directory / "plugins_registry"), str(scratch / "cdi")
     try:
-        manager = DevicePluginManager(dp, hardware.topology, registry=registry, clock=clock,
-                                      plugin_registry_dir=registry_dir, cdi_spec_dir=cdi_dir)
+        manager = DevicePluginManager(dp, hardware.topology, device_health=device_health, registry=registry,
+                                      clock=clock, plugin_registry_dir=registry_dir, cdi_spec_dir=cdi_dir)
     except (SocketPathError, PoolConfigError) as exc:  # PoolConfigError: the SR-IOV DP config.json
         raise StartupError(f"device plugin: {exc}") from exc
     readiness.require("device-plugin registered")
@@ -256,11 +256,12 @@ def device_plugin_beside_dra(cfg: AgentConfig) -> AgentConfig:
 
 
 def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, readiness: Readiness,
-           manager: DevicePluginManager | None, verdicts: asyncio.Queue[Any],
+           manager: DevicePluginManager | None, device_health: DeviceHealth, verdicts: Latest[NodeVerdict],
            scratch: Path, dra: DraService | None = None,
            device_health_copies: Sequence[asyncio.Queue[DeviceHealthEvent]] = ()) -> Subsystem:
-    """GPU and NIC health: device health to the device plugin and the DRA driver (and a copy onto each of
-    `device_health_copies`: pod Events), node verdicts onto `verdicts` for remediation."""
+    """GPU and NIC health: device health into its one owner (the device plugin reads it; the DRA driver and each
+    of `device_health_copies`, pod Events, are told each flip), the node verdict into `verdicts` for remediation
+    once every check has looked once."""
     from agent.config.model import AgentConfig as _Defaults
     from agent.health.service import HealthService
 
@@ -271,31 +272,27 @@ def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *,
             hc = dataclasses.replace(hc, kmsg="")
         if cfg.state_dir == _Defaults().state_dir:  # a newcomer's laptop: no root-owned state dir
             state_dir = scratch / "state"
-    events: asyncio.Queue[DeviceHealthEvent] = asyncio.Queue()
-
     def resource_of(device_id: str) -> str | None:
         if manager is None:
             return None
         return next((name for name in manager.resources if device_id in manager.plugin(name).pool.ids), None)
 
-    service = HealthService(hc, state_dir, hardware.topology, hardware.nvml, events, registry, hardware.links,
-                            resource_of=resource_of)
+    service = HealthService(hc, state_dir, hardware.topology, hardware.nvml, device_health, registry, hardware.links,
+                            verdicts=verdicts, resource_of=resource_of)
     readiness.require("first health pass")
 
-    async def feed_remediation() -> None:
-        # No verdict before the first full pass: an early "healthy" could uncordon a node with a real fault.
-        await service.first_pass_done.wait()
+    async def ready_after_first_pass() -> None:
+        await service.first_pass_done.wait()  # health publishes its first node verdict at this point too
         readiness.set("first health pass")
-        verdicts.put_nowait(service.verdict.published())
-        service.add_listener(lambda verdict: verdicts.put_nowait(verdict.published()))
 
     async def run(stop: asyncio.Event) -> None:
-        feeder = asyncio.create_task(feed_remediation())
-        drain = asyncio.create_task(_deliver(events, manager, dra, device_health_copies))
+        helpers = [asyncio.create_task(ready_after_first_pass())]
+        if dra is not None or device_health_copies:
+            helpers.append(asyncio.create_task(_relay_flips(device_health, dra, device_health_copies)))
         try:
             await service.run(stop)
         finally:
-            await aio.cancel_and_wait(feeder, drain)
+            await aio.cancel_and_wait(*helpers)
 
     async def on_topology(topology: Topology) -> None:
         service.update_topology(topology)
@@ -303,18 +300,26 @@ def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *,
     return Subsystem("health", run, on_topology)
 
 
-async def _deliver(queue: asyncio.Queue[DeviceHealthEvent], manager: DevicePluginManager | None,
-                   dra: DraService | None, copies: Sequence[asyncio.Queue[DeviceHealthEvent]] = ()) -> None:
-    """Device-health events to whoever serves devices: the device plugin, the DRA driver, both or none (then
-    dropped, not queued forever); and a copy to each of `copies` (pod Events)."""
+async def _relay_flips(device_health: DeviceHealth, dra: DraService | None,
+                       copies: Sequence[asyncio.Queue[DeviceHealthEvent]] = ()) -> None:
+    """Each device-health flip to the DRA driver (which taints its devices) and onto each of `copies` (pod
+    Events); the device plugin reads the owner itself."""
+    seen = 0
+    told: set[str] = set()  # told Unhealthy: only to heal the right devices after falling behind the history
     while True:
-        event = await queue.get()
-        if manager is not None:
-            manager.health_events.put_nowait(event)
-        if dra is not None:
-            dra.set_device_health(event.device_id, event.healthy, event.reason)
-        for copy in copies:
-            copy.put_nowait(event)
+        version = await device_health.wait_newer(seen)
+        flips = device_health.since(seen)
+        seen = version
+        if flips is None:  # fell behind: the current state instead of the flips
+            current = device_health.unhealthy()
+            flips = [DeviceHealthEvent(d, True) for d in told - current.keys()] + \
+                [DeviceHealthEvent(d, False, r) for d, r in current.items()]
+        for event in flips:
+            (told.discard if event.healthy else told.add)(event.device_id)
+            if dra is not None:
+                dra.set_device_health(event.device_id, event.healthy, event.reason)
+            for copy in copies:
+                copy.put_nowait(event)
 
 
 def ownership(cfg: AgentConfig, registry: CollectorRegistry, cluster: ClusterPort,
@@ -349,7 +354,7 @@ def _preflight_probes(hardware: Hardware) -> list[PreflightCheck]:
 
 
 def remediation(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *,
-                verdicts: asyncio.Queue[Any], cluster: ClusterPort) -> RemediationService:
+                verdicts: Latest[NodeVerdict], cluster: ClusterPort) -> RemediationService:
     """Act on this node's API objects (`cluster`: a real API server, or the in-memory node when no credentials
     are given); `--dry-run` only logs and records Events."""
     from agent.kube.errors import ClusterConfigError
@@ -411,12 +416,13 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
           rescan: asyncio.Event, scratch: Path, cluster: ClusterPort | None = None) -> Wiring:
     """Every enabled subsystem, in the order data flows. Raises `StartupError` for a config that cannot run."""
     wiring = Wiring(cluster or ClusterPort(cfg, registry))
-    verdicts: asyncio.Queue[Any] = asyncio.Queue()  # node verdicts, health -> remediation
+    verdicts: Latest[NodeVerdict] = Latest()  # the node verdict, health -> remediation
+    device_health = DeviceHealth()  # Unhealthy devices: health writes, the device plugin reads
     cfg = device_plugin_beside_dra(cfg)
     kubelet = None
     if cfg.device_plugin.enabled:
         wiring.device_plugin, served, kubelet = device_plugin(cfg, hardware, registry, readiness=readiness,
-                                                              scratch=scratch)
+                                                              scratch=scratch, device_health=device_health)
         wiring.subsystems.append(served)
     if cfg.dra.enabled:
         wiring.dra, driver = dra(cfg, hardware, registry, cluster=wiring.cluster, scratch=scratch)
@@ -426,7 +432,8 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
         wiring.subsystems.append(Subsystem("ownership", wiring.ownership.run))
     copies = [wiring.ownership.health_changes] if wiring.ownership is not None else []
     wiring.subsystems.append(health(cfg, hardware, registry, readiness=readiness, manager=wiring.device_plugin,
-                                    verdicts=verdicts, scratch=scratch, dra=wiring.dra, device_health_copies=copies))
+                                    device_health=device_health, verdicts=verdicts, scratch=scratch, dra=wiring.dra,
+                                    device_health_copies=copies))
     if cfg.remediation.enabled or wiring.cluster.in_memory:  # the in-memory node: remediation is part of the demo
         wiring.remediation = remediation(cfg, hardware, registry, verdicts=verdicts, cluster=wiring.cluster)
         wiring.subsystems.append(Subsystem("remediation", wiring.remediation.run))

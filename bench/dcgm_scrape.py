@@ -25,6 +25,7 @@ from agent.health.assess import HealthAssessor
 from agent.health.dcgm import parse_scrape
 from agent.health.dcgm_watch import DcgmWatcher
 from agent.host.dcgm_exporter import HttpDcgmExporter
+from agent.signals import DeviceHealth
 from agent.simulate.dcgm_exporter import DcgmExporterServer, ExporterGpu, SimulatedDcgmExporter
 from agent.simulate.node import simulated_topology
 from agent.topology.model import Topology
@@ -39,7 +40,7 @@ def _exporter(topology: Topology, mig: bool) -> SimulatedDcgmExporter:
 async def _measure(topology: Topology, mig: bool, rounds: int) -> None:
     exporter = _exporter(topology, mig)
     with DcgmExporterServer(exporter) as server:
-        assessor = HealthAssessor(HealthConfig(kmsg="", dcgm_exporter_url=server.url), topology, asyncio.Queue(),
+        assessor = HealthAssessor(HealthConfig(kmsg="", dcgm_exporter_url=server.url), topology, DeviceHealth(),
                                   time.monotonic)
         port = HttpDcgmExporter(server.url, 5.0)
         watcher = DcgmWatcher(port, assessor, topology, 15.0, nvlink_errors_per_minute=1e9,

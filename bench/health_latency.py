@@ -26,9 +26,9 @@ from prometheus_client import CollectorRegistry
 from agent.config.health import HealthConfig
 from agent.config.model import DevicePluginConfig
 from agent.deviceplugin.manager import DevicePluginManager
-from agent.events import DeviceHealthEvent
 from agent.health.service import HealthService
 from agent.host.links import SysfsLinkPort
+from agent.signals import DeviceHealth
 from agent.simulate.kubelet import LocalKubelet
 from agent.simulate.node import build_simulated_node
 
@@ -59,10 +59,10 @@ async def run(trials: int, profile: str, file_poll_interval: float, device: bool
         boot_id.write_text("bench\n")
         kubelet = LocalKubelet(work / "dp")
         await kubelet.start()
-        events: asyncio.Queue[DeviceHealthEvent] = asyncio.Queue()
+        device_health = DeviceHealth()
         manager = DevicePluginManager(DevicePluginConfig(device_plugin_dir=str(work / "dp"), serve_gpus=True),
-                                      topology, health_events=events, poll_interval=0.05)
-        health = HealthService(HealthConfig(kmsg=str(kmsg)), work / "state", topology, node.nvml, events,
+                                      topology, device_health=device_health, poll_interval=0.05)
+        health = HealthService(HealthConfig(kmsg=str(kmsg)), work / "state", topology, node.nvml, device_health,
                                CollectorRegistry(), SysfsLinkPort(node.sysfs_root), boot_id_path=boot_id,
                                kmsg_file_poll_interval=file_poll_interval)
         stop = asyncio.Event()

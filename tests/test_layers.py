@@ -1,7 +1,9 @@
 """The architecture as a test: data flows one way, and only the ports touch the outside world.
 
 Sources (topology, nvml, simulate) never import consumers; the consumers do not import each other except
-through the data they share; pynvml, lightkube, pyroute2 and subprocesses stay inside their ports.
+through the data they share; pynvml, lightkube, pyroute2 and subprocesses stay inside their ports. Over all
+imports, lazy ones included, the module graph has no cycle and follows the layer order of
+`../shared/design/architecture.md` (see LAYERS).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def test_subprocesses_run_only_in_the_host_ports_and_the_iptables_port():
 
 
 SOURCES = ("agent.topology", "agent.host", "agent.simulate.profiles", "agent.simulate.sysfs_writer",
-           "agent.simulate.sysfs_tree", "agent.config", "agent.events", "agent.placement")
+           "agent.simulate.sysfs_tree", "agent.config", "agent.signals", "agent.placement")
 CONSUMERS = ("agent.deviceplugin", "agent.dra", "agent.health", "agent.remediation", "agent.netacct", "agent.kube",
              "agent.app", "agent.wiring", "agent.cli")
 
@@ -75,7 +77,7 @@ def test_sources_never_import_consumers(source):
     ("agent.remediation", ("agent.netacct", "agent.health", "agent.deviceplugin")),
     ("agent.netacct", ("agent.remediation", "agent.health", "agent.deviceplugin")),
     ("agent.deviceplugin", ("agent.remediation", "agent.netacct", "agent.health", "agent.kube", "agent.dra")),
-    # health publishes events (agent.events) and verdicts; it never reaches into the subsystems acting on them
+    # health publishes device health and verdicts (agent.signals); it never reaches into the subsystems acting on them
     ("agent.health", ("agent.deviceplugin", "agent.remediation", "agent.netacct", "agent.kube")),
 ])
 def test_consumers_stay_apart(package, forbidden):
@@ -92,6 +94,11 @@ def test_the_model_takes_plain_data_from_the_host_ports():
             bad = {name for name in imports if name == "agent.host.nvml" or name.startswith("agent.host.nvml.")}
             assert not bad, f"{module} imports {bad}"
     assert not any(name.startswith("agent.topology") for name in MODULES["agent.host.nvml.real"])
+
+
+def test_the_health_contract_is_one_module_that_imports_no_agent_code():
+    assert not {name for name in MODULES["agent.signals"] if name.startswith("agent")}
+    assert not (AGENT / "events.py").exists()
 
 
 def test_placement_is_pure_policy_over_the_topology():
@@ -121,3 +128,138 @@ def test_the_supervisor_and_the_clock_sit_below_every_subsystem():
     for module in ("agent.supervisor", "agent.clock", "agent.kube.reflector"):
         agent_imports = {name for name in MODULES[module] if name.startswith("agent")}
         assert agent_imports <= {"agent.clock", "agent.supervisor", "agent.kube.errors", "agent.kube.model"}, module
+
+
+# --- the whole import graph: every import counts (lazy ones in functions and TYPE_CHECKING ones included) ---
+
+GENERATED_PARTS = {"v1beta1", "v1", "v1alpha1"}  # protobuf packages: data shared by whoever speaks that API
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(AGENT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_generated(module: str) -> bool:
+    return bool(GENERATED_PARTS & set(module.split(".")))
+
+
+PATHS = {_module_name(path): path for path in AGENT.rglob("*.py")}
+
+
+def _resolve(name: str) -> str | None:
+    """The agent module an import name loads (its longest existing prefix), or None outside the agent."""
+    while name:
+        if name in PATHS:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _targets(module: str, path: Path) -> set[str]:
+    """Agent modules `module` imports: `from a.b import c` is a.b.c when c is a module, else a.b."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base]) if base else ".".join(anchor)
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in PATHS else base for alias in node.names]
+        found.update(target for name in names if (target := _resolve(name)) and target != module)
+    return found
+
+
+GRAPH = {module: _targets(module, path) for module, path in PATHS.items() if not _is_generated(module)}
+
+# The architecture picture, lowest layer first: a module imports its own layer or those below, never above.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # foundation: contracts, clock, supervision, config (and the generated protobuf packages, see _layer)
+    ("agent", "agent.signals", "agent.events", "agent.clock", "agent.aio", "agent.logs", "agent.supervisor",
+     "agent.config", "agent.pluginregistration"),
+    # the ports to the machine and the cluster, their simulated twins, and the node model
+    ("agent.host", "agent.kube", "agent.simulate", "agent.topology", "agent.http"),
+    # decisions over the model
+    ("agent.placement", "agent.ownership", "agent.health"),
+    # consumers that act
+    ("agent.deviceplugin", "agent.dra", "agent.remediation", "agent.netacct", "agent.shaping"),
+    ("agent.wiring",),
+    ("agent.app",),
+    ("agent.cli", "agent.__main__"),
+)
+
+
+def _layer(module: str) -> int:
+    if _is_generated(module):
+        return 0
+    matches = [(len(prefix), rank) for rank, prefixes in enumerate(LAYERS) for prefix in prefixes
+               if module == prefix or module.startswith(prefix + ".")]
+    assert matches, f"{module} is in no layer of the architecture picture: add it to LAYERS (and the picture)"
+    return max(matches)[1]
+
+
+def test_every_module_has_a_layer():
+    for module in GRAPH:
+        _layer(module)
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    upward = sorted(f"{module} ({_layer(module)}) -> {target} ({_layer(target)})"
+                    for module, targets in GRAPH.items() for target in targets if _layer(target) > _layer(module))
+    assert not upward, "imports against the flow:\n" + "\n".join(upward)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root, first_children in graph.items():
+        if root in index:
+            continue
+        work = [(root, iter(sorted(first_children)))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next((c for c in children if c in graph), None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component: list[str] = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_import_graph_has_no_cycle():
+    assert _cycles(GRAPH) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    """The check above can fail: a lazy import back up a chain is a cycle."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert "agent.app" in _targets("agent.cli", AGENT / "cli.py")  # the parser sees the CLI's (lazy) import

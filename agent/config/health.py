@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agent.config.fields import setting
+from agent.signals import VERDICTS, XID_ACTIONS
 
-# Node verdicts, least to most severe. `none` in an Xid override means "count it, nothing else".
-VERDICTS = ("healthy", "degraded", "cordon", "drain")
-XID_ACTIONS = ("none", "degraded", "cordon", "drain")
+__all__ = ["VERDICTS", "XID_ACTIONS", "HealthConfig", "parse_xid_override"]
 
 
 # Default action of each NIC/PCIe/inventory check (`--check-action CHECK=ACTION` overrides one). The devices a

@@ -64,7 +64,7 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
             return None
         raise ConfigError(f"{where}: a value is required, got null")
     origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return from_mapping(hint, value, where)
@@ -187,7 +187,7 @@ def _flagged_fields(cls: type, path: tuple[str, ...] = ()) -> list[_Flagged]:
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
         hint, _ = _unwrap_optional(hints[f.name])
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             found.extend(_flagged_fields(hint, (*path, f.name)))
         elif f.metadata.get("flag") or f.metadata.get("env"):
             found.append(_Flagged((*path, f.name), f, hints[f.name]))

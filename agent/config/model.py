@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from agent.config.address import parse_address
 from agent.config.fields import PROJECT_DOMAIN, setting
 from agent.config.health import HealthConfig
 from agent.config.names import check_node_name
@@ -288,8 +289,6 @@ class AgentConfig:
 
     def check(self) -> None:
         """Cross-field checks (the loader reports them as exit code 2)."""
-        from agent.http import parse_address
-
         if self.version != CONFIG_VERSION:
             raise ValueError(f"version: {self.version} is not a config version this agent reads "
                              f"(it reads version {CONFIG_VERSION})")

@@ -1,8 +1,9 @@
 """The device-plugin subsystem as one object: every resource server, rescans, and device health.
 
 The rest of the agent talks only to this: `start()`/`stop()`, `update_topology()` after a rescan (changed
-device sets reach the kubelet through ListAndWatch; new resources start serving, vanished ones stop), health
-events on an asyncio queue (a device can go Unhealthy and come back), and `registered` for readiness.
+device sets reach the kubelet through ListAndWatch; new resources start serving, vanished ones stop), device
+health read from its one owner (`device_health`, an `agent.signals.DeviceHealth` the health subsystem writes: a
+device can go Unhealthy and come back, and its health survives rescans), and `registered` for readiness.
 
 All servers of one manager share one `placement.joint.JointAllocator` (and so one admission context): serving GPUs
 and NICs from one process is what lets the NIC call of a container see the GPUs it just got, and the other
@@ -28,9 +29,9 @@ from agent.deviceplugin.pools import ResourcePool, build_pools, socket_name
 from agent.deviceplugin.registration import KubeletLink, check_socket_path
 from agent.deviceplugin.server import DevicePlugin, PreferencePolicy
 from agent.deviceplugin.sriovdp import apply as apply_sriov_dp_config
-from agent.events import DeviceHealthEvent
 from agent.placement.admission import DEFAULT_TTL_S
 from agent.placement.joint import JointAllocator
+from agent.signals import DeviceHealth
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class DevicePluginManager:
     """
 
     def __init__(self, config: DevicePluginConfig, topology: Topology, *,
-                 health_events: asyncio.Queue[DeviceHealthEvent] | None = None,
+                 device_health: DeviceHealth | None = None,
                  poll_interval: float = 1.0, register_timeout: float = 10.0,
                  backoff_initial: float = 0.5, backoff_max: float = 30.0,
                  policy: PreferencePolicy | None = None, registry: CollectorRegistry | None = None,
@@ -61,7 +62,7 @@ class DevicePluginManager:
                  cdi_spec_dir: str = DEFAULT_CDI_SPEC_DIR) -> None:
         config = apply_sriov_dp_config(config)  # SriovConfigError (a PoolConfigError) when it cannot be served
         self.config = config
-        self.health_events: asyncio.Queue[DeviceHealthEvent] = health_events or asyncio.Queue()
+        self.device_health = device_health if device_health is not None else DeviceHealth()
         self._options = AllocateOptions.from_config(config)
         self.device_info = DeviceInfoWriter(config.device_info_dir) if config.device_info_dir else None
         self.cdi_spec_dir = cdi_spec_dir
@@ -85,7 +86,6 @@ class DevicePluginManager:
             self._link = KubeletLink(config.device_plugin_dir, poll_interval=poll_interval,
                                      register_timeout=register_timeout, backoff_initial=backoff_initial,
                                      backoff_max=backoff_max, clock=clock)
-        self._unhealthy: dict[str, str] = {}  # device ID -> reason, across rescans and resources
         self._skipped: tuple[str, ...] = ()
         self._empty: tuple[str, ...] = ()
         self._health_task: asyncio.Task[None] | None = None
@@ -134,10 +134,8 @@ class DevicePluginManager:
 
     def _new_plugin(self, pool: ResourcePool) -> DevicePlugin:
         plugin = DevicePlugin(pool, self._options, policy=self._policy, on_allocate=self.allocator.allocated,
-                              metrics=self.metrics, device_info=self.device_info)
+                              metrics=self.metrics, device_info=self.device_info, device_health=self.device_health)
         self.metrics.add_resource(pool.resource_name)
-        for device_id, reason in self._unhealthy.items():
-            plugin.set_health(device_id, False, reason)
         return plugin
 
     async def start(self) -> None:
@@ -227,21 +225,15 @@ class DevicePluginManager:
                     log.info("%s: devices changed: %d added, %d removed, %d now", name, len(after - before),
                              len(before - after), len(after))
 
-    def apply_health(self, event: DeviceHealthEvent) -> None:
-        """Apply one health verdict to whichever resource has the device (remembered for later rescans)."""
-        if event.healthy:
-            self._unhealthy.pop(event.device_id, None)
-        else:
-            self._unhealthy[event.device_id] = event.reason
-        for plugin in self._plugins.values():
-            plugin.set_health(event.device_id, event.healthy, event.reason)
-
     async def _consume_health(self) -> None:
+        """Tell the servers which devices flipped, so their ListAndWatch streams send a new list."""
+        seen = self.device_health.version
         while True:
-            event = await self.health_events.get()
-            try:
-                self.apply_health(event)
-            except Exception:
-                log.exception("cannot apply health event %s", event)
-            finally:
-                self.health_events.task_done()
+            version = await self.device_health.wait_newer(seen)
+            flips = self.device_health.since(seen)
+            seen = version
+            for plugin in list(self._plugins.values()):
+                try:
+                    plugin.health_changed(flips)
+                except Exception:
+                    log.exception("%s: cannot apply device health changes", plugin.resource_name)

@@ -1,12 +1,14 @@
 """The v1beta1 `DevicePlugin` servicer for one resource: what the kubelet talks to after Register.
 
-It holds the resource's current pool and device health. ListAndWatch streams the full device list at start and
-again after every change (health flip, rescan); any number of streams may be open. Allocate answers from the
-pool in memory. GetPreferredAllocation must never fail admission, so it answers bad input with no preference;
-it never prefers a device marked Unhealthy here (the kubelet's view may lag by one ListAndWatch message). For
-that it only decodes, calls the policy, counts and encodes: the validation, the choice and the reason live in
-`agent.placement`. The policy is pluggable: a standalone servicer uses `simple_policy`; the manager plugs in
-the PCIe-aware `placement.joint.JointAllocator`, shared by all its resources, and its Allocate hook.
+It holds the resource's current pool and reads device health from its one owner (`agent.signals.DeviceHealth`,
+written by the health subsystem; `health_changed` says when to send a new list). ListAndWatch streams the full
+device list at start and again after every change (health flip, rescan); any number of streams may be open.
+Allocate answers from the pool in memory. GetPreferredAllocation must never fail admission, so it answers bad
+input with no preference; it never prefers a device marked Unhealthy (the kubelet's view may lag by one
+ListAndWatch message). For that it only decodes, calls the policy, counts and encodes: the validation, the
+choice and the reason live in `agent.placement`. The policy is pluggable: a standalone servicer uses
+`simple_policy`; the manager plugs in the PCIe-aware `placement.joint.JointAllocator`, shared by all its
+resources, and its Allocate hook.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from agent.deviceplugin.payload import AllocateOptions, Contributor, build_conta
 from agent.deviceplugin.pools import ResourcePool
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.placement.policy import AllocationLevel, ContainerRequest, Preference, Reason, simple_preference
+from agent.signals import DeviceHealth, DeviceHealthEvent
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +51,15 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
                  contributors: Sequence[Contributor] | None = None, *,
                  on_allocate: AllocationHook | None = None,
                  metrics: AllocationMetrics | None = None,
-                 device_info: DeviceInfoWriter | None = None) -> None:
+                 device_info: DeviceInfoWriter | None = None, device_health: DeviceHealth | None = None) -> None:
         self._pool = pool
         self._device_info = device_info
+        self._device_health = device_health if device_health is not None else DeviceHealth()
         self._options = options or AllocateOptions()
         self._policy = policy or simple_policy
         self._contributors = contributors
         self._on_allocate = on_allocate
         self._metrics = metrics
-        self._unhealthy: dict[str, str] = {}  # device ID -> reason
         self._changed = asyncio.Event()
         self._epoch = 0  # bumped by end_streams(); streams of an older epoch return
         self._accepting = True  # False between end_streams() and accept_streams()
@@ -65,6 +68,11 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
     def pool(self) -> ResourcePool:
         """The pool currently served."""
         return self._pool
+
+    @property
+    def device_health(self) -> DeviceHealth:
+        """The owner of device health this servicer reads."""
+        return self._device_health
 
     @property
     def resource_name(self) -> str:
@@ -83,33 +91,25 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
             self._notify()
         return changed
 
-    def set_health(self, device_id: str, healthy: bool, reason: str = "") -> bool:
-        """Record a device's health; streams get a new list when it changed. Returns whether it did."""
-        if self._pool.device(device_id) is None:
-            if healthy:
-                self._unhealthy.pop(device_id, None)
-            else:
-                self._unhealthy[device_id] = reason  # applies if the device appears on a rescan
+    def health_changed(self, flips: Sequence[DeviceHealthEvent] | None) -> bool:
+        """Devices flipped in the health owner (None: some did, which is unknown); streams get a new list when one
+        of them is served here. Returns whether one was."""
+        mine = None if flips is None else [e for e in flips if self._pool.device(e.device_id) is not None]
+        if mine is not None and not mine:
             return False
-        was_healthy = device_id not in self._unhealthy
-        if healthy:
-            self._unhealthy.pop(device_id, None)
-        else:
-            self._unhealthy[device_id] = reason
-        if was_healthy != healthy:
-            log.info("%s: device %s is now %s%s", self.resource_name, device_id,
-                     HEALTHY if healthy else UNHEALTHY, f" ({reason})" if reason else "")
-            self._notify()
-            return True
-        return False
+        for event in mine or ():
+            log.info("%s: device %s is now %s%s", self.resource_name, event.device_id,
+                     HEALTHY if event.healthy else UNHEALTHY, f" ({event.reason})" if event.reason else "")
+        self._notify()
+        return True
 
     def health(self, device_id: str) -> str:
         """`Healthy` or `Unhealthy`."""
-        return UNHEALTHY if device_id in self._unhealthy else HEALTHY
+        return HEALTHY if self._device_health.is_healthy(device_id) else UNHEALTHY
 
     def healthy_ids(self) -> frozenset[str]:
         """IDs of the pool's devices not marked Unhealthy."""
-        return frozenset(device_id for device_id in self._pool.ids if device_id not in self._unhealthy)
+        return frozenset(device_id for device_id in self._pool.ids if self._device_health.is_healthy(device_id))
 
     def device_list(self) -> list[api_pb2.Device]:
         """The full list ListAndWatch sends: every device with its health and NUMA node when known."""
@@ -171,7 +171,7 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
             asked = ContainerRequest(
                 served=self._pool.ids, available=tuple(container.available_deviceIDs),
                 must_include=tuple(container.must_include_deviceIDs), size=container.allocation_size,
-                unhealthy=self._unhealthy.keys())
+                unhealthy=self._device_health.unhealthy().keys())
             try:
                 preference = self._policy(self._pool, asked)
             except Exception:
@@ -200,7 +200,7 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
                 message = f"{self.resource_name}: unknown device IDs: {', '.join(unknown)}"
                 log.warning("Allocate refused: %s", message)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-            sick = [device_id for device_id in ids if device_id in self._unhealthy]
+            sick = [device_id for device_id in ids if not self._device_health.is_healthy(device_id)]
             if sick:
                 log.warning("%s: allocating unhealthy devices %s", self.resource_name, ", ".join(sick))
             found = [device for device in devices if device is not None]

@@ -1,31 +1,30 @@
-"""Turn what the producers observe into findings, device health events and node verdicts.
+"""Turn what the producers observe into findings: the health rules, and nothing else.
 
 Producers call `HealthAssessor.on_*` from the event loop thread (NVML's blocking thread hands its events over
-with `call_soon_threadsafe`), so nothing here needs a lock. After every observation the assessor diffs the
-verdict book against what it last published: a device whose health changed gets one `DeviceHealthEvent` on
-the device plugin's queue, and a changed node verdict goes to every subscriber. Repeats change nothing, so
-they publish nothing: that, plus the Xid counter's bursts, is what keeps floods out of logs and actions.
+with `call_soon_threadsafe`), so nothing here needs a lock. The parts it uses each have one job: `GpuNames`
+(a GPU by any source's name), `VerdictBook` (the active findings), `StateReporters` (which sources report a
+STATE finding) and `HealthPublisher` (device health and the node verdict out, after every observation).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from agent.config.health import HealthConfig
-from agent.events import DeviceHealthEvent
-from agent.health.findings import HEALTHY, Clears, Finding, GpuRef, NodeVerdict, Severity
+from agent.health.findings import Clears, Finding, GpuRef
+from agent.health.names import GpuNames
+from agent.health.publish import HealthPublisher
+from agent.health.reporters import StateReporters
 from agent.health.verdict import VerdictBook
 from agent.health.xid import XidCounter, XidPolicy
-from agent.host.busid import bus_key
 from agent.host.nvml import MemoryHealth, NvmlEvent
+from agent.signals import DeviceHealth, Latest, NodeVerdict, Severity
 from agent.topology.model import Nic, Topology
 
 log = logging.getLogger(__name__)
 
-VerdictListener = Callable[[NodeVerdict], None]
 _LOST_XID = 79
 _PAIR_WINDOW = 5.0  # kernel log and NVML report one Xid within milliseconds of each other
 
@@ -51,10 +50,10 @@ class LinkStatus:
 
 
 class HealthAssessor:
-    """Findings from observations; device health and node verdict out to the device plugin and subscribers."""
+    """The health rules: observations in, findings into the book; the publisher sends what changed."""
 
-    def __init__(self, config: HealthConfig, topology: Topology,
-                 device_events: asyncio.Queue[DeviceHealthEvent], clock: Callable[[], float]) -> None:
+    def __init__(self, config: HealthConfig, topology: Topology, device_health: DeviceHealth,
+                 clock: Callable[[], float], *, verdicts: Latest[NodeVerdict] | None = None) -> None:
         self.config = config
         self.clock = clock
         self.policy = XidPolicy(config.xid_action_overrides())
@@ -63,56 +62,33 @@ class HealthAssessor:
             else _PAIR_WINDOW
         self.xids = XidCounter(config.xid_burst_window_seconds, pair_window)
         self.book = VerdictBook()
+        self.names = GpuNames(topology)
+        self.publisher = HealthPublisher(device_health, verdicts if verdicts is not None else Latest())
         self.memory: dict[str, MemoryHealth] = {}  # latest poll per GPU UUID
         self.links: dict[str, LinkStatus] = {}  # by PF bus id
-        self.checks: dict[str, str] = {}  # producer -> "ok", "starting", "off", "unavailable: ...", "failed: ..."
-        self.verdict: NodeVerdict = HEALTHY
         self.awaiting_reset_changed = False  # persist the RESET findings when set
-        self._events = device_events
-        self._published: dict[str, str] = {}  # Unhealthy device -> reason, as last sent
-        self._queues: list[asyncio.Queue[NodeVerdict]] = []
-        self._listeners: list[VerdictListener] = []
         self._nvml_lost: set[str] = set()
-        self._learned_uuids: dict[str, str] = {}  # kernel device key -> UUID from NVRM map lines
-        self._asserted: dict[str, set[str]] = {}  # STATE finding key -> the sources that currently report it
-        self.topology = topology
+        self._reporters = StateReporters()
 
-    # identity ------------------------------------------------------------------------------------------------
+    @property
+    def topology(self) -> Topology:
+        """The topology GPUs and NICs are named from."""
+        return self.names.topology
+
+    @property
+    def verdict(self) -> NodeVerdict:
+        """The node verdict as of the last observation (published once the first pass is done)."""
+        return self.publisher.current
+
     def update_topology(self, topology: Topology) -> None:
         """Use a rescanned topology for names and device IDs from now on; vanished NICs are forgotten."""
-        self.topology = topology
+        self.names.update(topology)
         present = {nic.bus_id for nic in topology.nics}
         for bus_id in [b for b in self.links if b not in present]:
             del self.links[bus_id]
             self.book.remove(f"link:{bus_id}")
-            self._asserted.pop(f"link:{bus_id}", None)
+            self._reporters.forget(f"link:{bus_id}")
         self._publish()
-
-    def gpu_uuids(self) -> tuple[str, ...]:
-        """UUIDs of the GPUs in the topology (what NVML is asked about)."""
-        return tuple(g.uuid for g in self.topology.gpus if g.uuid)
-
-    def gpu_by_uuid(self, uuid: str) -> GpuRef:
-        """Labels of a GPU known by UUID."""
-        gpu = self.topology.gpu_by_uuid(uuid)
-        return GpuRef(str(gpu.index), uuid, gpu.bus_id) if gpu else GpuRef(uuid=uuid)
-
-    def gpu_by_kernel_device(self, device: str, parsed: bool = True) -> GpuRef:
-        """Labels of a GPU named the kernel-log way (`0000:1b:00`); the raw text when it is not one of ours."""
-        if not parsed:
-            return GpuRef(bus_id=device)
-        gpu = next((g for g in self.topology.gpus if bus_key(g.bus_id) == device), None)
-        if gpu is None:
-            return GpuRef(uuid=self._learned_uuids.get(device, ""), bus_id=f"{device}.0")
-        return GpuRef(str(gpu.index), gpu.uuid or self._learned_uuids.get(device, ""), gpu.bus_id)
-
-    def is_local_kernel_device(self, device: str) -> bool:
-        """Whether a kernel-log device (`0000:1b:00`) is a GPU of this node (topology, or an NVRM map line)."""
-        return device in self._learned_uuids or any(bus_key(g.bus_id) == device for g in self.topology.gpus)
-
-    def learn_uuid(self, device: str, uuid: str) -> None:
-        """An `NVRM: GPU at PCI:...: GPU-...` line named a GPU's UUID."""
-        self._learned_uuids[device] = uuid
 
     # observations --------------------------------------------------------------------------------------------
     def on_xid(self, gpu: GpuRef, code: int, source: str, detail: str = "", *,
@@ -127,8 +103,8 @@ class HealthAssessor:
             where = gpu.name + (f" GPU-I {gpu_instance}" if gpu_instance is not None else "")
             log.log(logging.WARNING if action > Severity.HEALTHY else logging.INFO, "%s on %s from %s: %s -> %s",
                     self.policy.describe(code), where, source, detail or "-",
-                    action.verdict if action > Severity.HEALTHY else "counted only",
-                    extra={"gpu_uuid": gpu.uuid, "xid": code, "action": action.verdict})
+                    action.value if action > Severity.HEALTHY else "counted only",
+                    extra={"gpu_uuid": gpu.uuid, "xid": code, "action": action.value})
         if action == Severity.HEALTHY:
             return
         describe, kind, hardware = self.policy.describe(code), f"GpuXid{code}", self.policy.is_hardware(code)
@@ -160,14 +136,14 @@ class HealthAssessor:
         cleared = self.book.gpu_reset(uuid)
         self.memory.pop(uuid, None)
         if cleared:
-            log.info("%s reset observed (%s); cleared: %s", self.gpu_by_uuid(uuid).name, why,
+            log.info("%s reset observed (%s); cleared: %s", self.names.by_uuid(uuid).name, why,
                      "; ".join(f.reason for f in cleared), extra={"gpu_uuid": uuid})
             self.awaiting_reset_changed = True
         self._publish()
 
     def on_nvml_event(self, event: NvmlEvent) -> None:
         """An event from the NVML event set (delivered on the loop thread)."""
-        gpu = self.gpu_by_uuid(event.uuid)
+        gpu = self.names.by_uuid(event.uuid)
         if event.kind == "xid":
             self.on_xid(gpu, event.xid, "nvml", gpu_instance=event.gpu_instance)
         elif event.kind == "lost":
@@ -177,7 +153,7 @@ class HealthAssessor:
 
     def on_memory(self, health: MemoryHealth) -> None:
         """One NVML poll: ECC deltas, retired-page and row-remap flags."""
-        uuid, gpu = health.uuid, self.gpu_by_uuid(health.uuid)
+        uuid, gpu = health.uuid, self.names.by_uuid(health.uuid)
         self.on_gpu_answering(uuid)
         before = self.memory.get(uuid)
         if before is not None and _dropped(before, health):
@@ -269,18 +245,6 @@ class HealthAssessor:
             log.warning("still waiting for a GPU reset: %s", "; ".join(f.reason for f in findings))
         self._publish()
 
-    # outputs -------------------------------------------------------------------------------------------------
-    def subscribe(self, maxsize: int = 16) -> asyncio.Queue[NodeVerdict]:
-        """A queue that gets the current verdict now and every change after (oldest dropped when full)."""
-        verdicts: asyncio.Queue[NodeVerdict] = asyncio.Queue(maxsize)
-        verdicts.put_nowait(self.verdict)
-        self._queues.append(verdicts)
-        return verdicts
-
-    def add_listener(self, listener: VerdictListener) -> None:
-        """Call `listener(verdict)` on every change (on the loop thread; it must not block)."""
-        self._listeners.append(listener)
-
     def _hold(self, key: str, severity: Severity, reason: str, code: str, hardware: bool = False) -> Finding:
         expires = self.clock() + self.config.degraded_hold_seconds
         return Finding(key, severity, reason, Clears.HOLD, expires_at=expires, code=code, hardware=hardware)
@@ -291,16 +255,9 @@ class HealthAssessor:
 
     def _state(self, active: bool, finding: Finding, source: str) -> None:
         """A STATE finding: raised while any source reports the condition, ended when the last says it is gone."""
-        holders = self._asserted.setdefault(finding.key, set())
-        if active:
-            holders.add(source)
-        else:
-            holders.discard(source)
-        if holders:
+        if self._reporters.report(finding.key, source, active):
             self._add(finding)
-            return
-        del self._asserted[finding.key]
-        if self.book.remove(finding.key) is not None:
+        elif self.book.remove(finding.key) is not None:
             log.info("cleared: %s", finding.reason)
 
     def _add(self, finding: Finding) -> None:
@@ -308,31 +265,7 @@ class HealthAssessor:
             self.awaiting_reset_changed = True
 
     def _publish(self) -> None:
-        unhealthy = self.book.unhealthy_devices()
-        for device, reason in unhealthy.items():
-            if self._published.get(device) != reason:
-                self._events.put_nowait(DeviceHealthEvent(device, False, reason))
-        for device in self._published.keys() - unhealthy.keys():
-            self._events.put_nowait(DeviceHealthEvent(device, True, ""))
-        self._published = unhealthy
-        verdict = self.book.verdict()
-        if verdict == self.verdict:
-            return
-        level = logging.WARNING if verdict.severity > self.verdict.severity else logging.INFO
-        change = f"{self.verdict.verdict} -> {verdict.verdict}" if verdict.verdict != self.verdict.verdict \
-            else f"{verdict.verdict}, reasons changed"
-        log.log(level, "node verdict %s%s", change, f": {'; '.join(verdict.reasons)}" if verdict.reasons else "",
-                extra={"verdict": verdict.verdict})
-        self.verdict = verdict
-        for verdicts in self._queues:
-            if verdicts.full():
-                verdicts.get_nowait()
-            verdicts.put_nowait(verdict)
-        for listener in self._listeners:
-            try:
-                listener(verdict)
-            except Exception:
-                log.exception("node verdict listener %r failed", listener)
+        self.publisher.publish(self.book)
 
 
 def _dropped(before: MemoryHealth, after: MemoryHealth) -> bool:

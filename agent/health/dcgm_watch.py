@@ -18,6 +18,7 @@ from collections import Counter
 
 from agent import aio
 from agent.health.assess import HealthAssessor
+from agent.health.checks import Checks, CheckState
 from agent.health.dcgm import XID_LAST, DcgmInterpreter, MalformedScrapeError, Reading, parse_scrape
 from agent.health.findings import GpuRef
 from agent.host.busid import bus_key
@@ -33,8 +34,10 @@ class DcgmWatcher:
     """Scrapes every `interval` seconds; each good scrape's changes go to the assessor."""
 
     def __init__(self, port: DcgmExporterPort, assessor: HealthAssessor, topology: Topology, interval: float, *,
-                 nvlink_errors_per_minute: float = 0.0, pcie_replays_per_minute: float = 8.0) -> None:
+                 nvlink_errors_per_minute: float = 0.0, pcie_replays_per_minute: float = 8.0,
+                 checks: Checks | None = None) -> None:
         self.port = port
+        self.checks = checks if checks is not None else Checks()
         self.assessor = assessor
         self.interval = interval
         self.interpreter = DcgmInterpreter(topology, nvlink_errors_per_minute, pcie_replays_per_minute)
@@ -96,7 +99,7 @@ class DcgmWatcher:
 
     def _ref(self, gpu: Gpu) -> GpuRef:
         # The kernel log's way of naming the GPU, so a DCGM Xid pairs with the kmsg line of the same fault.
-        return self.assessor.gpu_by_kernel_device(bus_key(gpu.bus_id))
+        return self.assessor.names.by_kernel_device(bus_key(gpu.bus_id))
 
     def _unknown(self, unknown: set[str]) -> None:
         for identity in sorted(unknown - self.unknown_gpus):
@@ -104,7 +107,7 @@ class DcgmWatcher:
         self.unknown_gpus = set(unknown)
 
     def _ok(self, reading: Reading) -> None:
-        self.assessor.checks[CHECK] = "ok"
+        self.checks.set(CHECK, CheckState.OK)
         state = f"ok:{reading.xid_metric}"
         if state != self._state:
             log.info("dcgm-exporter %s: scrape ok, %d GPU(s) matched, Xids read from %s%s", self.port.url,
@@ -115,7 +118,7 @@ class DcgmWatcher:
 
     def _failed(self, result: str, message: str) -> bool:
         self.results[result] += 1
-        self.assessor.checks[CHECK] = f"failed: {result}: {message}"
+        self.checks.set(CHECK, CheckState.FAILED, f"{result}: {message}")
         if result != self._state:
             log.warning("dcgm-exporter %s: scrape failed (%s: %s); findings stay as they are, retrying every %g s",
                         self.port.url, result, message, self.interval)

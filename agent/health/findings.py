@@ -1,8 +1,9 @@
-"""The vocabulary every health producer shares: severities, findings, GPU identities and the node verdict.
+"""The values every health producer shares: findings and GPU identities (severities are `agent.signals`').
 
 Producers (kernel log, NVML events and polls, NIC links) describe what they saw as `Finding`s; the verdict
-book (`agent.health.verdict`) turns the set of active findings into device health and one node verdict. Keeping
-these small values in their own module lets producers and the book evolve without importing each other.
+book (`agent.health.verdict`) turns the set of active findings into device health and one node verdict
+(`agent.signals.NodeVerdict`). Keeping these small values in their own module lets producers and the book
+evolve without importing each other.
 """
 
 from __future__ import annotations
@@ -10,32 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from agent import events
-from agent.config.health import VERDICTS, XID_ACTIONS
-
-
-class Severity(enum.IntEnum):
-    """How bad a finding is; the node verdict is the worst active one."""
-
-    HEALTHY = 0  # count only ("none" in Xid overrides)
-    DEGRADED = 1  # metric/condition only
-    CORDON = 2  # no new pods
-    DRAIN = 3  # evict
-
-    @property
-    def verdict(self) -> str:
-        """Node verdict name: healthy, degraded, cordon, drain."""
-        return VERDICTS[self.value]
-
-    @classmethod
-    def parse(cls, text: str) -> Severity:
-        """From a verdict name or an Xid action name ("none" is HEALTHY)."""
-        text = text.strip().lower()
-        if text in XID_ACTIONS:
-            return cls(XID_ACTIONS.index(text))
-        if text in VERDICTS:
-            return cls(VERDICTS.index(text))
-        raise ValueError(f"unknown action {text!r}; expected one of {', '.join(XID_ACTIONS)}")
+from agent.signals import Severity
 
 
 class Clears(enum.Enum):
@@ -75,37 +51,3 @@ class Finding:
     expires_at: float | None = None  # HOLD findings: monotonic time
     code: str = "GpuFault"  # CamelCase kind for taints, conditions and Events, e.g. GpuXid79, NicLinkDown
     hardware: bool = False  # a hardware fault (remediation does not lift its cordon by itself)
-
-
-@dataclass(frozen=True)
-class NodeVerdict:
-    """What the node should have done to it, and why.
-
-    `reasons`: every active finding's text, most severe first. `reason`, `devices` and `hardware` describe the
-    findings at the verdict's own severity: the CamelCase code of the first, the devices they name, and
-    whether any is a hardware fault. `published()` is what leaves the health subsystem.
-    """
-
-    verdict: str
-    reasons: tuple[str, ...] = ()
-    reason: str = "GpuHealthy"
-    devices: tuple[str, ...] = ()
-    hardware: bool = False
-
-    @property
-    def severity(self) -> Severity:
-        """The verdict as a Severity."""
-        return Severity.parse(self.verdict)
-
-    @property
-    def message(self) -> str:
-        """All reasons in one line."""
-        return "; ".join(self.reasons) if self.reasons else "all GPU and NIC checks pass"
-
-    def published(self) -> events.NodeVerdict:
-        """The verdict as remediation receives it (`agent.events.NodeVerdict`)."""
-        return events.NodeVerdict(self.verdict, self.reason, self.message, self.devices,  # type: ignore[arg-type]
-                                  self.hardware)
-
-
-HEALTHY = NodeVerdict("healthy")

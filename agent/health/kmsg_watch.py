@@ -14,6 +14,7 @@ from pathlib import Path
 
 from agent import aio
 from agent.health.assess import HealthAssessor
+from agent.health.checks import Checks, CheckState
 from agent.health.nvrm import FallenOffBus, GpuUuidLine, NvrmLine, XidLine, parse_nvrm_all
 from agent.host.kmsg import KERNEL_FACILITY, KmsgCursor, KmsgReader, KmsgRecord
 
@@ -27,9 +28,11 @@ class KmsgWatcher:
     """Reads the kernel log and feeds NVRM events to the assessor; `cursor` is where to resume."""
 
     def __init__(self, path: str | Path, assessor: HealthAssessor, boot_id: str,
-                 cursor: KmsgCursor | None = None, file_poll_interval: float = 0.05) -> None:
+                 cursor: KmsgCursor | None = None, file_poll_interval: float = 0.05, *,
+                 checks: Checks | None = None) -> None:
         self.path = Path(path)
         self.assessor = assessor
+        self.checks = checks if checks is not None else Checks()
         self.boot_id = boot_id
         self.cursor = cursor
         self.file_poll_interval = file_poll_interval
@@ -47,7 +50,7 @@ class KmsgWatcher:
             return
         lost_before, resyncs_before = self.lost_records, self.resyncs
         try:
-            self.assessor.checks["kmsg"] = "ok"
+            self.checks.set("kmsg", CheckState.OK)
             while not stop.is_set():
                 records, more = reader.read_available()
                 for record in records:
@@ -75,7 +78,7 @@ class KmsgWatcher:
                 reader.open()
                 return True
             except FileNotFoundError:
-                self.assessor.checks["kmsg"] = f"unavailable: no such file {self.path}"
+                self.checks.set("kmsg", CheckState.UNAVAILABLE, f"no such file {self.path}")
                 if not said:
                     log.warning("kernel log %s does not exist; waiting for it", self.path)
                     said = True
@@ -95,18 +98,18 @@ class KmsgWatcher:
 
     def _dispatch(self, line: NvrmLine) -> None:
         if isinstance(line, GpuUuidLine):
-            self.assessor.learn_uuid(line.device, line.uuid)
+            self.assessor.names.learn_uuid(line.device, line.uuid)
             return
         device = line.device if not isinstance(line, XidLine) or line.device_parsed else None
-        if device is None or not self.assessor.is_local_kernel_device(device):
+        if device is None or not self.assessor.names.is_local_kernel_device(device):
             self._skip_foreign(line)
             return
         if isinstance(line, XidLine):
-            gpu = self.assessor.gpu_by_kernel_device(line.device)
+            gpu = self.assessor.names.by_kernel_device(line.device)
             detail = line.detail if line.caused_by is None else f"caused by previous Xid {line.caused_by}"
             self.assessor.on_xid(gpu, line.code, "kmsg", detail[:120], gpu_instance=line.gpu_instance)
         else:
-            gpu = self.assessor.gpu_by_kernel_device(line.device)
+            gpu = self.assessor.names.by_kernel_device(line.device)
             self.assessor.on_gpu_lost(gpu, "kernel log: fallen off the bus", from_nvml=False)
 
     def _skip(self, reason: str, count: int = 1) -> None:

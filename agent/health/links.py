@@ -12,6 +12,7 @@ import logging
 
 from agent import aio
 from agent.health.assess import HealthAssessor
+from agent.health.checks import Checks, CheckState
 from agent.host.links import LinkPort, NetdevState
 from agent.topology.model import Nic
 
@@ -41,21 +42,23 @@ def link_problem(nic: Nic, netdevs: dict[str, NetdevState], ports: dict[int, str
 class LinkWatcher:
     """Checks every RDMA PF of the topology each `interval` seconds."""
 
-    def __init__(self, port: LinkPort, assessor: HealthAssessor, interval: float) -> None:
+    def __init__(self, port: LinkPort, assessor: HealthAssessor, interval: float, *,
+                 checks: Checks | None = None) -> None:
         self.port = port
         self.assessor = assessor
+        self.checks = checks if checks is not None else Checks()
         self.interval = interval
         self.first_pass = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Check until `stop`; errors from the port go to the supervisor."""
         if self.interval <= 0:
-            self.assessor.checks["links"] = "off"
+            self.checks.set("links", CheckState.OFF)
             self.first_pass.set()
             return
         while not stop.is_set():
             await self.check_once()
-            self.assessor.checks["links"] = "ok"
+            self.checks.set("links", CheckState.OK)
             self.first_pass.set()
             await aio.sleep_or_stop(stop, self.interval)
 

@@ -13,10 +13,11 @@ from collections.abc import Callable, Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from agent.config.health import VERDICTS
 from agent.health.assess import HealthAssessor
+from agent.health.checks import Checks
 from agent.health.dcgm_watch import DcgmWatcher
 from agent.health.findings import GpuRef
+from agent.signals import Severity
 
 PREFIX = "gpu_node_agent_"
 GPU_LABELS = ("gpu", "uuid", "pci_bus_id")
@@ -30,11 +31,12 @@ def _gpu_labels(gpu: GpuRef) -> list[str]:
 class HealthCollector(Collector):
     """Xid counts, ECC and row-remap state, device health, node verdict and check availability."""
 
-    def __init__(self, assessor: HealthAssessor, resource_of: ResourceOf | None = None,
+    def __init__(self, assessor: HealthAssessor, checks: Checks, resource_of: ResourceOf | None = None,
                  kmsg_lost: Callable[[], int] = lambda: 0, dcgm: DcgmWatcher | None = None, *,
                  kmsg_skipped: Callable[[], Mapping[str, int]] = dict,
                  kmsg_resyncs: Callable[[], int] = lambda: 0) -> None:
         self.assessor = assessor
+        self.checks = checks
         self.resource_of = resource_of
         self.kmsg_lost = kmsg_lost
         self.kmsg_skipped = kmsg_skipped
@@ -54,14 +56,14 @@ class HealthCollector(Collector):
         yield from self._devices()
         verdict = GaugeMetricFamily(PREFIX + "node_verdict", "1 for the node's current health verdict",
                                     labels=["verdict"])
-        for name in VERDICTS:
-            verdict.add_metric([name], 1.0 if a.verdict.verdict == name else 0.0)
+        for severity in Severity:
+            verdict.add_metric([severity.value], 1.0 if a.verdict.severity is severity else 0.0)
         yield verdict
         checks = GaugeMetricFamily(PREFIX + "health_check_up",
                                    "1 while a health check runs; 0 when unavailable (e.g. no NVML), failed or off",
                                    labels=["check"])
-        for name, state in sorted(a.checks.items()):
-            checks.add_metric([name], 1.0 if state == "ok" else 0.0)
+        for name, status in self.checks.items():
+            checks.add_metric([name], 1.0 if status.up else 0.0)
         yield checks
         lost = CounterMetricFamily(PREFIX + "kmsg_records_lost", "kernel-log records overwritten before read")
         lost.add_metric([], self.kmsg_lost())
@@ -108,7 +110,7 @@ class HealthCollector(Collector):
         failure = GaugeMetricFamily(PREFIX + "row_remap_failure", "1 when a row remap failed",
                                     labels=list(GPU_LABELS))
         for uuid, h in sorted(a.memory.items()):
-            labels = _gpu_labels(a.gpu_by_uuid(uuid))
+            labels = _gpu_labels(a.names.by_uuid(uuid))
             for error_type, counter_type, value in (
                 ("corrected", "volatile", h.ecc_corrected_volatile),
                 ("uncorrected", "volatile", h.ecc_uncorrected_volatile),

@@ -27,10 +27,12 @@ from agent import aio
 from agent.clock import Clock
 from agent.config.health import HealthConfig
 from agent.health.assess import HealthAssessor
-from agent.health.findings import Clears, Finding, GpuRef, Severity
+from agent.health.checks import Checks, CheckState
+from agent.health.findings import Clears, Finding, GpuRef
 from agent.health.nic_counters import CounterJudge, Observation, Thresholds
 from agent.host.nic_sysfs import CounterPass, NicSysfs
 from agent.host.nvml import NvmlHealth
+from agent.signals import Severity
 from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
@@ -53,8 +55,9 @@ class NicWatcher:
     """See the module docstring."""
 
     def __init__(self, sysfs: NicSysfs, assessor: HealthAssessor, config: HealthConfig, nvml: NvmlHealth, *,
-                 clock: Clock, state_dir: str | os.PathLike[str]) -> None:
+                 clock: Clock, state_dir: str | os.PathLike[str], checks: Checks | None = None) -> None:
         self.sysfs = sysfs
+        self.checks = checks if checks is not None else Checks()
         self.assessor = assessor
         self.config = config
         self.nvml = nvml
@@ -74,7 +77,7 @@ class NicWatcher:
         """Pass after pass until `stop`; an unexpected error goes to the supervisor (which retries)."""
         if self.config.nic_counter_interval_seconds <= 0:
             for check in CHECKS:
-                self.assessor.checks[check] = "off"
+                self.checks.set(check, CheckState.OFF)
             self.first_pass.set()
             return
         await asyncio.to_thread(self.load)
@@ -147,7 +150,7 @@ class NicWatcher:
         expected = self.config.expected_gpus or len(self.known_gpus)
         present = len(self.known_gpus) - len(missing)
         self.inventory = Inventory(expected, present, missing)
-        self.assessor.checks["inventory"] = "ok"
+        self.checks.set("inventory", CheckState.OK)
         action = self.actions["gpu_missing"]
         findings = [Finding(f"{SOURCE}gpu_missing:{bus_id}", action,
                             f"{self.known_gpus[bus_id].name} missing from {where}", Clears.STATE,
@@ -165,16 +168,16 @@ class NicWatcher:
         found: list[Finding] = []
         if reading.missing:
             why = "; ".join(f"{k}: {v}" for k, v in sorted(reading.missing.items()))
-            self.assessor.checks["nic_counters"] = f"unavailable: {why}"
+            self.checks.set("nic_counters", CheckState.UNAVAILABLE, why)
             if unhealthy:
                 found += [Finding(f"{SOURCE}unknown:{subject}", action, f"NIC health unknown: {text}", Clears.STATE,
                                   self.devices_of(subject, topology), code="NicHealthUnknown")
                           for subject, text in sorted(reading.missing.items())]
         else:
-            self.assessor.checks["nic_counters"] = "ok"
-        self.assessor.checks["pcie"] = "ok"
+            self.checks.set("nic_counters", CheckState.OK)
+        self.checks.set("pcie", CheckState.OK)
         if self.known_gpus and not nvml_up:
-            self.assessor.checks["nvml"] = f"unavailable: {self.nvml.unavailable_reason}"
+            self.checks.set("nvml", CheckState.UNAVAILABLE, self.nvml.unavailable_reason)
             if unhealthy:
                 uuids = tuple(g.uuid for g in self.known_gpus.values() if g.uuid)
                 found.append(Finding(f"{SOURCE}unknown:nvml", action, f"GPU health unknown: NVML unavailable on a "
@@ -182,7 +185,7 @@ class NicWatcher:
                                      f"({self.nvml.unavailable_reason})", Clears.STATE, uuids,
                                      code="GpuHealthUnknown"))
         elif self.known_gpus:
-            self.assessor.checks["nvml"] = "ok"
+            self.checks.set("nvml", CheckState.OK)
         return found
 
     # persistence ---------------------------------------------------------------------------------------------

@@ -16,9 +16,11 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from agent import aio
 from agent.health.assess import HealthAssessor
+from agent.health.checks import Checks, CheckState
 from agent.host.nvml import GpuLostError, NvmlError, NvmlEvent, NvmlHealth, NvmlUnavailableError
 
 log = logging.getLogger(__name__)
@@ -27,16 +29,18 @@ log = logging.getLogger(__name__)
 class NvmlEventWatcher:
     """Waits on an NVML event set in a thread; re-registers when the topology's GPU set changes."""
 
-    def __init__(self, nvml: NvmlHealth, assessor: HealthAssessor, timeout_s: float) -> None:
+    def __init__(self, nvml: NvmlHealth, assessor: HealthAssessor, timeout_s: float, *,
+                 checks: Checks | None = None) -> None:
         self.nvml = nvml
         self.assessor = assessor
+        self.checks = checks if checks is not None else Checks()
         self.timeout_s = timeout_s
         self.first_pass = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Watch until `stop`; returns at once (check "unavailable") without NVML."""
         if not await asyncio.to_thread(lambda: self.nvml.available):
-            self.assessor.checks["nvml_events"] = f"unavailable: {self.nvml.unavailable_reason}"
+            self.checks.set("nvml_events", CheckState.UNAVAILABLE, self.nvml.unavailable_reason)
             self.first_pass.set()
             return
         loop = asyncio.get_running_loop()
@@ -46,7 +50,8 @@ class NvmlEventWatcher:
         worker = loop.run_in_executor(thread, self._watch, halt, deliver)
         stopper = asyncio.ensure_future(stop.wait())
         try:
-            await asyncio.wait([worker, stopper], return_when=asyncio.FIRST_COMPLETED)
+            racers: list[asyncio.Future[Any]] = [worker, stopper]
+            await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
         finally:
             halt.set()
             await aio.cancel_and_wait(stopper)
@@ -62,18 +67,18 @@ class NvmlEventWatcher:
         return deliver
 
     def _opened(self) -> None:
-        self.assessor.checks["nvml_events"] = "ok"
+        self.checks.set("nvml_events", CheckState.OK)
         self.first_pass.set()
 
     def _watch(self, halt: threading.Event, deliver: Callable[[Callable[[], None]], None]) -> None:
         """The blocking loop (worker thread): open, wait, hand over, re-open when the GPU set changes."""
         while not halt.is_set():
-            uuids = self.assessor.gpu_uuids()
+            uuids = self.assessor.names.uuids()
             events = self.nvml.open_events(uuids)  # NvmlError ends the producer; the supervisor restarts it
             deliver(self._opened)
             failing = False
             try:
-                while not halt.is_set() and self.assessor.gpu_uuids() == uuids:
+                while not halt.is_set() and self.assessor.names.uuids() == uuids:
                     try:
                         found = events.wait(self.timeout_s)
                     except NvmlError as exc:
@@ -96,9 +101,11 @@ def _bind(handler: Callable[[NvmlEvent], None], event: NvmlEvent) -> Callable[[]
 class NvmlPoller:
     """Polls each GPU's memory health every `interval` seconds."""
 
-    def __init__(self, nvml: NvmlHealth, assessor: HealthAssessor, interval: float) -> None:
+    def __init__(self, nvml: NvmlHealth, assessor: HealthAssessor, interval: float, *,
+                 checks: Checks | None = None) -> None:
         self.nvml = nvml
         self.assessor = assessor
+        self.checks = checks if checks is not None else Checks()
         self.interval = interval
         self.first_pass = asyncio.Event()
         self.polls = 0
@@ -107,27 +114,27 @@ class NvmlPoller:
     async def run(self, stop: asyncio.Event) -> None:
         """Poll until `stop`; returns at once (check "unavailable") without NVML."""
         if not await asyncio.to_thread(lambda: self.nvml.available):
-            self.assessor.checks["nvml_poll"] = f"unavailable: {self.nvml.unavailable_reason}"
+            self.checks.set("nvml_poll", CheckState.UNAVAILABLE, self.nvml.unavailable_reason)
             self.first_pass.set()
             return
         while not stop.is_set():
             try:
                 await self.poll_once()
             except NvmlUnavailableError as exc:
-                self.assessor.checks["nvml_poll"] = f"unavailable: {exc}"
+                self.checks.set("nvml_poll", CheckState.UNAVAILABLE, str(exc))
                 self.first_pass.set()
                 return
-            self.assessor.checks["nvml_poll"] = "ok"
+            self.checks.set("nvml_poll", CheckState.OK)
             self.first_pass.set()
             await aio.sleep_or_stop(stop, self.interval)
 
     async def poll_once(self) -> None:
         """One pass over every GPU of the topology."""
-        for uuid in self.assessor.gpu_uuids():
+        for uuid in self.assessor.names.uuids():
             try:
                 health = await asyncio.to_thread(self.nvml.memory_health, uuid)
             except GpuLostError as exc:
-                self.assessor.on_gpu_lost(self.assessor.gpu_by_uuid(uuid), f"NVML: {exc}", from_nvml=True)
+                self.assessor.on_gpu_lost(self.assessor.names.by_uuid(uuid), f"NVML: {exc}", from_nvml=True)
                 continue
             except NvmlUnavailableError:
                 raise

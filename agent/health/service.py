@@ -5,8 +5,9 @@ dcgm-exporter scrapes when a URL is configured) and a
 housekeeping loop, under one `agent.supervisor.Supervisor`: a producer that raises is logged, shown as "failed" in
 `checks` and the `gpu_node_agent_health_check_up` gauge, and restarted with backoff, while the others carry
 on. Without NVML the NVML checks say "unavailable" and the rest runs, unless `require_nvml` asks for a hard
-failure. Device health goes onto the device plugin's `DeviceHealthEvent` queue; node verdicts go to
-subscribers (the remediation subsystem). `first_pass_done` is set once every producer has looked once.
+failure. Device health goes to its one owner (`agent.signals.DeviceHealth`, read by the device plugin); the
+node verdict goes into the `verdicts` cell (read by remediation) once every producer has looked once, which is
+also when `first_pass_done` is set.
 """
 
 from __future__ import annotations
@@ -16,16 +17,16 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from agent import aio
 from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config.health import HealthConfig
-from agent.events import DeviceHealthEvent
-from agent.health.assess import HealthAssessor, VerdictListener
+from agent.health.assess import HealthAssessor
+from agent.health.checks import Checks, CheckState
 from agent.health.dcgm_watch import DcgmWatcher
-from agent.health.findings import NodeVerdict
 from agent.health.kmsg_watch import KmsgWatcher
 from agent.health.links import LinkWatcher
 from agent.health.metrics import HealthCollector, ResourceOf
@@ -38,6 +39,7 @@ from agent.host.kmsg import read_boot_id
 from agent.host.links import LinkPort, NetlinkLinkPort
 from agent.host.nic_sysfs import NicSysfs
 from agent.host.nvml import NvmlHealth
+from agent.signals import DeviceHealth, Latest, NodeVerdict
 from agent.supervisor import FatalError, Supervisor
 from agent.topology.model import Topology
 
@@ -55,8 +57,9 @@ class HealthService:
     """GPU and NIC health checks, supervised; see the module docstring."""
 
     def __init__(self, config: HealthConfig, state_dir: str | os.PathLike[str], topology: Topology,  # noqa: PLR0917
-                 nvml: NvmlHealth, device_events: asyncio.Queue[DeviceHealthEvent], registry: CollectorRegistry,
-                 link_port: LinkPort | None = None, *, resource_of: ResourceOf | None = None,
+                 nvml: NvmlHealth, device_health: DeviceHealth, registry: CollectorRegistry,
+                 link_port: LinkPort | None = None, *, verdicts: Latest[NodeVerdict] | None = None,
+                 resource_of: ResourceOf | None = None,
                  dcgm_port: DcgmExporterPort | None = None, nic_sysfs: NicSysfs | None = None,
                  boot_id_path: str | os.PathLike[str] = BOOT_ID_PATH, clock: Clock = SYSTEM_CLOCK,
                  kmsg_file_poll_interval: float = 0.05, housekeeping_interval: float = 1.0,
@@ -64,29 +67,35 @@ class HealthService:
         self.config = config
         self.nvml = nvml
         self.clock = clock
-        self.assessor = HealthAssessor(config, topology, device_events, clock.monotonic)
+        self.verdicts: Latest[NodeVerdict] = verdicts if verdicts is not None else Latest()
+        self.device_health = device_health
+        self.assessor = HealthAssessor(config, topology, device_health, clock.monotonic, verdicts=self.verdicts)
+        self._checks = Checks()
         self.store = StateStore(state_dir)
         self.first_pass_done = asyncio.Event()
         self._boot_id_path = Path(boot_id_path)
         self._housekeeping_interval = housekeeping_interval
         self._backoff = restart_backoff
-        self.kmsg = KmsgWatcher(config.kmsg, self.assessor, "", file_poll_interval=kmsg_file_poll_interval) \
+        self.kmsg = KmsgWatcher(config.kmsg, self.assessor, "", file_poll_interval=kmsg_file_poll_interval,
+                                checks=self._checks) \
             if config.kmsg else None
-        self.nvml_events = NvmlEventWatcher(nvml, self.assessor, config.nvml_event_timeout_seconds)
-        self.nvml_poll = NvmlPoller(nvml, self.assessor, config.nvml_poll_interval_seconds)
+        self.nvml_events = NvmlEventWatcher(nvml, self.assessor, config.nvml_event_timeout_seconds,
+                                            checks=self._checks)
+        self.nvml_poll = NvmlPoller(nvml, self.assessor, config.nvml_poll_interval_seconds, checks=self._checks)
         self.links = LinkWatcher(link_port or NetlinkLinkPort("/sys"), self.assessor,
-                                 config.link_check_interval_seconds)
+                                 config.link_check_interval_seconds, checks=self._checks)
         if dcgm_port is None and config.dcgm_exporter_url:
             dcgm_port = HttpDcgmExporter(config.dcgm_exporter_url, config.dcgm_scrape_timeout_seconds)
         self.dcgm = DcgmWatcher(dcgm_port, self.assessor, topology, config.dcgm_scrape_interval_seconds,
                                 nvlink_errors_per_minute=config.dcgm_nvlink_errors_per_minute,
-                                pcie_replays_per_minute=config.dcgm_pcie_replays_per_minute) \
+                                pcie_replays_per_minute=config.dcgm_pcie_replays_per_minute, checks=self._checks) \
             if dcgm_port is not None else None
         if nic_sysfs is None:
             nic_sysfs = NicSysfs(getattr(self.links.port, "sysfs_root", "/sys"))
-        self.nic = NicWatcher(nic_sysfs, self.assessor, config, nvml, clock=clock, state_dir=state_dir)
+        self.nic = NicWatcher(nic_sysfs, self.assessor, config, nvml, clock=clock, state_dir=state_dir,
+                              checks=self._checks)
         self._saved = SavedHealth()
-        registry.register(HealthCollector(self.assessor, resource_of,
+        registry.register(HealthCollector(self.assessor, self._checks, resource_of,
                                           lambda: self.kmsg.lost_records if self.kmsg else 0, self.dcgm,
                                           kmsg_skipped=lambda: self.kmsg.skipped if self.kmsg else {},
                                           kmsg_resyncs=lambda: self.kmsg.resyncs if self.kmsg else 0))
@@ -98,17 +107,9 @@ class HealthService:
         return self.assessor.verdict
 
     @property
-    def checks(self) -> dict[str, str]:
-        """Producer -> "ok", "off", "unavailable: why" or "failed: why"."""
-        return dict(self.assessor.checks)
-
-    def subscribe(self, maxsize: int = 16) -> asyncio.Queue[NodeVerdict]:
-        """A queue that gets the current node verdict now and every change after."""
-        return self.assessor.subscribe(maxsize)
-
-    def add_listener(self, listener: VerdictListener) -> None:
-        """Call `listener(verdict)` on the loop thread at every verdict change."""
-        self.assessor.add_listener(listener)
+    def checks(self) -> Checks:
+        """Producer -> state (`checks["kmsg"]` as text: "ok", "off", "unavailable: why" or "failed: why")."""
+        return self._checks
 
     def update_topology(self, topology: Topology) -> None:
         """After a rescan: new GPUs and NICs are watched (the NVML event set re-registers)."""
@@ -145,16 +146,16 @@ class HealthService:
             self.kmsg.cursor = self._saved.cursor if self._saved.kmsg_path == self.config.kmsg else None
             producers["kmsg"] = (self.kmsg.run, self.kmsg.first_pass)
         else:
-            self.assessor.checks["kmsg"] = "off"
+            self._checks.set("kmsg", CheckState.OFF)
         if self.dcgm is not None:  # no "off" entry without a URL: DCGM is an optional extra, not a missing check
             producers["dcgm"] = (self.dcgm.run, self.dcgm.first_pass)
         for name in producers:
-            self.assessor.checks.setdefault(name, "starting")
+            self._checks.start(name)
         last: dict[str, str] = {}
 
         def failed(name: str, exc: Exception, delay: float) -> None:
             problem = f"{type(exc).__name__}: {exc}"
-            self.assessor.checks[name] = f"failed: {problem}"
+            self._checks.set(name, CheckState.FAILED, problem)
             if problem != last.get(name):  # the same failure again is not news: the check's state already says it
                 # An OSError is the host saying no (no such file, EPERM on /dev/kmsg in an unprivileged
                 # container): the message says it all. Anything else is a bug and gets its traceback.
@@ -178,15 +179,17 @@ class HealthService:
         waiting = asyncio.ensure_future(asyncio.gather(*(event.wait() for event in ready)))
         stopping = asyncio.ensure_future(stop.wait())
         try:
-            await asyncio.wait([waiting, stopping], return_when=asyncio.FIRST_COMPLETED)
+            racers: list[asyncio.Future[Any]] = [waiting, stopping]
+            await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
         finally:
             waiting.cancel()
             stopping.cancel()
             await asyncio.gather(waiting, stopping, return_exceptions=True)
         if not stop.is_set():
+            self.assessor.publisher.open()  # no verdict before this: an early "healthy" could lift a real cordon
             self.first_pass_done.set()
             log.info("health checks: first pass done (%s)",
-                     ", ".join(f"{k} {v}" for k, v in sorted(self.assessor.checks.items())))
+                     ", ".join(f"{k} {v}" for k, v in self._checks.items()))
 
     async def _housekeeping(self, stop: asyncio.Event, boot_id: str) -> None:
         """Expire held findings, end quiet Xid bursts, save state when it changed."""

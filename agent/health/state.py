@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.health.findings import Clears, Finding, Severity
+from agent.health.findings import Clears, Finding
 from agent.host.kmsg import KmsgCursor
+from agent.signals import Severity
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class SavedHealth:
 
 
 def _finding_to_json(finding: Finding) -> dict[str, Any]:
-    return {"key": finding.key, "severity": finding.severity.verdict, "reason": finding.reason,
+    return {"key": finding.key, "severity": finding.severity.value, "reason": finding.reason,
             "devices": list(finding.devices), "gpu_uuid": finding.gpu_uuid, "code": finding.code,
             "hardware": finding.hardware}
 

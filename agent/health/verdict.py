@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from agent.health.findings import HEALTHY, Clears, Finding, NodeVerdict, Severity
+from agent.health.findings import Clears, Finding
+from agent.signals import HEALTHY, NodeVerdict, Severity
 
 
 class VerdictBook:
@@ -31,7 +32,7 @@ class VerdictBook:
 
     def findings(self) -> list[Finding]:
         """Active findings, most severe first."""
-        return sorted(self._findings.values(), key=lambda f: (-f.severity, f.key))
+        return sorted(self._findings.values(), key=lambda f: (-f.severity.rank, f.key))
 
     def get(self, key: str) -> Finding | None:
         """The active finding with this key."""
@@ -87,5 +88,7 @@ class VerdictBook:
         if not active:
             return HEALTHY
         top = [f for f in active if f.severity == active[0].severity]
-        return NodeVerdict(active[0].severity.verdict, tuple(dict.fromkeys(f.reason for f in active)), top[0].code,
-                           tuple(dict.fromkeys(d for f in top for d in f.devices)), any(f.hardware for f in top))
+        reasons = tuple(dict.fromkeys(f.reason for f in active))
+        return NodeVerdict(active[0].severity, top[0].code, "; ".join(reasons),
+                           tuple(dict.fromkeys(d for f in top for d in f.devices)), any(f.hardware for f in top),
+                           reasons)

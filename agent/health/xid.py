@@ -15,7 +15,8 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from agent.health.findings import GpuRef, Severity
+from agent.health.findings import GpuRef
+from agent.signals import Severity
 
 log = logging.getLogger(__name__)
 

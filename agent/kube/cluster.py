@@ -17,7 +17,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import httpx2
 import msgspec
@@ -208,8 +208,9 @@ class LightkubeCluster:
             await self._do(lambda: self._client.patch(Event, url_segment(event.name), body, namespace=namespace(),
                                                       patch_type=PatchType.MERGE))
             return event
-        created = await self._do(lambda: self._client.create(
-            Event.from_dict(self._event_body(event, namespace())), namespace=namespace()))
+        # lightkube's typed overloads omit `namespace` for namespaced resources; the implementation takes it
+        created = await self._do(lambda: self._client.create(  # type: ignore[call-overload]
+            cast(Event, Event.from_dict(self._event_body(event, namespace()))), namespace=namespace()))
         return dataclasses.replace(event, name=created.metadata.name)
 
     def _event_body(self, event: EventRecord, namespace: str) -> dict[str, Any]:
@@ -237,17 +238,18 @@ class LightkubeCluster:
         """Leases in one namespace with these labels."""
         async def call() -> list[LeaseView]:
             return [LeaseView.from_dict(item.to_dict()) async for item in
-                    self._client.list(Lease, namespace=url_segment(namespace, namespace=True), labels=labels)]
+                    self._client.list(Lease, namespace=url_segment(namespace, namespace=True),
+                                      labels=cast(dict[str, Any], labels))]
         return await self._do(call)
 
     async def write_lease(self, namespace: str, lease: LeaseView) -> LeaseView:
         """Create, or replace guarded by resourceVersion."""
-        obj = Lease.from_dict(lease.to_dict(namespace))
+        obj = cast(Lease, Lease.from_dict(lease.to_dict(namespace)))
         path_ns = url_segment(namespace, namespace=True)
         if lease.resource_version:
             written = await self._do(lambda: self._client.replace(obj, url_segment(lease.name), namespace=path_ns))
         else:
-            written = await self._do(lambda: self._client.create(obj, namespace=path_ns))
+            written = await self._do(lambda: self._client.create(obj, namespace=path_ns))  # type: ignore[call-overload]
         return LeaseView.from_dict(written.to_dict())
 
     async def node_uid(self) -> str:

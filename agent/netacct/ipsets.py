@@ -63,7 +63,7 @@ def internal_members(networks: Iterable[Network], family: int) -> set[Member]:
     for net in networks:
         if net.version != family:
             continue
-        halves = list(net.subnets(prefixlen_diff=1)) if net.prefixlen == 0 else [net]
+        halves: list[Network] = list(net.subnets(prefixlen_diff=1)) if net.prefixlen == 0 else [net]
         out.update((half.network_address.packed, half.prefixlen) for half in halves)
     return out
 

@@ -16,12 +16,12 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry
 
 from agent import aio
-from agent.events import DeviceHealthEvent
 from agent.host.podresources import PodResourcesPort, Reachability
 from agent.kube.model import PodView
 from agent.kube.port import Cluster
 from agent.ownership.pod_events import PodDeviceEvents
 from agent.ownership.service import OwnershipService
+from agent.signals import DeviceHealthEvent
 
 log = logging.getLogger(__name__)
 

@@ -1,19 +1,18 @@
 """Remediation: the agent acts on its own Node through the Kubernetes API, carefully and at fleet scale.
 
 Entry points for `agent.app`: `build_service` (or `RemediationService` with `connect_cluster` / `simulated_cluster`
-by hand) and `NodeVerdict`, the input, on an asyncio queue. The cluster port itself lives in `agent.kube`, shared
-with network accounting: pass `cluster=` to share one client. `connect_cluster` imports lightkube lazily;
-`simulated_cluster` needs no cluster at all (`run --simulate PROFILE --dry-run`).
+by hand) and `NodeVerdict`, the input, in an `agent.signals.Latest` cell. The cluster port itself lives in
+`agent.kube`, shared with network accounting: pass `cluster=` to share one client. `connect_cluster` imports
+lightkube lazily; `simulated_cluster` needs no cluster at all (`run --simulate PROFILE --dry-run`).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from agent.events import HEALTHY, NodeVerdict
 from agent.remediation.service import RemediationService
+from agent.signals import HEALTHY, Latest, NodeVerdict
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -44,7 +43,7 @@ def simulated_cluster(node_name: str, preflight_taint: str = "") -> InMemoryClus
     return demo_cluster(node_name, preflight_taint)
 
 
-def build_service(config: RemediationConfig, node_name: str, verdicts: asyncio.Queue[Any],
+def build_service(config: RemediationConfig, node_name: str, verdicts: Latest[NodeVerdict],
                   registry: CollectorRegistry, *, simulate: bool = False, cluster: Cluster | None = None,
                   preflight_checks: Sequence[PreflightCheck] = ()) -> RemediationService:
     """The service on `cluster`, else on the real cluster or (`simulate`) an in-memory node.

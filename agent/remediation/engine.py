@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 from agent.clock import Clock
 from agent.config.remediation import RemediationConfig
-from agent.events import NodeVerdict, worst
 from agent.kube.model import format_time
 from agent.remediation import state
 from agent.remediation.actions import NodeActions
@@ -31,6 +30,7 @@ from agent.remediation.metrics import ActionCounter
 from agent.remediation.preflight import PreflightState
 from agent.remediation.slots import Slots
 from agent.remediation.state import Keys, Recorded
+from agent.signals import NodeVerdict, Severity, worst
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class Engine:
             await self._admin_uncordoned(rec)
         await self._preflight()
         verdict = self.inputs.effective()
-        if verdict is not None and verdict.severity >= 2:
+        if verdict is not None and verdict.severity >= Severity.CORDON:
             await self._fault(verdict)
         elif verdict is not None:
             await self._not_faulty(verdict)
@@ -170,14 +170,14 @@ class Engine:
                                    f"{verdict.describe()}", WARNING)
         if self.recorded().healthy_since is not None:
             await self.actions.apply("annotate", lambda n: state.annotate({self.keys.healthy_since: None}))
-        if verdict.verdict == "drain":
+        if verdict.severity is Severity.DRAIN:
             await self._drain()
 
     async def _not_faulty(self, verdict: NodeVerdict) -> None:
         self.deferred_until = None
         rec = self.recorded()
         now = self.clock.now()
-        if verdict.verdict == "degraded" or not (rec.cordoned or rec.override_reason):
+        if verdict.severity > Severity.HEALTHY or not (rec.cordoned or rec.override_reason):
             if rec.healthy_since is not None:
                 await self.actions.apply("annotate", lambda n: state.annotate({self.keys.healthy_since: None}))
             return
@@ -215,10 +215,11 @@ class Engine:
             current = self.actions.condition()
             if pre.passed and current is not None and current.reason == "PreflightFailed":
                 await self.actions.ensure_condition(False, "PreflightPassed", "preflight checks passed")
-        elif verdict.severity >= 1:
+        elif verdict.severity >= Severity.DEGRADED:
             deferred = "RemediationDeferred (no free slot): " if self.deferred_until is not None else ""
             await self.actions.ensure_condition(True, verdict.reason, deferred + verdict.describe())
-            if verdict.severity == 1 and not (was_problem and before is not None and before.reason == verdict.reason):
+            repeat = was_problem and before is not None and before.reason == verdict.reason
+            if verdict.severity is Severity.DEGRADED and not repeat:
                 await self.events.emit("Degraded", f"{verdict.reason}: {verdict.describe()}", WARNING)
         else:
             await self.actions.ensure_condition(False, verdict.reason, verdict.describe())
@@ -229,7 +230,7 @@ class Engine:
 
     def _drain_wanted(self) -> bool:
         verdict = self.inputs.effective()
-        return verdict is not None and verdict.verdict == "drain" and self.recorded().cordoned
+        return verdict is not None and verdict.severity is Severity.DRAIN and self.recorded().cordoned
 
     async def _drain(self) -> None:
         if not self.config.drain:

@@ -19,9 +19,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from agent.clock import Clock
-from agent.events import NodeVerdict
+from agent.signals import NodeVerdict, Severity
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +190,17 @@ def _aws_time(text: str | None) -> float | None:
         return _rfc1123(text)
 
 
-SOURCES = {"azure": AzureSource, "gcp": GcpSource, "aws": AwsSource}
+class MaintenanceSource(Protocol):
+    """One cloud's metadata service: its name and one poll for the events scheduled for this VM."""
+
+    name: str
+
+    async def poll(self, fetch: Fetch, base: str, now: float) -> list[MaintenanceEvent]:
+        """The actionable events known now."""
+        ...
+
+
+SOURCES: dict[str, Callable[[], MaintenanceSource]] = {"azure": AzureSource, "gcp": GcpSource, "aws": AwsSource}
 
 
 def to_verdict(events: list[MaintenanceEvent], now: float, drain_before: float) -> NodeVerdict | None:
@@ -203,7 +214,7 @@ def to_verdict(events: list[MaintenanceEvent], now: float, drain_before: float) 
     message = f"{first.cloud} scheduled {first.kind} {first.event_id} not before {when}".replace("  ", " ")
     if first.description:
         message += f": {first.description}"
-    return NodeVerdict("drain" if drain else "cordon", first.reason, message.strip())
+    return NodeVerdict(Severity.DRAIN if drain else Severity.CORDON, first.reason, message.strip())
 
 
 class MaintenanceWatcher:

@@ -14,13 +14,11 @@ import contextlib
 import logging
 import random
 from collections.abc import Sequence
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from agent.clock import Clock, SystemClock
 from agent.config.remediation import RemediationConfig
-from agent.events import NodeVerdict
 from agent.kube.errors import ApiConflict, ApiError
 from agent.kube.model import NodeView, WatchEvent
 from agent.kube.port import Cluster
@@ -33,6 +31,7 @@ from agent.remediation.maintenance import Fetch, MaintenanceWatcher, urllib_fetc
 from agent.remediation.metrics import ActionCounter
 from agent.remediation.preflight import PreflightCheck, run_preflight
 from agent.remediation.slots import Slots
+from agent.signals import Latest, NodeVerdict
 from agent.supervisor import Backoff, RunFn, Supervisor
 
 log = logging.getLogger(__name__)
@@ -51,12 +50,12 @@ def _newer(candidate: str, current: str) -> bool:
 class RemediationService:
     """Acts on this node's API objects from health verdicts (see `engine`).
 
-    `verdicts` carries `agent.events.NodeVerdict`s, as the health subsystem publishes them; only the latest
-    queued one matters.
+    `verdicts` is the cell the health subsystem publishes its `agent.signals.NodeVerdict` into; only the latest
+    matters, and there is none until health has looked once.
     """
 
     def __init__(self, config: RemediationConfig, node_name: str, cluster: Cluster,
-                 verdicts: asyncio.Queue[Any], registry: CollectorRegistry, *, pod_name: str = "",
+                 verdicts: Latest[NodeVerdict], registry: CollectorRegistry, *, pod_name: str = "",
                  pod_namespace: str = "", clock: Clock | None = None, rng: random.Random | None = None,
                  preflight_checks: Sequence[PreflightCheck] = (), metadata_fetch: Fetch = urllib_fetch) -> None:
         if not node_name:
@@ -153,23 +152,19 @@ class RemediationService:
         return True
 
     async def _verdict_loop(self, stop: asyncio.Event) -> None:
+        seen = 0
         while not stop.is_set():
-            getter = asyncio.ensure_future(self.verdicts.get())
+            newer = asyncio.ensure_future(self.verdicts.wait_newer(seen))
             stopper = asyncio.ensure_future(stop.wait())
             try:
-                await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            finally:  # also when cancelled: an orphaned get() would swallow the next agent's verdict
+                await asyncio.wait({newer, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
                 stopper.cancel()
-                if not getter.done():
-                    getter.cancel()
-            if not getter.done() or getter.cancelled():
-                return  # stop won; a cancelled task only reports "cancelled" once it has run again
-            verdict = getter.result()
-            while not self.verdicts.empty():  # only the latest verdict matters
-                verdict = self.verdicts.get_nowait()
-            if not isinstance(verdict, NodeVerdict):  # a wiring bug, not input: say so, keep the last verdict
-                log.error("ignoring %r on the verdict queue: not an agent.events.NodeVerdict", verdict)
-                continue
+                if not newer.done():
+                    newer.cancel()
+            if not newer.done() or newer.cancelled():
+                return  # stop won
+            seen, verdict = newer.result()  # the latest: verdicts published meanwhile are superseded
             if verdict != self.inputs.health:
                 log.info("verdict %s (%s): %s", verdict.verdict, verdict.reason, verdict.describe())
                 self.inputs.health = verdict

@@ -239,7 +239,7 @@ class SimulatedDcgmExporter:
             families: list[tuple[FieldSpec, list[str]]] = []
             for field in self._families():
                 if field.name == XID_GAUGE:
-                    last = [(self._xids_of(s) or [None])[-1] for s in self._series]  # injection order
+                    last = [xids[-1] if (xids := self._xids_of(s)) else None for s in self._series]  # injection order
                     lines = [self._line(XID_GAUGE, s, x.code if x else 0, {})
                              for s, x in zip(self._series, last, strict=True)]
                 else:

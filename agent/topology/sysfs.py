@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 from agent.host.busid import is_bus_id, normalize_bus_id
 from agent.topology.model import (
@@ -35,6 +36,16 @@ NETWORK_BASE_CLASS = 0x02
 _ROOT_COMPLEX = re.compile(r"^pci[0-9a-f]{4,8}:[0-9a-f]{2}$")
 _ARPHRD_LINK_TYPES = {"1": "ether", "32": "infiniband"}
 
+
+
+class _RdmaFields(TypedDict):
+    """The RDMA side of one PCI function, as keyword arguments for `Nic` and `Vf`."""
+
+    rdma: str | None
+    netdevs: tuple[str, ...]
+    link_type: str
+    ports: tuple[RdmaPort, ...]
+    chardevs: RdmaCharDevices
 
 class SkipDevice(Exception):
     """A device that cannot be read; the message names the path and the problem."""
@@ -253,7 +264,7 @@ class SysfsReader:
                 log.warning("skipping VF %s: %s", f.pci.bus_id, exc)
         return sorted(vfs, key=lambda vf: vf.vf_index)
 
-    def _rdma(self, path: Path) -> dict[str, object]:
+    def _rdma(self, path: Path) -> _RdmaFields:
         """RDMA device, ports, char devices, netdevs and link type of one function."""
         netdevs = tuple(sorted(_listdir(path / "net")))
         ibdevs = sorted(_listdir(path / "infiniband"))

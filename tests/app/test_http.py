@@ -9,7 +9,8 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent.http import MetricsServer, Readiness, parse_address
+from agent.config.address import parse_address
+from agent.http import MetricsServer, Readiness
 
 
 @pytest.mark.parametrize(("text", "parsed"), [

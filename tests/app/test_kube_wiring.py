@@ -21,6 +21,7 @@ from agent.kube.cluster import LightkubeCluster
 from agent.kube.simulated import InMemoryCluster
 from agent.netacct.kubepods import KubePodSource
 from agent.netacct.pods import FilePodSource, PodFeed
+from agent.signals import Latest
 from tests.fakes.allowed import assert_only_allowed
 from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
 from tests.fakes.clock import FakeClock
@@ -59,7 +60,7 @@ class Ctx:
 
 
 def install_both(ctx: Ctx) -> tuple[Any, Any]:
-    remediation = wiring.remediation(ctx.cfg, ctx.hardware, ctx.registry, verdicts=asyncio.Queue(),
+    remediation = wiring.remediation(ctx.cfg, ctx.hardware, ctx.registry, verdicts=Latest(),
                                      cluster=ctx.port) if ctx.cfg.remediation.enabled else None
     return remediation, wiring.netacct(ctx.cfg, ctx.registry, ctx.port)
 

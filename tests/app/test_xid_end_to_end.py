@@ -43,6 +43,9 @@ async def test_xid_79_in_the_kernel_log_withdraws_the_gpu_from_the_kubelet():
         await kubelet.wait_for(lambda: any("would cordon" in m for m in agent.dry_run_decisions())
                                and any("Draining" in m for m in agent.dry_run_decisions()), timeout=30)
         assert any("GpuXid79" in m for m in agent.dry_run_decisions())
+        text = await asyncio.to_thread(agent.metrics)  # the decision as a counter, not only a log line
+        assert 'gpu_node_agent_remediation_actions_total{action="cordon",result="dry_run"} ' in text
+        assert 'gpu_node_agent_remediation_actions_total{action="cordon",result="ok"}' not in text
     finally:
         code = agent.stop()
         await kubelet.stop()

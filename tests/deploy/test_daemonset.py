@@ -13,8 +13,8 @@ import pytest
 
 from agent import __version__, config
 from agent.config import AgentConfig
+from agent.config.address import parse_address
 from agent.config.remediation import RemediationConfig
-from agent.http import parse_address
 from tests.deploy.manifests import agent_container, configmap_config_text, one
 
 DAEMONSET = one("DaemonSet")

@@ -162,9 +162,13 @@ def test_prometheus_scrapes_the_agent_with_up_1_and_agent_series(stack):
     up = stack.wait("up{job=gpu-node-agent} == 1",
                     lambda: [s for s in stack.vector(f'up{{job="{JOB}"}}') if s["value"][1] == "1"])
     assert up[0]["metric"]["instance"] == f"127.0.0.1:{stack.agent_port}"
-    series = stack.wait("gpu_node_agent_* series",
-                        lambda: stack.vector(f'{{__name__=~"gpu_node_agent_.+",job="{JOB}"}}'))
-    names = {s["metric"]["__name__"] for s in series}
+
+    def scraped() -> set[str] | None:
+        names = {s["metric"]["__name__"] for s in stack.vector(f'{{__name__=~"gpu_node_agent_.+",job="{JOB}"}}')}
+        return names if names >= set(CORE_METRICS) else None
+
+    # the first scrape can land before the supervisor has started every subsystem (no subsystem_up sample yet)
+    names = stack.wait(f"every one of {sorted(CORE_METRICS)} scraped", scraped)
     for name in CORE_METRICS:
         assert name in names, f"{name} missing from the scraped series {sorted(names)}"
     build = stack.vector(f'gpu_node_agent_build_info{{job="{JOB}"}}')

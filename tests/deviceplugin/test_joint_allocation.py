@@ -21,9 +21,9 @@ from agent.deviceplugin.metrics import LEVEL_LABELS, AllocationMetrics
 from agent.deviceplugin.pools import ResourcePool, build_pools
 from agent.deviceplugin.server import DevicePlugin
 from agent.deviceplugin.v1beta1 import api_pb2
-from agent.events import DeviceHealthEvent
 from agent.placement.joint import JointAllocator
 from agent.placement.policy import ContainerRequest, DeviceKind, achieved_levels
+from agent.signals import DeviceHealthEvent
 from agent.simulate.kubelet import AdmissionError, LocalKubelet
 from agent.simulate.node import simulated_topology
 from agent.topology.model import Level, Topology
@@ -161,7 +161,7 @@ async def test_unhealthy_devices_are_not_chosen(node_for, pairs: Topology) -> No
     first_pf = min(pairs.rdma_nics, key=lambda nic: nic.bus_id)
     sick = sorted(vf.bus_id for vf in first_pf.vfs)
     for vf in sick:
-        node.manager.apply_health(DeviceHealthEvent(vf, False, "test"))
+        node.manager.device_health.apply(DeviceHealthEvent(vf, False, "test"))
     view = node.kubelet.plugins[RDMA]
     await node.kubelet.wait_for(lambda: all(view.health()[vf] == "Unhealthy" for vf in sick), TIMEOUT)
 

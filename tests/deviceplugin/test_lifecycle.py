@@ -13,7 +13,7 @@ import pytest
 from agent.config.model import PoolConfig, SelectorConfig
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.v1beta1 import api_pb2
-from agent.events import DeviceHealthEvent
+from agent.signals import DeviceHealthEvent
 from agent.simulate.kubelet import AdmissionError, LocalKubelet
 from tests.deviceplugin.conftest import FAST, GPU_UUIDS, dp_config, small_topology, without_nic
 from tests.fakes.clock import FakeClock
@@ -154,12 +154,12 @@ async def test_kubelet_restart_cuts_a_long_backoff_short(make_manager, sockdir: 
 async def test_health_events_flip_and_recover(kubelet: LocalKubelet, make_manager, sockdir: str) -> None:
     manager = await make_manager(dp_config(sockdir))
     await kubelet.wait_for(_both_listed(kubelet), TIMEOUT)
-    await manager.health_events.put(DeviceHealthEvent(GPU_UUIDS[1], False, "Xid 79"))
-    await manager.health_events.put(DeviceHealthEvent(VFS[2], False, "link down"))
+    manager.device_health.apply(DeviceHealthEvent(GPU_UUIDS[1], False, "Xid 79"))
+    manager.device_health.apply(DeviceHealthEvent(VFS[2], False, "link down"))
     await kubelet.wait_for(lambda: _listed(kubelet, GPU)[GPU_UUIDS[1]] == "Unhealthy"
                            and _listed(kubelet, RDMA)[VFS[2]] == "Unhealthy", TIMEOUT)
     assert list(_listed(kubelet, GPU).values()).count("Healthy") == 3
-    await manager.health_events.put(DeviceHealthEvent(GPU_UUIDS[1], True))
+    manager.device_health.apply(DeviceHealthEvent(GPU_UUIDS[1], True))
     await kubelet.wait_for(lambda: _listed(kubelet, GPU)[GPU_UUIDS[1]] == "Healthy", TIMEOUT)
     # an Unhealthy device is not admitted
     with pytest.raises(AdmissionError, match="Requested: 6, Available: 5"):
@@ -172,7 +172,7 @@ async def test_topology_update_changes_device_sets(kubelet: LocalKubelet, make_m
     await asyncio.wait_for(manager.registered.wait(), TIMEOUT)
     await manager.update_topology(small_topology(vfs_per_pf=5))  # VF count changed
     await kubelet.wait_for(lambda: len(_listed(kubelet, RDMA)) == 10, TIMEOUT)
-    await manager.health_events.put(DeviceHealthEvent(VFS[3], False, "down"))
+    manager.device_health.apply(DeviceHealthEvent(VFS[3], False, "down"))
     await manager.update_topology(without_nic(small_topology(vfs_per_pf=5), "0000:1a:00.0"))  # a NIC gone
     await kubelet.wait_for(lambda: len(_listed(kubelet, RDMA)) == 5, TIMEOUT)
     assert all(vf.startswith("0000:9a:") for vf in _listed(kubelet, RDMA))

@@ -18,6 +18,7 @@ from agent.deviceplugin.pools import build_pools
 from agent.deviceplugin.registration import PluginServer, SocketPathError, check_socket_path
 from agent.deviceplugin.server import DevicePlugin
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.signals import DeviceHealthEvent
 from tests.deviceplugin.conftest import GPU_UUIDS, first_list, small_topology
 
 RDMA = "gpunodeagent.io/sriov_rdma"
@@ -72,24 +73,30 @@ async def test_no_topology_info_when_numa_unknown_or_excluded(sockdir: str) -> N
         (GPU_UUIDS[0], 0), (GPU_UUIDS[1], 0), (GPU_UUIDS[2], 1), (GPU_UUIDS[3], 1)]
 
 
+def _set_health(plugin: DevicePlugin, device_id: str, healthy: bool, reason: str = "") -> bool:
+    """What the health subsystem and the manager do: flip the device in the owner, tell the servicer."""
+    event = DeviceHealthEvent(device_id, healthy, reason)
+    return plugin.device_health.apply(event) and plugin.health_changed([event])
+
+
 async def test_two_streams_and_health_flip_and_recovery(served) -> None:
     plugin, _, channel = served
     (call_a, first_a), (call_b, first_b) = await asyncio.gather(first_list(channel), first_list(channel))
     assert len(first_a) == len(first_b) == 6
-    assert plugin.set_health(VFS[4], False, "link down")
+    assert _set_health(plugin, VFS[4], False, "link down")
     for call in (call_a, call_b):
         update = await asyncio.wait_for(call.read(), 5)
         health = {d.ID: d.health for d in update.devices}
         assert len(health) == 6  # always the full list
         assert health[VFS[4]] == "Unhealthy" and list(health.values()).count("Healthy") == 5
-    assert not plugin.set_health(VFS[4], False, "still down")  # no change, no message
-    assert plugin.set_health(VFS[4], True)
+    assert not _set_health(plugin, VFS[4], False, "still down")  # no change, no message
+    assert _set_health(plugin, VFS[4], True)
     for call in (call_a, call_b):
         update = await asyncio.wait_for(call.read(), 5)
         assert {d.health for d in update.devices} == {"Healthy"}
     call_a.cancel()
     # a closed stream does not disturb the other one
-    plugin.set_health(VFS[0], False, "xid")
+    _set_health(plugin, VFS[0], False, "xid")
     update = await asyncio.wait_for(call_b.read(), 5)
     assert {d.ID for d in update.devices if d.health == "Unhealthy"} == {VFS[0]}
     plugin.end_streams()

@@ -13,10 +13,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.config.health import HealthConfig
-from agent.events import DeviceHealthEvent
 from agent.health.service import HealthService
 from agent.host.links import SysfsLinkPort
 from agent.host.nvml import SimulatedNvml
+from agent.signals import DeviceHealth, DeviceHealthEvent
 from agent.simulate import profiles
 from agent.simulate.node import SimulatedNode, build_simulated_node
 
@@ -81,19 +81,18 @@ def boot_id_file(tmp_path: Path) -> Path:
 
 @dataclass
 class Running:
-    """A started HealthService with its queue, registry and stop event."""
+    """A started HealthService with its device health, registry and stop event."""
 
     service: HealthService
-    events: asyncio.Queue[DeviceHealthEvent]
+    device_health: DeviceHealth
     registry: CollectorRegistry
     stop: asyncio.Event
     task: asyncio.Task[None]
     seen: list[DeviceHealthEvent] = field(default_factory=list)
 
     def drain(self) -> list[DeviceHealthEvent]:
-        """Every device event queued so far (also kept in `seen`)."""
-        while not self.events.empty():
-            self.seen.append(self.events.get_nowait())
+        """Every device flip published so far (also kept in `seen`)."""
+        self.seen[:] = self.device_health.since(0) or []
         return self.seen
 
     def health(self) -> dict[str, bool]:
@@ -113,14 +112,14 @@ async def start_service(tmp_path: Path, boot_id_file: Path) -> AsyncIterator[Cal
 
     async def start(node: SimulatedNode, config: HealthConfig, *, nvml: Any = None, link_port: Any = None,
                     state_dir: Path | None = None, wait_first_pass: bool = True, **options: Any) -> Running:
-        events: asyncio.Queue[DeviceHealthEvent] = asyncio.Queue()
+        device_health = DeviceHealth()
         registry = CollectorRegistry()
         fast = {"kmsg_file_poll_interval": 0.01, "housekeeping_interval": 0.05, "restart_backoff": (0.05, 0.2)}
-        service = HealthService(config, state_dir or tmp_path / "state", node.topology(), nvml or node.nvml, events,
-                                registry, link_port or SysfsLinkPort(node.sysfs_root), boot_id_path=boot_id_file,
-                                **{**fast, **options})
+        service = HealthService(config, state_dir or tmp_path / "state", node.topology(), nvml or node.nvml,
+                                device_health, registry, link_port or SysfsLinkPort(node.sysfs_root),
+                                boot_id_path=boot_id_file, **{**fast, **options})
         stop = asyncio.Event()
-        running = Running(service, events, registry, stop, asyncio.create_task(service.run(stop)))
+        running = Running(service, device_health, registry, stop, asyncio.create_task(service.run(stop)))
         started.append(running)
         if wait_first_pass:
             await asyncio.wait_for(service.first_pass_done.wait(), TIMEOUT)

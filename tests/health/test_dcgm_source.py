@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from agent.config.health import HealthConfig
-from agent.events import DeviceHealthEvent
 from agent.health.assess import HealthAssessor
 from agent.health.dcgm_watch import DcgmWatcher
 from agent.host.dcgm_exporter import HttpDcgmExporter
 from agent.host.nvml import MemoryHealth
+from agent.signals import HEALTHY, DeviceHealth, DeviceHealthEvent
 from agent.simulate.dcgm_exporter import DcgmExporterServer, ExporterGpu, SimulatedDcgmExporter
 from agent.simulate.node import SimulatedNode
 from agent.topology.model import Topology
@@ -43,9 +43,10 @@ class Rig:
     def __init__(self, topology: Topology, url: str, *, timeout: float = 2.0, **config: object) -> None:
         self.topology = topology
         self.now = 1000.0
-        self.events: asyncio.Queue[DeviceHealthEvent] = asyncio.Queue()
+        self.device_health = DeviceHealth()
+        self._flips_read = 0
         cfg = HealthConfig(kmsg="", dcgm_exporter_url=url, **config)  # type: ignore[arg-type]
-        self.assessor = HealthAssessor(cfg, topology, self.events, lambda: self.now)
+        self.assessor = HealthAssessor(cfg, topology, self.device_health, lambda: self.now)
         self.watcher = DcgmWatcher(HttpDcgmExporter(url, timeout), self.assessor, topology, 15.0,
                                    nvlink_errors_per_minute=cfg.dcgm_nvlink_errors_per_minute,
                                    pcie_replays_per_minute=cfg.dcgm_pcie_replays_per_minute)
@@ -53,6 +54,12 @@ class Rig:
     async def scrape(self, after: float = 15.0) -> bool:
         self.now += after
         return await self.watcher.scrape_once()
+
+    def flips(self) -> list[DeviceHealthEvent]:
+        """Device health flips published since the last call."""
+        flips = self.device_health.since(self._flips_read) or []
+        self._flips_read = self.device_health.version
+        return flips
 
     def keys(self) -> set[str]:
         return {f.key for f in self.assessor.book.findings()}
@@ -66,18 +73,17 @@ def topology(node: SimulatedNode) -> Topology:
 async def test_an_xid_total_from_dcgm_withdraws_the_gpu_and_drains(exporter, topology: Topology) -> None:
     sim, url = exporter
     rig = Rig(topology, url)
-    assert await rig.scrape() and rig.assessor.checks["dcgm"] == "ok"
+    assert await rig.scrape() and rig.watcher.checks["dcgm"] == "ok"
     gpu = topology.gpus[3]
     sim.inject_xid(gpu.uuid, 48)  # a double-bit ECC error: RESET_GPU-class, drain
     assert await rig.scrape()
     assert rig.assessor.verdict.verdict == "drain"
     assert rig.assessor.verdict.reason == "GpuXid48"
     assert rig.assessor.book.unhealthy_devices().keys() == {gpu.uuid}
-    assert rig.events.get_nowait() == DeviceHealthEvent(gpu.uuid, False, rig.assessor.book.unhealthy_devices()[
-        gpu.uuid])
+    assert rig.flips() == [DeviceHealthEvent(gpu.uuid, False, rig.assessor.book.unhealthy_devices()[gpu.uuid])]
     assert sum(rig.assessor.xids.totals.values()) == 1
     assert await rig.scrape()  # nothing new: nothing more
-    assert sum(rig.assessor.xids.totals.values()) == 1 and rig.events.empty()
+    assert sum(rig.assessor.xids.totals.values()) == 1 and rig.flips() == []
 
 
 async def test_a_stock_exporter_shows_a_changed_last_xid_once(topology: Topology,
@@ -101,8 +107,9 @@ async def test_one_xid_in_the_kernel_log_and_dcgm_is_one_count_and_one_action(
     sim, url = exporter
     config = fast_config(kmsg_file, dcgm_exporter_url=url, dcgm_scrape_interval_seconds=0.05)
     running = await start_service(node, config)
-    verdicts = running.service.subscribe()
-    assert verdicts.get_nowait().verdict == "healthy"
+    verdicts = running.service.verdicts
+    assert verdicts.get() == HEALTHY
+    published = verdicts.version
     gpu = node.topology().gpus[2]
     kmsg_file.write_text(xid_record(1, gpu.bus_id[:-2], 79, "GPU has fallen off the bus."))
     await until(lambda: running.health().get(gpu.uuid) is False)
@@ -113,10 +120,8 @@ async def test_one_xid_in_the_kernel_log_and_dcgm_is_one_count_and_one_action(
     assert running.registry.get_sample_value("gpu_node_agent_xid_errors_total", labels) == 1
     assert [f.key for f in running.service.assessor.book.findings()] == [f"lost:{gpu.uuid}"]
     assert [e.healthy for e in running.seen if e.device_id == gpu.uuid] == [False]  # withdrawn once
-    changes = []
-    while not verdicts.empty():
-        changes.append(verdicts.get_nowait().verdict)
-    assert changes == ["drain"]  # one action
+    latest = verdicts.get()
+    assert verdicts.version == published + 1 and latest is not None and latest.verdict == "drain"  # one action
     assert running.registry.get_sample_value("gpu_node_agent_health_check_up", {"check": "dcgm"}) == 1
 
 
@@ -124,7 +129,7 @@ async def test_dcgm_reporting_a_scrape_later_is_paired_with_the_kernel_log(expor
     sim, url = exporter
     rig = Rig(topology, url)
     await rig.scrape()
-    gpu = rig.assessor.gpu_by_kernel_device(topology.gpus[4].bus_id[:-2])
+    gpu = rig.assessor.names.by_kernel_device(topology.gpus[4].bus_id[:-2])
     rig.assessor.on_xid(gpu, 48, "kmsg")
     sim.inject_xid(topology.gpus[4].uuid, 48)
     await rig.scrape(after=40)  # the exporter's sample interval plus the scrape interval later
@@ -162,7 +167,7 @@ async def test_ecc_growth_from_dcgm_and_nvml_is_one_finding(exporter, topology: 
     sim.add_to_field(uuid, "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", 1)
     sim.set_field(uuid, "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", 1)
     await rig.scrape()
-    rig.assessor.on_ecc_growth(rig.assessor.gpu_by_uuid(uuid), "dbe")  # NVML's event for the same error
+    rig.assessor.on_ecc_growth(rig.assessor.names.by_uuid(uuid), "dbe")  # NVML's event for the same error
     assert rig.keys() == {f"dbe:{uuid}"}
     assert rig.assessor.verdict.verdict == "degraded" and rig.assessor.verdict.reason == "GpuEccDbe"
 
@@ -210,18 +215,18 @@ async def test_a_bad_scrape_changes_nothing_and_the_next_good_one_catches_up(
     sim.inject_xid(uuid, 79)
     assert not await rig.scrape()
     assert rig.watcher.results[result] == 1
-    assert rig.assessor.checks["dcgm"].startswith(f"failed: {result}")
+    assert rig.watcher.checks["dcgm"].startswith(f"failed: {result}")
     assert rig.keys() == set() and rig.assessor.verdict.verdict == "healthy"
     sim.malformed, sim.status, sim.delay_seconds = False, 200, 0.0
     assert await rig.scrape()
     assert rig.keys() == {f"lost:{uuid}"}  # the Xid that arrived while the exporter was unreadable is not lost
-    assert rig.assessor.checks["dcgm"] == "ok"
+    assert rig.watcher.checks["dcgm"] == "ok"
 
 
 async def test_an_exporter_that_is_down_is_a_metric_and_one_log_line(
         topology: Topology, caplog: pytest.LogCaptureFixture) -> None:
     rig = Rig(topology, f"http://127.0.0.1:{free_port()}/metrics")
-    rig.assessor.on_xid(rig.assessor.gpu_by_uuid(topology.gpus[0].uuid), 79, "kmsg")
+    rig.assessor.on_xid(rig.assessor.names.by_uuid(topology.gpus[0].uuid), 79, "kmsg")
     for _ in range(3):
         assert not await rig.scrape()
     assert rig.watcher.results["unreachable"] == 3
@@ -261,7 +266,7 @@ async def test_another_nodes_exporter_is_never_believed(topology: Topology) -> N
         stranger.inject_xid(stranger.gpus[0].uuid, 79)
         assert not await rig.scrape()
     assert rig.watcher.results["no_gpus"] == 2
-    assert "none of the" in rig.assessor.checks["dcgm"]
+    assert "none of the" in rig.watcher.checks["dcgm"]
     assert rig.keys() == set()
 
 

@@ -18,9 +18,9 @@ from prometheus_client import CollectorRegistry
 
 from agent.config.model import DevicePluginConfig
 from agent.deviceplugin.manager import DevicePluginManager
-from agent.events import DeviceHealthEvent
 from agent.health.service import HealthService
 from agent.host.links import SysfsLinkPort
+from agent.signals import DeviceHealth
 from agent.simulate.kubelet import LocalKubelet
 from agent.simulate.node import SimulatedNode
 from tests.fakes.polling import until
@@ -55,12 +55,12 @@ def _listed(kubelet: LocalKubelet, resource: str) -> dict[str, str]:
 async def test_xid_79_in_kmsg_flips_listandwatch_and_recovery_flips_it_back(
         node: SimulatedNode, kubelet: LocalKubelet, kmsg_file: Path, boot_id_file: Path, tmp_path: Path) -> None:
     topology = node.topology()
-    events: asyncio.Queue[DeviceHealthEvent] = asyncio.Queue()
+    device_health = DeviceHealth()
     config = DevicePluginConfig(device_plugin_dir=str(kubelet.directory), serve_gpus=True)
-    manager = DevicePluginManager(config, topology, health_events=events, poll_interval=0.05, backoff_initial=0.05,
-                                  backoff_max=0.2, register_timeout=2.0)
+    manager = DevicePluginManager(config, topology, device_health=device_health, poll_interval=0.05,
+                                  backoff_initial=0.05, backoff_max=0.2, register_timeout=2.0)
     registry = CollectorRegistry()
-    health = HealthService(fast_config(kmsg_file), tmp_path / "state", topology, node.nvml, events, registry,
+    health = HealthService(fast_config(kmsg_file), tmp_path / "state", topology, node.nvml, device_health, registry,
                            SysfsLinkPort(node.sysfs_root), boot_id_path=boot_id_file, kmsg_file_poll_interval=0.01,
                            housekeeping_interval=0.05, resource_of=lambda device: _resource_of(manager, device))
     stop = asyncio.Event()

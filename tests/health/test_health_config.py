@@ -8,7 +8,7 @@ import pytest
 
 from agent import config
 from agent.config.health import XID_ACTIONS
-from agent.health.findings import Severity
+from agent.signals import Severity
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

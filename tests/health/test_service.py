@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 from agent.health import kmsg_watch
-from agent.health.findings import NodeVerdict
+from agent.signals import HEALTHY
 from agent.simulate.node import SimulatedNode
 from tests.fakes.clock import FakeClock
 from tests.fakes.polling import until
@@ -64,8 +64,9 @@ async def test_a_flood_is_counted_and_acted_on_once(node: SimulatedNode, kmsg_fi
                                                     caplog) -> None:
     gpu = node.topology().gpus[6]
     running = await start_service(node, fast_config(kmsg_file))
-    verdicts = running.service.subscribe()
-    assert verdicts.get_nowait() == NodeVerdict("healthy")
+    verdicts = running.service.verdicts
+    assert verdicts.get() == HEALTHY
+    published = verdicts.version
     caplog.set_level(logging.INFO, logger="agent.health")
     with kmsg_file.open("a") as log:
         log.writelines(xid_record(10 + i, "0000:d1:00", 45, "pid=7, name=python3, Ch 00000001 caused by previous "
@@ -74,7 +75,8 @@ async def test_a_flood_is_counted_and_acted_on_once(node: SimulatedNode, kmsg_fi
     await until(lambda: _xid_total(running, gpu, 119) == 50)
     assert _xid_total(running, gpu, 45) == 500
     assert [e.healthy for e in running.drain()] == [False]  # one device event
-    assert verdicts.qsize() == 1 and verdicts.get_nowait().verdict == "drain"  # one verdict
+    latest = verdicts.get()
+    assert verdicts.version == published + 1 and latest is not None and latest.verdict == "drain"  # one verdict
     logged = [r.getMessage() for r in caplog.records if "from kmsg" in r.getMessage()]
     assert len(logged) == 2 and "Xid 45 (PREEMPTIVE_REMOVAL" in logged[0] and "counted only" in logged[0]
 
@@ -101,16 +103,27 @@ async def test_other_line_forms_reach_the_right_gpu(node: SimulatedNode, kmsg_fi
     assert running.registry.get_sample_value("gpu_node_agent_node_verdict", {"verdict": "healthy"}) == 0
 
 
-async def test_remediation_reset_and_listeners(node: SimulatedNode, kmsg_file: Path, start_service) -> None:
+async def test_remediation_reset_and_verdict_readers(node: SimulatedNode, kmsg_file: Path, start_service) -> None:
     gpu = node.topology().gpus[0]
     running = await start_service(node, fast_config(kmsg_file))
     heard: list[str] = []
-    running.service.add_listener(lambda verdict: heard.append(verdict.verdict))
-    running.service.add_listener(lambda verdict: 1 / 0)  # a broken listener harms no one
-    node.nvml.inject_xid(gpu.uuid, 62)
-    await until(lambda: heard == ["drain"])
-    running.service.gpu_reset_done(gpu.uuid)
-    assert heard == ["drain", "healthy"]
+
+    async def read_verdicts() -> None:  # what remediation does: wait for a newer value, act on the latest
+        seen = running.service.verdicts.version
+        while True:
+            seen, verdict = await running.service.verdicts.wait_newer(seen)
+            heard.append(verdict.verdict)
+
+    reader = asyncio.create_task(read_verdicts())
+    try:
+        node.nvml.inject_xid(gpu.uuid, 62)
+        await until(lambda: heard == ["drain"])
+        running.service.gpu_reset_done(gpu.uuid)
+        assert running.service.verdicts.get() == HEALTHY  # published at once, not at the reader's pace
+        await until(lambda: heard == ["drain", "healthy"])
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
     await until(lambda: running.health() == {gpu.uuid: True})
 
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 from agent.config.health import HealthConfig
 from agent.health.assess import HealthAssessor
-from agent.health.findings import HEALTHY, Clears, Finding, GpuRef, NodeVerdict, Severity
+from agent.health.findings import Clears, Finding, GpuRef
 from agent.health.verdict import VerdictBook
 from agent.host.nvml import MemoryHealth, NvmlEvent, SimulatedNvml
+from agent.signals import HEALTHY, DeviceHealth, NodeVerdict, Severity
 from agent.simulate import profiles
 from agent.topology.load import load_topology
 
@@ -27,8 +27,8 @@ def test_worst_severity_wins_and_reasons_are_most_severe_first() -> None:
     book.add(Finding("sbe", Severity.DEGRADED, "ECC growing", Clears.HOLD, expires_at=10, code="GpuEccSbe",
                      hardware=True))
     book.add(Finding("remap", Severity.CORDON, "remap pending", Clears.STATE, ("GPU-b",), code="GpuRowRemapPending"))
-    assert book.verdict() == NodeVerdict("cordon", ("remap pending", "ECC growing"), "GpuRowRemapPending",
-                                         ("GPU-b",), hardware=False)
+    assert book.verdict() == NodeVerdict(Severity.CORDON, "GpuRowRemapPending", "remap pending; ECC growing",
+                                         ("GPU-b",), hardware=False, reasons=("remap pending", "ECC growing"))
     book.add(_reset("xid79"))
     verdict = book.verdict()
     assert (verdict.verdict, verdict.reason, verdict.devices, verdict.hardware) == ("drain", "GpuXid79", ("GPU-a",),
@@ -70,18 +70,15 @@ def test_gpu_ref_labels() -> None:
     assert GpuRef("3", "GPU-x", "0000:9d:00.0").name == "GPU 3 (0000:9d:00.0)"
 
 
-def test_verdicts_convert_to_remediation_verdicts(dgx_root: Path) -> None:
-    """Health publishes `agent.events.NodeVerdict`s: every code the assessor uses must be valid there."""
-    from agent import events
-    from agent.events import NodeVerdict as RemediationVerdict
-
+def test_every_code_the_assessor_uses_is_a_valid_verdict_reason(dgx_root: Path) -> None:
+    """Health publishes `agent.signals.NodeVerdict`s: every code the assessor uses must be a valid reason there."""
     topology = load_topology(dgx_root, SimulatedNvml(profiles.load_profile("dgx-h100").gpu_uuids).gpu_uuids())
-    assessor = HealthAssessor(HealthConfig(), topology, asyncio.Queue(), clock=lambda: 0.0)
+    assessor = HealthAssessor(HealthConfig(), topology, DeviceHealth(), clock=lambda: 0.0)
     a, b, c = (gpu.uuid or "" for gpu in topology.gpus[:3])
-    assessor.on_xid(assessor.gpu_by_uuid(a), 79, "kmsg")
-    assessor.on_xid(assessor.gpu_by_uuid(b), 119, "kmsg")
-    assessor.on_xid(assessor.gpu_by_uuid(b), 999, "kmsg")
-    assessor.on_gpu_lost(assessor.gpu_by_uuid(c), "NVML: GPU is lost", from_nvml=True)
+    assessor.on_xid(assessor.names.by_uuid(a), 79, "kmsg")
+    assessor.on_xid(assessor.names.by_uuid(b), 119, "kmsg")
+    assessor.on_xid(assessor.names.by_uuid(b), 999, "kmsg")
+    assessor.on_gpu_lost(assessor.names.by_uuid(c), "NVML: GPU is lost", from_nvml=True)
     assessor.on_nvml_event(NvmlEvent("sbe", a))
     assessor.on_nvml_event(NvmlEvent("dbe", a))
     assessor.on_memory(MemoryHealth(b, remap_pending=True, remap_failure=True, retired_pages_pending=True))
@@ -90,11 +87,8 @@ def test_verdicts_convert_to_remediation_verdicts(dgx_root: Path) -> None:
     assert codes == {"GpuXid79", "GpuXid119", "GpuXid999", "GpuLost", "GpuEccSbe", "GpuEccDbe", "GpuRowRemapPending",
                      "GpuRowRemapFailure", "GpuPageRetirementPending", "NicLinkDown"}
     for finding in assessor.book.findings():
-        RemediationVerdict("drain", finding.code, finding.reason, finding.devices, finding.hardware)
-    for verdict in (assessor.verdict, VerdictBook().verdict()):
-        published = verdict.published()
-        assert isinstance(published, events.NodeVerdict)
-        assert (published.verdict, published.reason, published.message, published.devices, published.hardware) == (
-            verdict.verdict, verdict.reason, verdict.message, verdict.devices, verdict.hardware)
+        NodeVerdict(Severity.DRAIN, finding.code, finding.reason, finding.devices, finding.hardware)
+    assert assessor.verdict.severity is Severity.DRAIN
+    assert assessor.verdict == assessor.book.verdict()  # the book's verdict is the published type itself
     assert assessor.verdict.verdict == "drain" and assessor.verdict.hardware
     assert set(assessor.verdict.devices) == {a, b, c}  # the drain-level findings' devices

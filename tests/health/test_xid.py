@@ -7,8 +7,9 @@ import logging
 import pytest
 
 from agent.config.health import HealthConfig, parse_xid_override
-from agent.health.findings import GpuRef, Severity
+from agent.health.findings import GpuRef
 from agent.health.xid import BUCKET_ACTIONS, CATALOG, XidCounter, XidPolicy
+from agent.signals import Severity
 
 GPU = GpuRef("0", "GPU-a", "0000:1b:00.0")
 

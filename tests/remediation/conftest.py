@@ -13,11 +13,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.config.remediation import RemediationConfig
-from agent.events import NodeVerdict
 from agent.kube.cluster import LightkubeCluster, connect
 from agent.kube.metrics import ApiRequestCounter
 from agent.remediation import RemediationService
 from agent.remediation.preflight import PreflightCheck
+from agent.signals import Latest, NodeVerdict
 from tests.fakes import fixtures
 from tests.fakes.allowed import assert_only_allowed as check_allowed
 from tests.fakes.apiserver import ApiServerDouble, Request, write_kubeconfig
@@ -52,7 +52,7 @@ class Harness:
         self.kubeconfig = kubeconfig
         self.registry = CollectorRegistry()
         self.requests = ApiRequestCounter(self.registry)
-        self.queue: asyncio.Queue[NodeVerdict] = asyncio.Queue()
+        self.queue: Latest[NodeVerdict] = Latest()
         self.service: RemediationService | None = None
         self.cluster: LightkubeCluster | None = None
         self._task: asyncio.Task[None] | None = None
@@ -88,7 +88,7 @@ class Harness:
         return await self.start(config)
 
     async def verdict(self, verdict: NodeVerdict) -> None:
-        await self.queue.put(verdict)
+        self.queue.set(verdict)
         await self.settle()
 
     async def settle(self) -> None:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from agent.events import NodeVerdict
+from agent.signals import NodeVerdict, Severity
 from tests.remediation.conftest import AGENT_NS, NODE, Harness, make_config
 
 P = "gpunodeagent.io"
-XID79 = NodeVerdict("cordon", "GpuXid79", "GPU fell off the bus", ("GPU-1",), hardware=True)
-XID13 = NodeVerdict("cordon", "GpuXid13", "graphics engine exception", ("GPU-2",))
-HEALTHY = NodeVerdict("healthy", "GpuHealthy", "all checks pass")
+XID79 = NodeVerdict(Severity.CORDON, "GpuXid79", "GPU fell off the bus", ("GPU-1",), hardware=True)
+XID13 = NodeVerdict(Severity.CORDON, "GpuXid13", "graphics engine exception", ("GPU-2",))
+HEALTHY = NodeVerdict(Severity.HEALTHY, "GpuHealthy", "all checks pass")
 
 
 def our_taint(harness: Harness) -> dict[str, str] | None:
@@ -53,7 +53,7 @@ async def test_cordon_taints_annotates_sets_condition_and_emits_an_event(harness
 
 async def test_degraded_reports_without_cordoning(harness: Harness):
     await harness.start()
-    await harness.verdict(NodeVerdict("degraded", "GpuEccCorrectableHigh", "many correctable errors"))
+    await harness.verdict(NodeVerdict(Severity.DEGRADED, "GpuEccCorrectableHigh", "many correctable errors"))
     assert not harness.api.node["spec"].get("unschedulable")
     assert harness.api.condition("GpuUnhealthy")["status"] == "True"
     assert harness.api.leases == {}

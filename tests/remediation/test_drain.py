@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from agent.events import NodeVerdict
+from agent.signals import NodeVerdict, Severity
 from tests.remediation.conftest import AGENT_NS, AGENT_POD, Harness, make_config
 from tests.remediation.test_cordon import HEALTHY
 
 P = "gpunodeagent.io"
-DRAIN = NodeVerdict("drain", "GpuXid79", "GPU fell off the bus", ("GPU-1",), hardware=True)
+DRAIN = NodeVerdict(Severity.DRAIN, "GpuXid79", "GPU fell off the bus", ("GPU-1",), hardware=True)
 
 
 def evictions(harness: Harness) -> list[str]:

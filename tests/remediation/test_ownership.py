@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent.events import NodeVerdict
+from agent.signals import NodeVerdict, Severity
 from tests.remediation.conftest import AGENT_NS, NODE, Harness, make_config
 from tests.remediation.test_cordon import HEALTHY, XID13, XID79, our_taint
 
@@ -143,9 +143,9 @@ async def test_a_restarted_agent_resumes_a_cordon_for_the_same_fault(harness: Ha
 
 async def test_dry_run_decides_and_emits_events_but_changes_nothing_else(harness: Harness):
     await harness.start(make_config(dry_run=True))
-    await harness.verdict(NodeVerdict("drain", "GpuXid79", "fell off", hardware=True))
+    await harness.verdict(NodeVerdict(Severity.DRAIN, "GpuXid79", "fell off", hardware=True))
     harness.api.add_pod("team", "train-0")
-    await harness.verdict(NodeVerdict("drain", "GpuXid79", "fell off again", hardware=True))
+    await harness.verdict(NodeVerdict(Severity.DRAIN, "GpuXid79", "fell off again", hardware=True))
     writes = harness.writes()
     assert writes and all("/events" in r.path for r in writes)
     assert harness.api.leases == {} and not harness.api.node["spec"].get("unschedulable")

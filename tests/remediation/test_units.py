@@ -11,7 +11,6 @@ from prometheus_client import CollectorRegistry
 
 from agent import config
 from agent.config.remediation import RemediationConfig
-from agent.events import NodeVerdict, worst
 from agent.kube.errors import ApiNotFound
 from agent.kube.model import EventRecord, LeaseView, NodeView
 from agent.kube.simulated import InMemoryCluster
@@ -19,26 +18,27 @@ from agent.remediation import RemediationService, simulated_cluster
 from agent.remediation.events import EventRecorder
 from agent.remediation.metrics import ActionCounter
 from agent.remediation.slots import Slots
+from agent.signals import Latest, NodeVerdict, Severity, worst
 from tests.fakes.clock import FakeClock
 from tests.fakes.polling import until
 
 
 def test_verdicts_validate_and_order():
     with pytest.raises(ValueError, match="CamelCase"):
-        NodeVerdict("cordon", "gpu xid 79")
+        NodeVerdict(Severity.CORDON, "gpu xid 79")
     with pytest.raises(ValueError, match="verdict"):
         NodeVerdict("reboot", "GpuXid79")  # type: ignore[arg-type]
-    cordon = NodeVerdict("cordon", "GpuXid79", "m", ("GPU-0", "GPU-1"), True)
+    cordon = NodeVerdict(Severity.CORDON, "GpuXid79", "m", ("GPU-0", "GPU-1"), True)
     assert cordon.describe() == "m (devices: GPU-0, GPU-1)"
-    assert worst(None, NodeVerdict("degraded", "A"), cordon) is cordon
+    assert worst(None, NodeVerdict(Severity.DEGRADED, "A"), cordon) is cordon
     assert worst(None, None) is None
 
 
 def test_the_verdict_contract_rejects_what_remediation_could_not_act_on():
-    assert NodeVerdict("drain", "GpuXid79", "Xid 79 on GPU-1", ("GPU-1",), True).describe() == \
+    assert NodeVerdict(Severity.DRAIN, "GpuXid79", "Xid 79 on GPU-1", ("GPU-1",), True).describe() == \
         "Xid 79 on GPU-1 (devices: GPU-1)"
     with pytest.raises(ValueError, match="CamelCase"):  # it becomes a taint value and an Event reason
-        NodeVerdict("cordon", "xid 79")
+        NodeVerdict(Severity.CORDON, "xid 79")
     with pytest.raises(ValueError, match="not one of"):
         NodeVerdict("reboot", "GpuXid79")  # type: ignore[arg-type]
 
@@ -145,12 +145,13 @@ def test_lease_namespace_falls_back_to_the_agents_namespace():
 async def test_simulated_dry_run_shows_the_decisions_without_a_cluster(caplog):
     caplog.set_level(logging.INFO)
     cluster = simulated_cluster("sim-node")
-    queue: asyncio.Queue[NodeVerdict] = asyncio.Queue()
+    queue: Latest[NodeVerdict] = Latest()
     cfg = RemediationConfig(enabled=True, dry_run=True, preflight_taint="")
-    service = RemediationService(cfg, "sim-node", cluster, queue, CollectorRegistry())
+    registry = CollectorRegistry()
+    service = RemediationService(cfg, "sim-node", cluster, queue, registry)
     stop = asyncio.Event()
     task = asyncio.create_task(service.run(stop))
-    await queue.put(NodeVerdict("drain", "GpuXid79", "GPU has fallen off the bus", ("GPU-3",), hardware=True))
+    queue.set(NodeVerdict(Severity.DRAIN, "GpuXid79", "GPU has fallen off the bus", ("GPU-3",), hardware=True))
     await until(lambda: any(e.reason == "Cordoned" for e in cluster.events), "the cordon Event")
     stop.set()
     await asyncio.wait_for(task, 5)
@@ -159,17 +160,20 @@ async def test_simulated_dry_run_shows_the_decisions_without_a_cluster(caplog):
     assert len(cluster.pods) == 2  # nothing evicted
     assert cluster.node == dataclasses.replace(NodeView("sim-node"), resource_version=cluster.node.resource_version)
     assert cluster.leases == {}
-    assert "[dry-run] GpuXid79" in caplog.text and "would cordon" in caplog.text
+    assert "[dry-run] GpuXid79" in caplog.text and "would cordon" in caplog.text  # the operator-facing line
+    dry_run = {"action": "cordon", "result": "dry_run"}  # the decision itself, on /metrics
+    assert registry.get_sample_value("gpu_node_agent_remediation_actions_total", dry_run) == 1
+    assert registry.get_sample_value("gpu_node_agent_remediation_actions_total", {**dry_run, "result": "ok"}) is None
 
 
 async def test_the_simulation_also_applies_changes_without_dry_run():
     cluster = simulated_cluster("sim-node")
-    queue: asyncio.Queue[NodeVerdict] = asyncio.Queue()
+    queue: Latest[NodeVerdict] = Latest()
     service = RemediationService(RemediationConfig(enabled=True, preflight_taint=""), "sim-node", cluster, queue,
                                  CollectorRegistry())
     stop = asyncio.Event()
     task = asyncio.create_task(service.run(stop))
-    await queue.put(NodeVerdict("cordon", "GpuXid79", "fell off", hardware=True))
+    queue.set(NodeVerdict(Severity.CORDON, "GpuXid79", "fell off", hardware=True))
     await until(lambda: cluster.node.unschedulable, "the cordon")
     stop.set()
     await asyncio.wait_for(task, 5)

@@ -29,6 +29,10 @@ CHECK_ACTIONS: dict[str, str] = {
     "pcie_aer_fatal": "cordon",  # aer_dev_fatal grew
     "pcie_aer_nonfatal": "degraded",  # aer_dev_nonfatal grew
     "gpu_missing": "cordon",  # fewer GPUs than expected on the bus or in NVML
+    "nic_driver_fatal": "cordon",  # mlx5_core: firmware heartbeat lost, unrecoverable error, command timeout
+    "nic_driver_warning": "degraded",  # mlx5_core: PCIe slot power too low, transceiver over temperature
+    "nvswitch_fatal": "cordon",  # a fatal NVSwitch SXid
+    "gpudirect_missing": "degraded",  # RDMA VFs and GPUs served, but neither nvidia_peermem nor gdrdrv loaded
     "unknown": "degraded",  # a check that cannot run (unknownHealthAction=unhealthy): what the node verdict says
 }
 

@@ -30,6 +30,7 @@ from agent.health.assess import HealthAssessor
 from agent.health.checks import Checks, CheckState
 from agent.health.findings import Clears, Finding, GpuRef
 from agent.health.nic_counters import CounterJudge, Observation, Thresholds
+from agent.health.pci_kmsg import PciFault
 from agent.host.nic_sysfs import CounterPass, NicSysfs
 from agent.host.nvml import NvmlHealth
 from agent.signals import Severity
@@ -40,6 +41,10 @@ log = logging.getLogger(__name__)
 SOURCE = "hw:"  # key prefix of every finding this producer owns
 STATE_FILE = "nic-counters.json"
 CHECKS = ("nic_counters", "pcie", "inventory")
+GPUDIRECT_MODULES = ("nvidia_peermem", "gdrdrv")
+_KERNEL_CODES = {"nic_driver_fatal": "NicDriverFatal", "nic_driver_warning": "NicDriverWarning",
+                 "pcie_aer_fatal": "PcieAerFatal", "pcie_aer_nonfatal": "PcieAerNonFatal",
+                 "nvswitch_fatal": "NvswitchFatal"}
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,7 @@ class NicWatcher:
         self.inventory = Inventory(0, 0, {})
         self._held: dict[str, tuple[Finding, float]] = {}  # key -> (finding, held until)
         self._save_failed = False
+        self.kernel_faults_foreign = 0  # kernel-log faults naming a function that is not on this node
 
     async def run(self, stop: asyncio.Event) -> None:
         """Pass after pass until `stop`; an unexpected error goes to the supervisor (which retries)."""
@@ -91,7 +97,7 @@ class NicWatcher:
         topology = self.assessor.topology
         for gpu in topology.gpus:
             self.known_gpus.setdefault(gpu.bus_id, GpuRef(str(gpu.index), gpu.uuid or "", gpu.bus_id))
-        reading, nvml_up, nvml_gpus = await asyncio.to_thread(self._read, topology)
+        reading, nvml_up, nvml_gpus, modules = await asyncio.to_thread(self._read, topology)
         now = self.clock.monotonic()
         observations = self.judge.judge(reading, now)
         for flap in self.judge.last_flaps:
@@ -100,15 +106,16 @@ class NicWatcher:
         findings = [self._finding(o, topology) for o in observations]
         findings += self._inventory(reading, nvml_up, nvml_gpus)
         findings += self._unknown(reading, topology, nvml_up)
+        findings += self._gpudirect(topology, modules)
         self.assessor.on_findings(SOURCE, self._hold(findings, now))
         await asyncio.to_thread(self.save, now)
 
-    def _read(self, topology: Topology) -> tuple[CounterPass, bool, dict[str, str]]:
+    def _read(self, topology: Topology) -> tuple[CounterPass, bool, dict[str, str], tuple[str, ...]]:
         rdma = [n.rdma for n in topology.rdma_nics if n.rdma]
         functions = [*self.known_gpus, *(n.bus_id for n in topology.rdma_nics)]
         reading = self.sysfs.read_pass(rdma, functions)
         up = self.nvml.available
-        return reading, up, self.nvml.gpu_uuids() if up else {}
+        return reading, up, self.nvml.gpu_uuids() if up else {}, self.sysfs.modules_loaded(*GPUDIRECT_MODULES)
 
     # devices -------------------------------------------------------------------------------------------------
     def devices_of(self, subject: str, topology: Topology) -> tuple[str, ...]:
@@ -138,6 +145,26 @@ class NicWatcher:
         for key in [k for k, (_, until) in self._held.items() if k not in current and until <= now]:
             log.info("cleared: %s", self._held.pop(key)[0].reason)
         return [finding for finding, _ in self._held.values()]
+
+    def on_kernel_fault(self, fault: PciFault) -> None:
+        """An mlx5/AER/SXid kernel-log line: held on the devices under its bus id; not ours: counted, ignored."""
+        topology = self.assessor.topology
+        devices = self.devices_of(fault.bus_id, topology)
+        ours = bool(devices) or fault.bus_id in self.known_gpus or any(n.bus_id == fault.bus_id for n in topology.nics)
+        if not ours and fault.kind == "nvswitch_fatal":  # NVSwitches serve no device; on the bus means ours
+            ours = os.path.isdir(f"{self.sysfs.root}/bus/pci/devices/{fault.bus_id}")
+        if not ours:
+            self.kernel_faults_foreign += 1
+            log.info("kernel log names %s, which is not on this node; skipped: %s", fault.bus_id, fault.text)
+            return
+        now = self.clock.monotonic()
+        finding = Finding(f"{SOURCE}{fault.kind}:{fault.bus_id}", self.actions[fault.kind],
+                          f"kernel log on {fault.bus_id}: {fault.text}", Clears.STATE, devices,
+                          code=_KERNEL_CODES[fault.kind], hardware=True)
+        if finding.key not in self._held:
+            log.warning("%s", finding.reason, extra={"pci_bus_id": fault.bus_id, "check": fault.kind})
+        self._held[finding.key] = (finding, now + self.config.nic_hold_seconds)
+        self.assessor.on_findings(SOURCE, [f for f, _ in self._held.values()])
 
     # inventory and fail safe ---------------------------------------------------------------------------------
     def _inventory(self, reading: CounterPass, nvml_up: bool, nvml_gpus: dict[str, str]) -> list[Finding]:
@@ -187,6 +214,14 @@ class NicWatcher:
         elif self.known_gpus:
             self.checks.set("nvml", CheckState.OK)
         return found
+
+    def _gpudirect(self, topology: Topology, loaded: tuple[str, ...]) -> list[Finding]:
+        """GPUDirect RDMA needs nvidia_peermem (or GDRCopy's gdrdrv) when GPUs and RDMA VFs are both served."""
+        if loaded or not self.known_gpus or not any(n.vfs for n in topology.rdma_nics):
+            return []
+        return [Finding(f"{SOURCE}gpudirect_missing:node", self.actions["gpudirect_missing"],
+                        "GPUDirect RDMA unavailable: neither nvidia_peermem nor gdrdrv is loaded (NCCL falls back to "
+                        "staging through host memory)", Clears.STATE, code="GpuDirectRdmaMissing", hardware=False)]
 
     # persistence ---------------------------------------------------------------------------------------------
     def load(self) -> None:

@@ -94,6 +94,8 @@ class HealthService:
             nic_sysfs = NicSysfs(getattr(self.links.port, "sysfs_root", "/sys"))
         self.nic = NicWatcher(nic_sysfs, self.assessor, config, nvml, clock=clock, state_dir=state_dir,
                               checks=self._checks)
+        if self.kmsg is not None:
+            self.kmsg.pci_faults = self.nic.on_kernel_fault
         self._saved = SavedHealth()
         registry.register(HealthCollector(self.assessor, self._checks, resource_of,
                                           lambda: self.kmsg.lost_records if self.kmsg else 0, self.dcgm,

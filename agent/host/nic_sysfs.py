@@ -208,6 +208,10 @@ class NicSysfs:
                 found[kind] = value
         return found
 
+    def modules_loaded(self, *names: str) -> tuple[str, ...]:
+        """Which of these kernel modules are loaded (`module/<name>` exists; `nvidia_peermem`, `gdrdrv`)."""
+        return tuple(name for name in names if os.path.isdir(f"{self.root}/module/{name}"))
+
     def read_pass(self, rdma_devices: Iterable[str], functions: Iterable[str]) -> CounterPass:
         """Every port of these RDMA devices, and link plus AER of these PCI functions (and their upstream ports)."""
         ports: list[PortReading] = []

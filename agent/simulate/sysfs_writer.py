@@ -33,7 +33,8 @@ Layout, relative to the tree root (which plays `/sys`):
 8. Health files: every non-VF function has `aer_dev_{correctable,fatal,nonfatal}` (all zero); every RDMA port
    has `counters/<name>` and `hw_counters/<name>` ("0\n") for the counters health reads. Inject a fault by
    writing one: `echo 1 > class/infiniband/mlx5_0/ports/1/counters/link_downed`, `echo 8 >
-   bus/pci/devices/<gpu>/current_link_width`, or a TOTAL_ERR_FATAL line in `aer_dev_fatal`.
+   bus/pci/devices/<gpu>/current_link_width`, or a TOTAL_ERR_FATAL line in `aer_dev_fatal`. A profile with
+   GPUs and RDMA NICs has `module/nvidia_peermem/` (GPUDirect RDMA loaded; remove it to see the finding).
 
 A function with `link_up: false` reports netdev `down`, carrier 0 and port `1: DOWN`/`3: Disabled`.
 """
@@ -153,8 +154,11 @@ def profile_tree(profile: Profile) -> SysfsTree:
     tree.add_file("class/infiniband_verbs/abi_version", "6\n")
     tree.add_file("class/infiniband_mad/abi_version", "5\n")
     tree.add_dir("bus/pci/drivers")
-    for f in functions(profile):
+    listed = functions(profile)
+    for f in listed:
         _write_function(tree, profile, f)
+    if any(f.model.is_gpu for f in listed) and any(f.rdma_index is not None for f in listed):
+        tree.add_file("module/nvidia_peermem/initstate", "live\n")  # GPUDirect RDMA, as the GPU operator loads it
     return tree
 
 

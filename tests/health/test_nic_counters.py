@@ -266,3 +266,17 @@ async def test_unknown_health_action_keep_leaves_devices_alone(writable_node: Si
     get = running.registry.get_sample_value
     assert get("gpu_node_agent_health_check_up", {"check": "nvml"}) == 0
     assert running.service.verdict.verdict == "healthy" and not running.health()
+
+
+async def test_gpudirect_rdma_module_missing_is_a_degraded_finding(writable_node: SimulatedNode, kmsg_file: Path,
+                                                                   start_service) -> None:
+    node = writable_node
+    module = node.sysfs_root / "module" / "nvidia_peermem"
+    assert module.is_dir()  # the simulated GPU node loads it
+    running = await start_service(node, _nic_config(kmsg_file, nic_hold_seconds=0))
+    assert running.service.verdict.verdict == "healthy"
+    shutil.rmtree(module)
+    await until(lambda: running.service.verdict.reason == "GpuDirectRdmaMissing")
+    assert running.service.verdict.verdict == "degraded" and "nvidia_peermem" in running.service.verdict.message
+    (node.sysfs_root / "module" / "gdrdrv").mkdir()  # GDRCopy's module is enough
+    await until(lambda: running.service.verdict.verdict == "healthy")

@@ -1,5 +1,7 @@
 """`/metrics`, `/healthz` and `/readyz` on one port, served from a thread so a busy event loop cannot hide them.
 
+The server (`agent.http_serve`) bounds connections, request time and size: the port is on the host network.
+
 Liveness asks only "does the event loop still answer" (a heartbeat the loop refreshes); it never depends on the
 API server, because an API server brown-out must not restart every agent in a 7,500-node fleet. Readiness
 says whether the agent does its job yet: plugins registered, first health pass done.
@@ -7,57 +9,49 @@ says whether the agent does its job yet: plugins registered, first health pass d
 
 from __future__ import annotations
 
+import asyncio
+import gzip
 import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
-from socketserver import ThreadingMixIn
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 from agent.config.address import parse_address
+from agent.http_serve import BoundedHttpServer, Handler, Limits, Request, Response
 
 log = logging.getLogger(__name__)
 
-StartResponse = Callable[[str, list[tuple[str, str]]], Any]
-
-
-class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-
-class _DualStackWSGIServer(_ThreadingWSGIServer):
-    """Listens on `::` for IPv6 and IPv4 alike, so probes and scrapes work on single- and dual-stack nodes."""
-
-    address_family = socket.AF_INET6
-
-    def server_bind(self) -> None:
-        """Accept IPv4-mapped connections too."""
-        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        super().server_bind()
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("http: " + format, *args)
-
-
-def _bind(host: str, port: int, app: Callable[..., Iterable[bytes]]) -> WSGIServer:
-    """Every address: dual-stack `::`, or IPv4 only where the kernel has no IPv6. Else the given address."""
+def _bind(host: str, port: int) -> list[socket.socket]:
+    """Every address: one dual-stack `::` socket, or IPv4 only where the kernel has no IPv6. Else the given one."""
     if host in ("", "::"):
         try:
-            return make_server("::", port, app, _DualStackWSGIServer, handler_class=_QuietHandler)
+            return [_socket("::", port, dual_stack=True)]
         except OSError as exc:
             if host == "::":
                 raise
             log.info("no IPv6 here (%s); serving on IPv4 only", exc)
             host = "0.0.0.0"  # noqa: S104 - a node agent's metrics are scraped from outside the node
-    server_class = _DualStackWSGIServer if ":" in host else _ThreadingWSGIServer
-    return make_server(host, port, app, server_class, handler_class=_QuietHandler)
+    return [_socket(host, port, dual_stack=False)]
+
+
+def _socket(host: str, port: int, *, dual_stack: bool) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if dual_stack:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4-mapped connections too
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
 
 
 class Readiness:
@@ -96,39 +90,47 @@ class Readiness:
         return not missing, ("not ready: " + ", ".join(missing)) if missing else "ready"
 
 
-def make_app(registry: CollectorRegistry, readiness: Readiness) -> Callable[..., Iterable[bytes]]:
-    """The WSGI application: health endpoints, everything else is Prometheus metrics."""
-    metrics = make_wsgi_app(registry)
+def make_handler(registry: CollectorRegistry, readiness: Readiness, pool: Executor) -> Handler:
+    """The endpoints: /healthz and /readyz answered on the server's loop; any other path is the Prometheus
+    exposition, rendered on `pool` so that a slow collector never delays a probe."""
+    async def handle(request: Request) -> Response:
+        if request.path in ("/healthz", "/readyz"):
+            ok, text = readiness.alive() if request.path == "/healthz" else readiness.ready()
+            return Response(200 if ok else 503, (text + "\n").encode(),
+                            (("Content-Type", "text/plain; charset=utf-8"),))
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(pool, _exposition, registry, request.headers.get("accept", ""),
+                                          request.headers.get("accept-encoding", ""))
 
-    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO", "")
-        if path in ("/healthz", "/readyz"):
-            ok, text = readiness.alive() if path == "/healthz" else readiness.ready()
-            start_response("200 OK" if ok else "503 Service Unavailable",
-                           [("Content-Type", "text/plain; charset=utf-8")])
-            return [(text + "\n").encode()]
-        return metrics(environ, start_response)
+    return handle
 
-    return app
+
+def _exposition(registry: CollectorRegistry, accept: str, accept_encoding: str) -> Response:
+    encoder, content_type = choose_encoder(accept)
+    body = encoder(registry)
+    if "gzip" in accept_encoding:
+        return Response(200, gzip.compress(body), (("Content-Type", content_type), ("Content-Encoding", "gzip")))
+    return Response(200, body, (("Content-Type", content_type),))
 
 
 class MetricsServer:
-    """The HTTP endpoint in a daemon thread; `port` is the bound port (useful with port 0)."""
+    """The HTTP endpoint on its own thread and loop; `port` is the bound port (useful with port 0)."""
 
-    def __init__(self, address: str, registry: CollectorRegistry, readiness: Readiness) -> None:
+    def __init__(self, address: str, registry: CollectorRegistry, readiness: Readiness,
+                 limits: Limits | None = None) -> None:
         host, port = parse_address(address)
-        self._server = _bind(host, port, make_app(registry, readiness))
-        self.port = self._server.server_port
-        self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
+        sockets = _bind(host, port)
+        self.port = sockets[0].getsockname()[1]
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="http-metrics")
+        self._server = BoundedHttpServer(sockets, make_handler(registry, readiness, self._pool),
+                                         limits or Limits())
 
     def start(self) -> None:
         """Start serving."""
-        self._thread.start()
+        self._server.start()
         log.info("serving /metrics, /healthz and /readyz on port %d", self.port)
 
     def stop(self) -> None:
-        """Stop serving and close the socket (never started: only close; `shutdown` would wait forever)."""
-        if self._thread.is_alive():
-            self._server.shutdown()
-            self._thread.join()
-        self._server.server_close()
+        """Stop serving and close the socket (also when it never started)."""
+        self._server.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)

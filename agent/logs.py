@@ -41,5 +41,6 @@ def setup_logging(level: str = "info", fmt: str = "auto") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     # grpc and the HTTP client are chatty at debug level; their warnings still come through.
-    for noisy in ("grpc", "httpx", "httpcore", "asyncio"):
+    # httpx2 logs every request it sends at INFO (each API call would be a log line): warnings only.
+    for noisy in ("grpc", "httpx", "httpcore", "httpx2", "httpcore2", "asyncio"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

@@ -213,7 +213,7 @@ def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegis
 
 
 def dra(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, cluster: ClusterPort,
-        scratch: Path) -> tuple[DraService, Subsystem]:
+        scratch: Path, verdicts: Latest[NodeVerdict] | None = None) -> tuple[DraService, Subsystem]:
     """The DRA driver: this node's ResourceSlices and the kubelet DRA plugin. On a simulated node without kubelet
     directories, the sockets and CDI specs go to the scratch directory."""
     from agent.config.model import AgentConfig as _Defaults
@@ -230,7 +230,7 @@ def dra(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, cl
         if cfg.state_dir == _Defaults().state_dir:
             state_dir = scratch / "state"
     try:
-        service = DraService(dc, cluster.get(), hardware.topology, state_dir, registry)
+        service = DraService(dc, cluster.get(), hardware.topology, state_dir, registry, verdicts=verdicts)
     except (SocketPathError, ClusterConfigError) as exc:
         raise StartupError(f"dra: {exc}") from exc
 
@@ -425,7 +425,7 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
                                                               scratch=scratch, device_health=device_health)
         wiring.subsystems.append(served)
     if cfg.dra.enabled:
-        wiring.dra, driver = dra(cfg, hardware, registry, cluster=wiring.cluster, scratch=scratch)
+        wiring.dra, driver = dra(cfg, hardware, registry, cluster=wiring.cluster, scratch=scratch, verdicts=verdicts)
         wiring.subsystems.append(driver)
     if cfg.pod_resources.socket:
         wiring.ownership = ownership(cfg, registry, wiring.cluster, kubelet)

@@ -9,8 +9,8 @@ spec whose devices are the pool's functions by bus id, each with its RDMA char d
 (`rw`); Allocate then names devices by annotation instead of returning DeviceSpecs. Unlike SR-IOV DP's one
 key per prefix (`cdi.k8s.io/<prefix>_net-pci`, where two pools of one prefix in one container collide in the
 kubelet), the annotation key is per resource. Specs are written atomically, rewritten when the pool changes,
-and removed when the agent stops (cncf-tags/container-device-interface SPEC.md; sriov-network-device-plugin
-pkg/cdi/cdi.go).
+and removed when the agent stops; at start, specs a crashed run left are removed first
+(cncf-tags/container-device-interface SPEC.md; sriov-network-device-plugin pkg/cdi/cdi.go).
 """
 
 from __future__ import annotations
@@ -102,6 +102,25 @@ def rdma_spec(pool: ResourcePool, mad_devices: bool) -> dict[str, object]:
             devices.append({"name": device.id, "containerEdits": {"deviceNodes": [
                 {"path": path, "hostPath": path, "permissions": "rw"} for path in nodes]}})
     return {"cdiVersion": CDI_VERSION, "kind": pool_kind(pool), "devices": devices}
+
+
+def remove_stale_specs(directory: str) -> list[Path]:
+    """Remove the RDMA specs an earlier agent left (a crash skips the clean-up at stop); others' files stay.
+
+    As SR-IOV DP removes every `sriov-dp-*` spec at start: the specs of the pools served now are written again.
+    """
+    removed: list[Path] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if name.startswith(_FILE_PREFIX) and name.endswith(".json"):
+            path = Path(directory) / name
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(path)
+    return removed
 
 
 class RdmaSpecWriter:

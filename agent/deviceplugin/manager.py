@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from agent import aio
 from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config.model import DevicePluginConfig
-from agent.deviceplugin.cdi import SPEC_DIRS, RdmaSpecWriter, find_spec
+from agent.deviceplugin.cdi import SPEC_DIRS, RdmaSpecWriter, find_spec, remove_stale_specs
 from agent.deviceplugin.devinfo import DeviceInfoWriter
 from agent.deviceplugin.metrics import AllocationMetrics
 from agent.deviceplugin.payload import AllocateOptions
@@ -152,6 +152,8 @@ class DevicePluginManager:
             for name in pools:
                 check_socket_path(f"{directory}/{socket_name(name)}")
             self._check_gpu_cdi(pools)
+            for stale in remove_stale_specs(self.cdi_spec_dir):
+                log.info("removed the CDI spec %s an earlier run left", stale)
             for pool in pools.values():
                 self._add(pool)
             self._started = True

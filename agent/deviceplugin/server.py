@@ -43,6 +43,17 @@ def simple_policy(pool: ResourcePool, request: ContainerRequest) -> Preference:
     return simple_preference(request)
 
 
+
+ECHO_IDS = 8  # device IDs quoted back in an error or a log line
+ECHO_ID_CHARS = 80
+
+
+def echo_ids(ids: list[str]) -> str:
+    """IDs for a message: the first few, each cut short, and how many more; a request of 100,000 bogus IDs
+    must not become a 100,000-ID error reply and log line."""
+    shown = ", ".join(repr(i[:ECHO_ID_CHARS]) if len(i) > ECHO_ID_CHARS else i for i in ids[:ECHO_IDS])
+    return shown + (f" and {len(ids) - ECHO_IDS} more" if len(ids) > ECHO_IDS else "")
+
 class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
     """Servicer for one resource. Mutate it only from the event loop that serves it."""
 
@@ -193,16 +204,16 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
         """Payload per container request; INVALID_ARGUMENT naming any device this resource does not have."""
         response = api_pb2.AllocateResponse()
         for container in request.container_requests:
-            ids = list(container.devices_ids)
+            ids = list(dict.fromkeys(container.devices_ids))  # a device named twice is one device
             devices = [self._pool.device(device_id) for device_id in ids]
             unknown = [device_id for device_id, device in zip(ids, devices, strict=True) if device is None]
             if unknown:
-                message = f"{self.resource_name}: unknown device IDs: {', '.join(unknown)}"
+                message = f"{self.resource_name}: unknown device IDs: {echo_ids(unknown)}"
                 log.warning("Allocate refused: %s", message)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
             sick = [device_id for device_id in ids if not self._device_health.is_healthy(device_id)]
             if sick:
-                log.warning("%s: allocating unhealthy devices %s", self.resource_name, ", ".join(sick))
+                log.warning("%s: allocating unhealthy devices %s", self.resource_name, echo_ids(sick))
             found = [device for device in devices if device is not None]
             payload = build_container_payload(self._pool, found, self._options, self._contributors)
             if self._device_info is not None:
@@ -212,7 +223,7 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
                     log.error("%s: Allocate failed: %s", self.resource_name, exc)
                     await context.abort(grpc.StatusCode.INTERNAL, f"{self.resource_name}: {exc}")
             response.container_responses.append(payload.to_proto())
-            log.info("%s: allocated %s", self.resource_name, ", ".join(ids))
+            log.info("%s: allocated %s", self.resource_name, echo_ids(ids))
             if self._on_allocate is not None:
                 try:
                     self._count(self._on_allocate(self._pool, ids))

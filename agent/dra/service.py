@@ -1,7 +1,9 @@
 """The DRA driver as one subsystem: the pool from the topology and device health, published and prepared.
 
-Inputs: the topology (rescans replace it) and device health (`set_device_health`, keyed like the device plugin's
-health events: GPU UUID or function bus id). Outputs: this node's ResourceSlices, the kubelet plugin sockets,
+Inputs: the topology (rescans replace it), device health (`set_device_health`, keyed like the device plugin's
+health events: GPU UUID or function bus id) and the node verdict: the devices a `drain` verdict names (GPU UUIDs,
+NIC bus ids; a PF's bus id covers its VFs) are tainted `NoExecute`, which evicts their pods, instead of
+`NoSchedule`. Outputs: this node's ResourceSlices, the kubelet plugin sockets,
 CDI specs per claim. A publish happens at start, on every change of the pool, after each registration with the
 kubelet (which wipes the node's slices when it starts) and every `resync_seconds`; API failures are retried with
 backoff and never stop the sockets, so pods already placed can still be prepared and unprepared.
@@ -28,6 +30,7 @@ from agent.dra.sockets import PluginSockets
 from agent.dra.state import PreparedStore
 from agent.kube.errors import ApiError
 from agent.kube.port import ResourceClaimApi, ResourceSliceApi
+from agent.signals import Latest, NodeVerdict, Severity
 from agent.supervisor import Backoff
 from agent.topology.model import Topology
 
@@ -46,11 +49,14 @@ class DraService:
     """ResourceSlice publisher + kubelet DRA plugin for one node."""
 
     def __init__(self, cfg: DraConfig, api: DraApi, topology: Topology, state_dir: Path | str,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, *,
+                 verdicts: Latest[NodeVerdict] | None = None) -> None:
         self.cfg = cfg
         self.node = api.node_name
         self.devices: dict[str, DraDevice] = {}
         self.faults: dict[str, DeviceFault] = {}
+        self.drain_ids: frozenset[str] = frozenset()  # what a drain verdict names
+        self._verdicts = verdicts
         self._changed = asyncio.Event()
         self.registered = asyncio.Event()
         self.publishes = Counter("gpu_node_agent_dra_slice_publishes", "ResourceSlice reconciliations by result "
@@ -90,6 +96,30 @@ class DraService:
             self.faults[device_id] = fault
         self._changed.set()
 
+    def set_node_verdict(self, verdict: NodeVerdict) -> None:
+        """The devices of a drain verdict get NoExecute taints while they are Unhealthy."""
+        drain = frozenset(verdict.devices) if verdict.severity >= Severity.DRAIN else frozenset()
+        if drain != self.drain_ids:
+            self.drain_ids = drain
+            self._changed.set()
+
+    def effective_faults(self) -> dict[str, DeviceFault]:
+        """Each Unhealthy device's fault, as a drain when the device (or its PF) is named by a drain verdict."""
+        out: dict[str, DeviceFault] = {}
+        for device in self.devices.values():
+            fault = self.faults.get(device.health_id)
+            if fault is None:
+                continue
+            named = device.health_id in self.drain_ids or (device.pf is not None and device.pf.bus_id in self.drain_ids)
+            out[device.health_id] = DeviceFault(fault.reason, fault.drain or named)
+        return out
+
+    async def _follow_verdicts(self, verdicts: Latest[NodeVerdict]) -> None:
+        seen = 0
+        while True:
+            seen, verdict = await verdicts.wait_newer(seen)
+            self.set_node_verdict(verdict)
+
     def _on_registration(self, registered: bool, error: str) -> None:
         if registered:
             log.info("DRA: the kubelet registered driver %s", self.cfg.driver_name)
@@ -105,7 +135,7 @@ class DraService:
         await self.health.set({(self.node, d.name): (d.health_id not in self.faults,
                                                      self.faults[d.health_id].reason if d.health_id in self.faults
                                                      else "") for d in ordered})
-        result = await self.publisher.publish(device_entries(ordered, self.faults))
+        result = await self.publisher.publish(device_entries(ordered, self.effective_faults()))
         self.publishes.labels("changed" if result.changed else "unchanged").inc()
         return result.changed
 
@@ -115,6 +145,7 @@ class DraService:
         backoff = Backoff(BACKOFF_INITIAL, BACKOFF_MAX)
         self._changed.set()
         next_resync = loop.time()
+        follower = asyncio.create_task(self._follow_verdicts(self._verdicts)) if self._verdicts is not None else None
         try:
             while not stop.is_set():
                 if await self.sockets.ensure():
@@ -135,4 +166,5 @@ class DraService:
                 wait = max(0.0, min(SOCKET_CHECK_SECONDS, next_resync - loop.time()))
                 await aio.wait_any(stop, self._changed, timeout=wait)
         finally:
+            await aio.cancel_and_wait(follower)
             await self.sockets.stop()

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 CHECK = "dcgm"
 
 
+UNKNOWN_NAMED = 3  # foreign GPUs named in the one log line a scrape may add
+
+
 class DcgmWatcher:
     """Scrapes every `interval` seconds; each good scrape's changes go to the assessor."""
 
@@ -102,8 +105,13 @@ class DcgmWatcher:
         return self.assessor.names.by_kernel_device(bus_key(gpu.bus_id))
 
     def _unknown(self, unknown: set[str]) -> None:
-        for identity in sorted(unknown - self.unknown_gpus):
-            log.warning("dcgm-exporter shows a GPU that is not on this node: %s; its samples are ignored", identity)
+        """New foreign GPUs are one log line per scrape, naming a few: a page of 60,000 is not 60,000 lines."""
+        new = sorted(unknown - self.unknown_gpus)
+        if new:
+            shown = ", ".join(new[:UNKNOWN_NAMED])
+            more = f" and {len(new) - UNKNOWN_NAMED} more" if len(new) > UNKNOWN_NAMED else ""
+            log.warning("dcgm-exporter shows %d GPU(s) that are not on this node: %s%s; their samples are ignored",
+                        len(new), shown, more)
         self.unknown_gpus = set(unknown)
 
     def _ok(self, reading: Reading) -> None:

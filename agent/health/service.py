@@ -26,6 +26,7 @@ from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config.health import HealthConfig
 from agent.health.assess import HealthAssessor
 from agent.health.checks import Checks, CheckState
+from agent.health.dcgm import keep_line
 from agent.health.dcgm_watch import DcgmWatcher
 from agent.health.kmsg_watch import KmsgWatcher
 from agent.health.links import LinkWatcher
@@ -85,7 +86,7 @@ class HealthService:
         self.links = LinkWatcher(link_port or NetlinkLinkPort("/sys"), self.assessor,
                                  config.link_check_interval_seconds, checks=self._checks)
         if dcgm_port is None and config.dcgm_exporter_url:
-            dcgm_port = HttpDcgmExporter(config.dcgm_exporter_url, config.dcgm_scrape_timeout_seconds)
+            dcgm_port = HttpDcgmExporter(config.dcgm_exporter_url, config.dcgm_scrape_timeout_seconds, keep=keep_line)
         self.dcgm = DcgmWatcher(dcgm_port, self.assessor, topology, config.dcgm_scrape_interval_seconds,
                                 nvlink_errors_per_minute=config.dcgm_nvlink_errors_per_minute,
                                 pcie_replays_per_minute=config.dcgm_pcie_replays_per_minute, checks=self._checks) \

@@ -1,6 +1,6 @@
 """The dcgm-exporter port: fetch the exporter's Prometheus text over HTTP, or say why not.
 
-`HttpDcgmExporter` is the real client (standard library, no proxies: the exporter runs on this node);
+`HttpDcgmExporter` is the real client (asyncio HTTP, no proxies: the exporter runs on this node);
 tests and `simulate-dcgm-exporter` serve real exporter text over real HTTP, so the same client is exercised.
 Every failure is a `DcgmScrapeError` whose `result` is the `gpu_node_agent_dcgm_scrapes_total{result}` label.
 """
@@ -8,10 +8,10 @@ Every failure is a `DcgmScrapeError` whose `result` is the `gpu_node_agent_dcgm_
 from __future__ import annotations
 
 import asyncio
-import http.client
-import urllib.error
-import urllib.request
+from collections.abc import Callable
 from typing import Protocol
+
+import httpx2
 
 MAX_BODY = 16 << 20  # a dcgm-exporter page is tens of KiB; anything near this is not one
 
@@ -34,40 +34,78 @@ class DcgmExporterPort(Protocol):
 
 
 class HttpDcgmExporter:
-    """GET the exporter's /metrics with the standard library, bypassing proxies (it is on this node)."""
+    """GET the exporter's /metrics on the event loop, bypassing proxies (it is on this node).
 
-    def __init__(self, url: str, timeout: float, max_body: int = MAX_BODY) -> None:
+    One overall deadline covers the whole exchange: connect, headers and every byte of the body. A peer that
+    trickles a byte a second used to hold a worker thread (and shutdown) for as long as it liked, because a
+    socket timeout only bounds the wait for the next byte. The body is read as a stream and split into lines as
+    it comes; only lines `keep` accepts are held (the agent reads a few families of a page that is mostly clocks,
+    power and utilisation), so a page of many megabytes costs its bytes in passing, not in memory."""
+
+    def __init__(self, url: str, timeout: float, max_body: int = MAX_BODY,
+                 keep: Callable[[str], bool] = lambda line: True) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"dcgm-exporter URL must be http:// or https://, got {url!r}")
         self.url = url
         self.timeout = timeout
         self.max_body = max_body
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self.keep = keep
 
     async def fetch(self) -> str:
-        """One scrape in a worker thread (urllib blocks)."""
-        return await asyncio.to_thread(self._fetch)
-
-    def _fetch(self) -> str:
-        request = urllib.request.Request(self.url, headers={"Accept": "text/plain"})  # noqa: S310 - scheme checked
+        """One scrape, whole within `timeout` seconds (cancelling it, e.g. at shutdown, ends it at once)."""
         try:
-            with self._opener.open(request, timeout=self.timeout) as response:
-                body = response.read(self.max_body + 1)
-        except urllib.error.HTTPError as exc:
-            raise DcgmScrapeError("http_error", f"HTTP {exc.code} {exc.reason}") from exc
+            async with asyncio.timeout(self.timeout):
+                return await self._fetch()
         except TimeoutError as exc:
-            raise DcgmScrapeError("timeout", f"no answer within {self.timeout:g} s") from exc
-        except urllib.error.URLError as exc:
-            if isinstance(exc.reason, TimeoutError):
-                raise DcgmScrapeError("timeout", f"no answer within {self.timeout:g} s") from exc
-            raise DcgmScrapeError("unreachable", str(exc.reason)) from exc
-        except http.client.HTTPException as exc:  # the body ended before its Content-Length or last chunk
-            raise DcgmScrapeError("malformed", f"incomplete answer ({type(exc).__name__}: {exc})") from exc
-        except (OSError, ValueError) as exc:  # connection reset mid-body, bad URL parts, ...
-            raise DcgmScrapeError("unreachable", f"{type(exc).__name__}: {exc}") from exc
-        if len(body) > self.max_body:
-            raise DcgmScrapeError("too_large", f"answer larger than {self.max_body} bytes")
+            raise DcgmScrapeError("timeout", f"no complete answer within {self.timeout:g} s") from exc
+
+    async def _fetch(self) -> str:
+        lines = _Lines(self.keep, self.max_body)
         try:
-            return body.decode("utf-8")
+            async with httpx2.AsyncClient(trust_env=False, timeout=self.timeout, follow_redirects=False) as client, \
+                    client.stream("GET", self.url, headers={"Accept": "text/plain"}) as response:
+                if response.status_code >= 400:
+                    raise DcgmScrapeError("http_error", f"HTTP {response.status_code} {response.reason_phrase}")
+                async for chunk in response.aiter_bytes():
+                    lines.feed(chunk)
+        except httpx2.TimeoutException as exc:
+            raise DcgmScrapeError("timeout", f"no answer within {self.timeout:g} s") from exc
+        except httpx2.RemoteProtocolError as exc:  # the body ended before its Content-Length or last chunk
+            raise DcgmScrapeError("malformed", f"incomplete answer ({type(exc).__name__}: {exc})") from exc
+        except (httpx2.HTTPError, OSError, ValueError) as exc:  # refused, reset mid-body, bad URL parts, ...
+            raise DcgmScrapeError("unreachable", f"{type(exc).__name__}: {exc}") from exc
+        return lines.text()
+
+
+class _Lines:
+    """Split a streamed body into lines, keep the wanted ones, count every byte against the limit."""
+
+    def __init__(self, keep: Callable[[str], bool], max_body: int) -> None:
+        self._keep = keep
+        self._max = max_body
+        self._size = 0
+        self._pending = b""
+        self._kept: list[str] = []
+
+    def feed(self, chunk: bytes) -> None:
+        self._size += len(chunk)
+        if self._size > self._max:
+            raise DcgmScrapeError("too_large", f"answer larger than {self._max} bytes")
+        *whole, self._pending = (self._pending + chunk).split(b"\n")
+        for raw in whole:
+            self._line(raw)
+
+    def _line(self, raw: bytes) -> None:
+        try:
+            line = raw.rstrip(b"\r").decode("utf-8")
         except UnicodeDecodeError as exc:
             raise DcgmScrapeError("malformed", f"not UTF-8 text: {exc}") from exc
+        if self._keep(line):
+            self._kept.append(line)
+
+    def text(self) -> str:
+        """The kept lines; a last line without its newline stays unterminated (the parser calls that cut short)."""
+        if self._pending:
+            self._line(self._pending)
+            return "\n".join(self._kept)
+        return "".join(line + "\n" for line in self._kept)

@@ -254,7 +254,7 @@ class LightkubeCluster:
 
     async def node_uid(self) -> str:
         """GET the node for its uid."""
-        node = await self._do(lambda: self._client.get(Node, self.node_name))
+        node = await self._do(lambda: self._client.get(Node, self._node))
         return str(node.metadata.uid or "")
 
     async def list_resource_slices(self, driver: str) -> list[dict[str, Any]]:
@@ -271,16 +271,18 @@ class LightkubeCluster:
 
     async def replace_resource_slice(self, body: dict[str, Any]) -> dict[str, Any]:
         """PUT a ResourceSlice (its resourceVersion is the precondition)."""
-        written = await self._do(lambda: self._client.replace(ResourceSlice.from_dict(body)))
+        name = str((body.get("metadata") or {}).get("name") or "")
+        written = await self._do(lambda: self._client.replace(ResourceSlice.from_dict(body), url_segment(name)))
         return dict(written.to_dict())
 
     async def delete_resource_slice(self, name: str) -> None:
         """DELETE a ResourceSlice."""
-        await self._do(lambda: self._client.delete(ResourceSlice, name))
+        await self._do(lambda: self._client.delete(ResourceSlice, url_segment(name)))
 
     async def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
         """GET a ResourceClaim."""
-        claim = await self._do(lambda: self._client.get(ResourceClaim, name, namespace=namespace))
+        claim = await self._do(lambda: self._client.get(ResourceClaim, url_segment(name),
+                                                        namespace=url_segment(namespace, namespace=True)))
         return dict(claim.to_dict())
 
     async def aclose(self) -> None:

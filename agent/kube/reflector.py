@@ -41,7 +41,7 @@ class Reflector(Generic[T]):
     def __init__(self, what: str, relist: Relist, watch: Watch[T], on_event: Callable[[WatchEvent[T]], None], *,
                  log: logging.Logger, version: str = "", clock: Clock = SYSTEM_CLOCK,
                  rng: random.Random | None = None, timeout_range: tuple[int, int] = WATCH_TIMEOUT,
-                 backoff: Backoff | None = None) -> None:
+                 backoff: Backoff | None = None, relist_after_error: bool = False) -> None:
         self.what = what
         self._relist = relist
         self._watch = watch
@@ -53,6 +53,10 @@ class Reflector(Generic[T]):
         self.timeout_range = timeout_range
         self.backoff = backoff or Backoff(1.0, MAX_BACKOFF, jitter=0.2, rng=self._rng)
         self.relists = 0
+        # After a failed request, read the thing again before watching: for a single object that GET is cheap,
+        # and its success is how the owner learns that the API server answers again (the node watch wakes the
+        # remediation loop that way); a list of many objects keeps resuming its watch instead.
+        self.relist_after_error = relist_after_error
 
     async def run(self, stop: asyncio.Event) -> None:
         """Keep the thing current until `stop` is set; re-raises only a bug (API errors are retried)."""
@@ -92,6 +96,8 @@ class Reflector(Generic[T]):
             except ApiError as exc:
                 wait = max(self.backoff.next(), exc.retry_after or 0.0)
                 self._log.warning("watch of %s failed: %s; retrying in %.0fs", self.what, exc, wait)
+                if self.relist_after_error:
+                    self.version = ""
             await self.clock.wait(stop, wait)
 
     async def _watch_once(self) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shlex
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -54,7 +55,8 @@ def command_check(argv: Sequence[str], timeout: float) -> PreflightCheck:
     async def check() -> CheckResult:
         outcome = await run_command(argv, timeout)
         if outcome.timed_out:
-            return CheckResult("Command", False, f"{argv[0]} timed out after {timeout:.0f}s")
+            return CheckResult("Command", False, f"command {shlex.join(argv)[:160]!r} timed out after {timeout:g}s "
+                                                 "(its process group was killed)")
         if outcome.returncode is None:
             return CheckResult("Command", False, f"cannot start {argv[0]}: {outcome.error}")
         tail = outcome.output.strip()[-200:]

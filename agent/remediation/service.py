@@ -37,6 +37,9 @@ from agent.supervisor import Backoff, RunFn, Supervisor
 log = logging.getLogger(__name__)
 
 MAX_IDLE = 3600.0
+# The node watch retries sooner than writes do: one cheap GET per node per minute at worst, and its first answer
+# after an outage wakes the reconcile loop, so a pending cordon waits at most about this long once the API is back.
+WATCH_MAX_BACKOFF = 60.0
 
 
 def _newer(candidate: str, current: str) -> bool:
@@ -202,7 +205,8 @@ class RemediationService:
                 await self.clock.wait(self._wake_event, min(timeout, MAX_IDLE))
 
     async def _watch_loop(self, stop: asyncio.Event) -> None:
-        """The node, by name, through the shared reflector loop; a 410 reads the node again and reconciles."""
+        """The node, by name, through the shared reflector loop; a 410 reads the node again and reconciles, and so
+        does the first read after a failed watch: its answer is the news that the API server is back."""
         async def reread() -> str:
             node = await self.actions.refresh()
             self.wake()
@@ -216,7 +220,8 @@ class RemediationService:
 
         reflector: Reflector[NodeView] = Reflector(
             f"node {self.node_name}", reread, self.cluster.watch_node, apply, log=log, clock=self.clock,
-            version=self.actions.node.resource_version, rng=self._rng, backoff=self._backoff())
+            version=self.actions.node.resource_version, rng=self._rng, relist_after_error=True,
+            backoff=Backoff(1.0, WATCH_MAX_BACKOFF, jitter=0.2, rng=self._rng))
         await reflector.run(stop)
 
     def _observe(self, node: NodeView) -> None:

@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from agent import __version__, config
 from agent.config import AgentConfig
 from agent.config.address import parse_address
 from agent.config.remediation import RemediationConfig
-from tests.deploy.manifests import agent_container, configmap_config_text, one
+from tests.deploy.manifests import DEPLOY, agent_container, configmap_config_text, one
 
 DAEMONSET = one("DaemonSet")
 POD = DAEMONSET["spec"]["template"]["spec"]
@@ -74,8 +75,7 @@ def test_container_args_are_valid_run_flags_and_point_at_the_mounted_config():
 @pytest.mark.parametrize("source", ["defaults", "configmap"])
 def test_every_host_path_the_agent_uses_is_mounted_from_the_host(source, tmp_path):
     cfg = AgentConfig() if source == "defaults" else _load_configmap_config(tmp_path)
-    # the DRA driver's kubelet directories are mounted by the deploy/dra component (tests/deploy/test_dra_manifests)
-    paths = [(name, path) for name, path in _paths(cfg) if not name.startswith("dra.")]
+    paths = _paths(cfg)  # dra.pluginDir (empty: /var/lib/kubelet/plugins/<driver>) is the deploy/dra component's
     assert {name for name, _ in paths} >= {"state_dir", "topology.sysfs_root", "device_plugin.device_plugin_dir",
                                            "health.kmsg", "pod_resources.socket"}
     for name, path in paths:
@@ -177,7 +177,7 @@ def test_security_context_is_root_without_escalation_and_only_the_needed_capabil
     assert context["privileged"] is False
     assert context["readOnlyRootFilesystem"] is True
     assert context["capabilities"]["drop"] == ["ALL"]
-    assert sorted(context["capabilities"]["add"]) == ["DAC_READ_SEARCH", "NET_ADMIN", "NET_RAW", "SYSLOG"]
+    assert sorted(context["capabilities"]["add"]) == ["NET_ADMIN", "NET_RAW"]  # no DAC_READ_SEARCH, no SYSLOG
     tmp = _mount_for("/tmp/x")
     assert tmp is not None and "emptyDir" in VOLUMES[tmp["name"]], "a read-only root needs a writable /tmp"
 
@@ -214,3 +214,16 @@ def test_image_tag_is_the_package_version():
     image = CONTAINER["image"]
     assert image == f"ghcr.io/gpu-node-agent/gpu-node-agent:{__version__}"
     assert DAEMONSET["metadata"]["labels"]["app.kubernetes.io/version"] == __version__
+
+
+def test_the_api_token_is_mounted_only_when_a_subsystem_calls_the_api():
+    """Remediation, netacct's own-node pod watch and DRA call the API server; nothing else does."""
+    config = yaml.safe_load(configmap_config_text())
+    netacct = config.get("netacct") or {}
+    needs_api = bool((config.get("remediation") or {}).get("enabled")) or \
+        (bool(netacct.get("enabled")) and not netacct.get("podsFile")) or bool((config.get("dra") or {}).get("enabled"))
+    pod = one("DaemonSet")["spec"]["template"]["spec"]
+    assert pod.get("automountServiceAccountToken") is needs_api
+    assert one("ServiceAccount").get("automountServiceAccountToken") is False
+    dra_patch = yaml.safe_load((DEPLOY / "dra" / "daemonset-dra.yaml").read_text(encoding="utf-8"))
+    assert dra_patch["spec"]["template"]["spec"]["automountServiceAccountToken"] is True

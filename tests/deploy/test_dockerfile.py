@@ -70,17 +70,37 @@ def _resolve(base: str) -> str:
     return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: ARGS.get(m.group(1) or m.group(2), m.group(0)), base)
 
 
-def test_multi_stage_on_python_slim():
+def test_multi_stage_on_python_slim_pinned_by_digest():
     assert len(STAGES) >= 2
     for stage in STAGES:
-        assert _resolve(stage.base) == "python:3.11-slim", stage.base
+        assert re.fullmatch(r"python:3\.11-slim@sha256:[0-9a-f]{64}", _resolve(stage.base)), stage.base
     assert STAGES[0].name == "builder"
 
 
-def test_builder_installs_the_package_into_a_venv_without_cache():
-    runs = " ".join(STAGES[0].all("RUN"))
-    assert "python -m venv /opt/venv" in runs
-    assert re.search(r"pip install --no-cache-dir \.", runs)
+def test_builder_installs_the_locked_dependencies_by_hash_then_the_package_without_cache():
+    runs = STAGES[0].all("RUN")
+    assert "python -m venv /opt/venv" in " ".join(runs)
+    pip_runs = [run for run in runs if "pip install" in run]
+    assert all("--no-cache-dir" in run for run in pip_runs)
+    assert "--require-hashes" in pip_runs[0] and "-r requirements.lock" in pip_runs[0], "dependencies first, hashed"
+    assert all("--no-deps" in run for run in pip_runs), "nothing may be resolved past the lock"
+    assert re.search(r"pip install --no-cache-dir --no-deps --no-build-isolation \.", pip_runs[-1])
+
+
+def test_the_lock_pins_every_runtime_dependency_with_a_hash():
+    import tomllib
+
+    lock = (DOCKERFILE.parent / "requirements.lock").read_text(encoding="utf-8")
+    entries = re.findall(r"^([A-Za-z0-9_.-]+)==([^\s]+) \\\n\s+--hash=sha256:([0-9a-f]{64})$", lock, re.M)
+    pinned = {re.sub(r"[-_.]+", "-", name).lower() for name, _, _ in entries}
+    requirement_lines = [line for line in lock.splitlines() if line and not line.startswith((" ", "#"))]
+    assert len(entries) == len(requirement_lines), "every requirement carries exactly one hash"
+    project = tomllib.loads((DOCKERFILE.parent.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    needed = {re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[; ]", dep, maxsplit=1)[0]).lower()
+              for dep in project["project"]["dependencies"]}
+    needed |= {re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[; ]", dep, maxsplit=1)[0]).lower()
+               for dep in project["build-system"]["requires"]}
+    assert needed <= pinned, f"not in the lock: {sorted(needed - pinned)}"
 
 
 def test_runtime_stage_has_the_netfilter_tools_and_no_build_tools():
@@ -130,7 +150,7 @@ def test_dockerignore_keeps_the_context_to_what_pip_needs():
                 if line.strip() and not line.startswith("#")]
     assert patterns[0] == "*", "allow-list style: ignore everything, then re-include"
     included = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
-    assert included == {"pyproject.toml", "README.md", "agent"}
+    assert included == {"pyproject.toml", "README.md", "agent", "images/requirements.lock"}
     copied = set()
     for stage in STAGES:
         for args in stage.all("COPY"):

@@ -50,7 +50,7 @@ def test_rbac_is_least_privilege() -> None:
     (role,) = _docs("ClusterRole")
     rules = {(g, r): sorted(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"]
              for r in rule["resources"]}
-    assert rules == {("resource.k8s.io", "resourceslices"): ["create", "delete", "get", "list", "update"],
+    assert rules == {("resource.k8s.io", "resourceslices"): ["create", "delete", "list", "update"],
                      ("resource.k8s.io", "resourceclaims"): ["get"]}
     (binding,) = _docs("ClusterRoleBinding")
     account = one("ServiceAccount")
@@ -85,7 +85,7 @@ def test_daemonset_patch_turns_dra_on_with_the_kubelet_paths() -> None:
     volumes = {v["name"]: v["hostPath"]["path"] for v in patch["spec"]["template"]["spec"]["volumes"]}
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert mounts == volumes, "the kubelet dials the socket path the plugin names: same path inside and out"
-    assert set(mounts.values()) == {cfg.dra.plugin_registry_dir, cfg.dra.socket_dir, cfg.dra.cdi_spec_dir}
+    assert set(mounts.values()) == {cfg.dra.socket_dir}
 
 
 @pytest.mark.skipif(KUBECTL is None, reason="needs kubectl (its built-in kustomize renders the overlay)")
@@ -105,4 +105,12 @@ def test_component_renders_on_the_base(tmp_path: Path) -> None:
     (agent,) = daemonset["spec"]["template"]["spec"]["containers"]
     assert {"name": "GPU_NODE_AGENT_DRA", "value": "true"} in agent["env"]
     assert len(agent["env"]) > 1, "the patch merges into the base's env, it does not replace it"
-    assert {"/var/lib/kubelet/plugins_registry", "/var/run/cdi"} <= {m["mountPath"] for m in agent["volumeMounts"]}
+    paths = [m["mountPath"] for m in agent["volumeMounts"]]
+    assert len(paths) == len(set(paths)), "a path mounted twice is refused by the API server"
+    cfg = load(None, {})
+    assert {cfg.dra.plugin_registry_dir, cfg.dra.socket_dir, cfg.dra.cdi_spec_dir} <= set(paths)
+    volumes = {v["name"]: v for v in daemonset["spec"]["template"]["spec"]["volumes"]}
+    for mount in agent["volumeMounts"]:
+        host = volumes[mount["name"]].get("hostPath")
+        if mount["mountPath"] in {cfg.dra.plugin_registry_dir, cfg.dra.socket_dir, cfg.dra.cdi_spec_dir}:
+            assert host and host["path"] == mount["mountPath"]

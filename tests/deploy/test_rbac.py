@@ -5,15 +5,14 @@ from __future__ import annotations
 from tests.deploy.manifests import DEPLOY, NAMESPACE, all_documents, one
 
 CLUSTER_RULES = {
-    ("", "nodes"): ["get", "list", "watch", "patch"],
+    ("", "nodes"): ["get", "watch", "patch"],
     ("", "nodes/status"): ["patch"],
-    ("", "pods"): ["get", "list", "watch"],
+    ("", "pods"): ["list", "watch"],
     ("", "pods/eviction"): ["create"],
     ("", "events"): ["create", "patch"],
-    ("events.k8s.io", "events"): ["create", "patch"],
 }
 NAMESPACED_RULES = {
-    ("coordination.k8s.io", "leases"): ["get", "list", "watch", "create", "update", "patch", "delete"],
+    ("coordination.k8s.io", "leases"): ["list", "create", "update"],
 }
 
 

@@ -59,3 +59,14 @@ async def test_off_by_default(sockdir: str, kubelet: LocalKubelet, make_manager:
     assert [d.host_path for d in reply.devices] == [reply.devices[0].host_path, "/dev/infiniband/rdma_cm"]
     assert not reply.annotations
     assert os.listdir(tmp_path) == []
+
+
+async def test_specs_left_by_a_crashed_run_are_replaced(sockdir: str, kubelet: LocalKubelet,
+                                                        make_manager: MakeManager, tmp_path: Path) -> None:
+    (tmp_path / "gpu-node-agent-example.com-gone.json").write_text('{"cdiVersion":"0.5.0","kind":"example.com/gone"}')
+    (tmp_path / "nvidia.yaml").write_text("cdiVersion: 0.5.0\nkind: nvidia.com/gpu\n")  # not ours: stays
+    (tmp_path / "gpunodeagent.io-claim_1234.json").write_text("{}")  # the DRA driver's: stays
+    manager = await make_manager(dp_config(sockdir, serve_gpus=False, rdma_cdi=True), cdi_spec_dir=str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == [SPEC, "gpunodeagent.io-claim_1234.json", "nvidia.yaml"]
+    await manager.stop()
+    assert sorted(os.listdir(tmp_path)) == ["gpunodeagent.io-claim_1234.json", "nvidia.yaml"]

@@ -191,3 +191,19 @@ def test_socket_path_limit() -> None:
         check_socket_path("/" + "d" * 107)
     with pytest.raises(SocketPathError):
         PluginServer(_plugin(), "/tmp/" + "x" * 100, "gna-sriov_rdma.sock")
+
+
+async def test_allocate_names_a_device_once_and_echoes_a_bounded_list(served) -> None:
+    _, stub, _ = served
+    reply = await stub.Allocate(api_pb2.AllocateRequest(container_requests=[
+        api_pb2.ContainerAllocateRequest(devices_ids=[VFS[0], VFS[0], VFS[0]])]))
+    (only,) = reply.container_responses
+    assert only.envs["PCIDEVICE_GPUNODEAGENT_IO_SRIOV_RDMA"] == VFS[0]
+    assert sorted(d.host_path for d in only.devices) == ["/dev/infiniband/rdma_cm", "/dev/infiniband/uverbs1"]
+    bogus = [f"0000:ff:{i // 8:02x}.{i % 8}" for i in range(2000)] + ["x" * 5000]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Allocate(api_pb2.AllocateRequest(container_requests=[
+            api_pb2.ContainerAllocateRequest(devices_ids=bogus)]))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = caught.value.details()
+    assert "0000:ff:00.0" in details and "and 1993 more" in details and len(details) < 1000

@@ -23,6 +23,7 @@ from agent.config.model import DraConfig
 from agent.dra.health.v1alpha1 import api_pb2 as health_pb2
 from agent.dra.service import DraService
 from agent.kube.cluster import LightkubeCluster
+from agent.signals import Latest, NodeVerdict, Severity
 from agent.topology.model import Level, Topology
 from tests.dra.conftest import DRIVER, NODE, claim_template, device_classes, profile_topology
 from tests.fakes.apiserver import ApiServerDouble
@@ -47,11 +48,13 @@ class Node:
     service: DraService | None = None
     task: asyncio.Task[None] | None = None
     stop: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    verdicts: Latest[NodeVerdict] = dataclasses.field(default_factory=Latest)
 
     async def start(self) -> DraService:
         self.registry = CollectorRegistry()
         self.stop = asyncio.Event()
-        self.service = DraService(self.cfg, self.port, self.topology, self.root / "state", registry=self.registry)
+        self.service = DraService(self.cfg, self.port, self.topology, self.root / "state", registry=self.registry,
+                                  verdicts=self.verdicts)
         self.task = asyncio.create_task(self.service.run(self.stop))
         return self.service
 
@@ -263,3 +266,44 @@ async def test_deleted_sockets_are_served_again(node: Node, kubelet: DraKubelet)
         await until(service.registered.is_set, "registered again")
     node.allocate(UID_B, "after-restart")
     assert (await plugin.prepare(("default", UID_B, "after-restart"))).claims[UID_B].error == ""
+
+
+async def test_a_rescan_republishes_the_pool(node: Node, kubelet: DraKubelet) -> None:
+    service, _ = await started(node, kubelet)
+    generation = next(iter(node.api.resource_slices.values()))["spec"]["pool"]["generation"]
+    nic = node.topology.rdma_nics[0]
+    smaller = dataclasses.replace(node.topology, nics=tuple(
+        dataclasses.replace(n, vfs=n.vfs[:1]) if n is nic else n for n in node.topology.nics))
+    service.update_topology(smaller)
+
+    def published() -> list[dict[str, Any]]:
+        return [d for s in node.api.resource_slices.values() for d in s["spec"]["devices"]]
+
+    await until(lambda: len(published()) == len(service.devices), "the smaller pool published")
+    (current,) = node.api.resource_slices.values()
+    assert current["spec"]["pool"]["generation"] == generation + 1
+    assert {d["name"] for d in published()} == set(service.devices)
+    assert len(service.devices) == len(node.topology.gpus) + sum(len(n.vfs) for n in smaller.rdma_nics)
+
+
+async def test_a_drain_verdict_turns_the_taint_into_no_execute(node: Node, kubelet: DraKubelet) -> None:
+    """NoSchedule keeps running pods; a fault that calls for a drain evicts the pods using the device."""
+    service, _ = await started(node, kubelet)
+    sick = node.topology.gpus[1]
+    nic = node.topology.rdma_nics[0]
+
+    def effects() -> dict[str, str]:
+        return {d["name"]: t["effect"] for s in node.api.resource_slices.values() for d in s["spec"]["devices"]
+                for t in d.get("taints", [])}
+
+    service.set_device_health(sick.uuid or "", False, "GpuXid79")
+    for vf in nic.vfs:
+        service.set_device_health(vf.bus_id, False, "NicLinkDown")
+    await until(lambda: len(effects()) == 1 + len(nic.vfs), "NoSchedule taints")
+    assert set(effects().values()) == {"NoSchedule"}
+
+    node.verdicts.set(NodeVerdict(Severity.DRAIN, "GpuXid79", devices=(sick.uuid or "", nic.bus_id)))
+    await until(lambda: set(effects().values()) == {"NoExecute"}, "NoExecute for the GPU and the PF's VFs")
+
+    node.verdicts.set(NodeVerdict(Severity.CORDON, "NicLinkDown", devices=(nic.bus_id,)))
+    await until(lambda: set(effects().values()) == {"NoSchedule"}, "back to NoSchedule below drain")

@@ -15,6 +15,7 @@ import pytest
 
 from agent.config.health import HealthConfig
 from agent.health.assess import HealthAssessor
+from agent.health.dcgm import keep_line
 from agent.health.dcgm_watch import DcgmWatcher
 from agent.host.dcgm_exporter import HttpDcgmExporter
 from agent.host.nvml import MemoryHealth
@@ -320,3 +321,95 @@ async def test_xids_dcgm_counted_while_the_agent_was_down_are_acted_on_after_a_r
     scrapes = third.service.dcgm.results["ok"]  # type: ignore[union-attr]
     await until(lambda: third.service.dcgm.results["ok"] >= scrapes + 2)  # type: ignore[union-attr]
     assert third.service.verdict.verdict == "healthy"
+
+
+async def _trickle_server(closed: asyncio.Event) -> asyncio.Server:
+    """A peer that sends its headers and then one byte of body every 0.2 s, for as long as it is let."""
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 100000\r\n\r\n")
+        try:
+            while True:
+                writer.write(b"#")
+                await writer.drain()
+                await asyncio.sleep(0.2)
+        except (ConnectionError, OSError):
+            closed.set()
+        finally:
+            closed.set()
+            writer.close()
+
+    return await asyncio.start_server(trickle, "127.0.0.1", 0)
+
+
+async def test_a_trickling_exporter_is_a_timeout_and_the_check_says_so(topology: Topology) -> None:
+    """Every byte arrives within the socket timeout, yet the whole answer never does: one deadline for all of it."""
+    closed = asyncio.Event()
+    server = await _trickle_server(closed)
+    try:
+        rig = Rig(topology, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/metrics", timeout=0.6)
+        assert not await rig.scrape()
+        assert rig.watcher.results["timeout"] == 1
+        assert rig.watcher.checks["dcgm"].startswith("failed: timeout")
+        await asyncio.wait_for(closed.wait(), 5)  # the connection was dropped, not left to trickle on
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_stopping_during_a_trickling_scrape_ends_it_at_once(topology: Topology) -> None:
+    """Shutdown cancels the scrape (no worker thread holds on to the socket until a deadline)."""
+    closed = asyncio.Event()
+    server = await _trickle_server(closed)
+    try:
+        port = HttpDcgmExporter(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/metrics", 3600.0)
+        fetch = asyncio.create_task(port.fetch())
+        await asyncio.sleep(0.3)
+        fetch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await fetch
+        await asyncio.wait_for(closed.wait(), 5)
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_thousands_of_foreign_gpus_are_one_log_line(topology: Topology, caplog: pytest.LogCaptureFixture) -> None:
+    ours = [ExporterGpu(g.index, g.uuid or "", g.bus_id) for g in topology.gpus]
+    foreign = [ExporterGpu(100 + i, f"GPU-{i:08x}-0000-1111-2222-333333333333", f"00{i // 256:02x}:{i % 256:02x}:00.0")
+               for i in range(3000)]
+    with DcgmExporterServer(SimulatedDcgmExporter([*ours, *foreign], xid_metrics=("total",))) as server:
+        rig = Rig(topology, server.url, timeout=30.0)
+        assert await rig.scrape() and await rig.scrape()
+    assert len(rig.watcher.unknown_gpus) == 3000
+    assert sum("not on this node" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_only_the_families_read_are_kept_from_a_huge_page(topology: Topology) -> None:
+    """A 15 MB page (real exporter lines of fields the agent does not read, plus ours) streams through; what the
+    port hands on is only the few families the agent reads."""
+    sim = SimulatedDcgmExporter([ExporterGpu(g.index, g.uuid or "", g.bus_id) for g in topology.gpus],
+                                xid_metrics=("total",))
+    page = sim.render()
+    filler = "".join(f'DCGM_FI_DEV_SM_CLOCK{{gpu="{i % 8}",UUID="GPU-x",pci_bus_id="00000000:1B:00.0",device="nvidia0",'
+                     f'modelName="NVIDIA H100 80GB HBM3",Hostname="node-1"}} {1980 + i % 7}\n' for i in range(110_000))
+    body = (filler + page).encode()
+    assert len(body) > 15_000_000
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n" % len(body))
+        writer.write(body)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        port = HttpDcgmExporter(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/metrics", 30.0,
+                                keep=keep_line)
+        text = await port.fetch()
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert len(text) < len(page) and "DCGM_FI_DEV_SM_CLOCK" not in text
+    assert "DCGM_FI_DEV_PCIE_REPLAY_COUNTER" in text

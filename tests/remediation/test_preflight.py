@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import sys
 
+import pytest
+
 from agent.remediation.preflight import CheckResult, build_checks, command_check, run_checks
+from tests.fakes.polling import until
 from tests.remediation.conftest import Harness, make_config
 from tests.remediation.test_cordon import HEALTHY
 
@@ -85,3 +90,42 @@ async def test_a_check_that_raises_fails_preflight():
         raise RuntimeError("NVML gone")
     results = await run_checks([broken, fixed("fine", True)])
     assert [r.ok for r in results] == [False, True] and "NVML gone" in results[0].detail
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead, merely not yet reaped by its new parent
+        return stat.read().split(") ", 1)[1][0] != "Z"
+
+
+async def test_a_command_that_hangs_with_a_background_child_times_out_and_the_group_is_killed(tmp_path):
+    """The background `sleep` inherits stdout: asyncio's wait() used to wait for that pipe, so the timeout never
+    reported and the children were orphaned."""
+    pid_file = tmp_path / "child.pid"
+    argv = ["sh", "-c", f"sleep 300 & echo $! > {pid_file}; echo started; sleep 300"]
+    slow = await asyncio.wait_for(command_check(argv, 0.5)(), 30)
+    assert not slow.ok and "timed out after 0.5s" in slow.detail and "sleep 300 &" in slow.detail
+    child = int(pid_file.read_text())
+    await until(lambda: not _alive(child), timeout=10)
+
+
+async def test_a_command_that_exits_but_leaves_a_child_reports_its_exit_and_the_child_goes(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    argv = ["sh", "-c", f"sleep 300 & echo $! > {pid_file}; echo done"]
+    result = await asyncio.wait_for(command_check(argv, 30)(), 30)
+    assert result.ok and "exited 0: done" in result.detail
+    await until(lambda: not _alive(int(pid_file.read_text())), timeout=10)
+
+
+async def test_stopping_during_the_command_kills_its_group(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    argv = ["sh", "-c", f"sleep 300 & echo $! > {pid_file}; sleep 300"]
+    task = asyncio.create_task(command_check(argv, 3600)())
+    await until(lambda: pid_file.exists() and pid_file.read_text().strip() != "", timeout=10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await until(lambda: not _alive(int(pid_file.read_text())), timeout=10)

@@ -96,3 +96,22 @@ async def test_steady_state_costs_at_most_12_requests_an_hour_plus_watches(harne
     assert all(r.method == "PATCH" and r.path.endswith("/status") for r in plain)  # only heartbeats
     assert 6 <= len(watches) <= 12  # 5-10 minute watches, resumed from the last version, no re-list
     assert all(w.query.get("resourceVersion") for w in watches)
+
+
+async def test_the_api_answering_again_wakes_a_pending_cordon(harness: Harness):
+    """An outage: writes fail until the reconcile loop backs off to 8 s and more. When the API answers again,
+    seen by the node watch's first read after its own failure, the cordon goes out at once, not after the
+    reconcile backoff (which at its cap was minutes)."""
+    await harness.start()
+    harness.api.fail("PATCH", f"/nodes/{NODE}$", 503, times=4)
+    await harness.verdict(XID13)
+    for _ in range(8):
+        await harness.advance(1.0)
+        if harness.actions("reconcile", "api_error") == 4:
+            break
+    assert harness.actions("reconcile", "api_error") == 4 and our_taint(harness) is None  # now backing off 8 s+
+    harness.api.fail("GET", r"/api/v1/nodes$", 503, times=1)  # the outage as the node watch sees it
+    harness.api.close_watches()
+    await harness.settle()
+    await harness.advance(1.5)  # the watch's own backoff, then its read of the node succeeds
+    assert our_taint(harness) is not None

@@ -61,9 +61,14 @@ def _parser() -> argparse.ArgumentParser:
 
     net = sub.add_parser("netacct", help="network accounting maintenance")
     net_sub = net.add_subparsers(dest="netacct_command", required=True, metavar="ACTION")
-    clean = net_sub.add_parser("cleanup", help="remove every chain, rule and set netacct installed, nothing else "
-                                               "(stop the agent first)")
+    clean = net_sub.add_parser("cleanup", help="remove every chain, rule and set netacct installed and every shaper "
+                                               "shaping installed, nothing else (stop the agent first)")
     config.add_flags(clean, sections=("netacct",))
+
+    shp = sub.add_parser("shaping", help="pod internet shaping maintenance")
+    shp_sub = shp.add_subparsers(dest="shaping_command", required=True, metavar="ACTION")
+    shp_sub.add_parser("cleanup", help="remove every qdisc, filter and IFB shaping installed, nothing else "
+                                       "(stop the agent first)")
 
     dump = sub.add_parser("config", help="print the effective configuration as YAML")
     config.add_flags(dump)
@@ -165,7 +170,14 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_netacct(args: argparse.Namespace) -> int:
     from agent.netacct.command import cleanup_command
 
-    return cleanup_command(_load_config(args).netacct, out=sys.stdout)
+    code = cleanup_command(_load_config(args).netacct, out=sys.stdout)
+    return max(code, _cmd_shaping(args))  # shaping's objects classify by netacct's internal set: uninstall both
+
+
+def _cmd_shaping(args: argparse.Namespace) -> int:
+    from agent.shaping.command import cleanup_command
+
+    return cleanup_command(out=sys.stdout)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -185,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "run":
         setup_logging("warning", "text")
     handlers = {"run": _cmd_run, "topology": _cmd_topology, "simulate-node": _cmd_simulate_node,
-                "simulate-dcgm-exporter": _cmd_simulate_dcgm_exporter, "config": _cmd_config, "netacct": _cmd_netacct}
+                "simulate-dcgm-exporter": _cmd_simulate_dcgm_exporter, "config": _cmd_config, "netacct": _cmd_netacct,
+                "shaping": _cmd_shaping}
     try:
         return handlers[args.command](args)
     except (UsageError, config.ConfigError, UnknownProfileError, TopologyXmlError) as exc:

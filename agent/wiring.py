@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from agent.ownership.subsystem import OwnershipSubsystem
     from agent.remediation import RemediationService
     from agent.remediation.preflight import PreflightCheck
+    from agent.shaping.service import ShapingService
     from agent.simulate.kubelet import LocalKubelet
 
 log = logging.getLogger(__name__)
@@ -390,6 +391,34 @@ def _netacct_subsystem(service: NetacctService) -> Subsystem:
     return Subsystem("netacct", run)
 
 
+def shaping(cfg: AgentConfig, registry: CollectorRegistry, cluster: ClusterPort,
+            netacct: NetacctService | None) -> ShapingService:
+    """Per-pod internet shaping (only with --shaping): netacct's pod source when it runs (one pod watch per
+    process), else its own; invalid annotations become Events through the shared client when there is one."""
+    from agent.host.tc_netlink import NetlinkTc
+    from agent.kube.errors import ClusterConfigError
+    from agent.netacct.service import default_pod_source
+    from agent.shaping.service import ShapingService
+
+    pods = netacct.pods if netacct is not None else default_pod_source(cfg.netacct, cluster.get)
+    try:
+        events = None if cfg.netacct.pods_file else cluster.get()
+    except ClusterConfigError:
+        events = None  # no cluster: bad annotations are only logged
+    return ShapingService(cfg.shaping, cfg.netacct.internal_networks(), registry, pods, NetlinkTc(),
+                          events=events, owns_source=netacct is None)
+
+
+def _shaping_subsystem(service: ShapingService) -> Subsystem:
+    async def run(stop: asyncio.Event) -> None:
+        try:
+            await service.run(stop)
+        finally:
+            service.close()  # keeps the shapers; `shaping cleanup` (or `netacct cleanup`) removes them
+
+    return Subsystem("shaping", run)
+
+
 @dataclass
 class Wiring:
     """Every enabled subsystem, and the shared client the process closes after they stop."""
@@ -401,6 +430,7 @@ class Wiring:
     dra: DraService | None = None
     remediation: RemediationService | None = None
     netacct: NetacctService | None = None
+    shaping: ShapingService | None = None
 
     def describe(self) -> str:
         """Which cluster and which mode, for the start line."""
@@ -430,16 +460,27 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
     if cfg.pod_resources.socket:
         wiring.ownership = ownership(cfg, registry, wiring.cluster, kubelet)
         wiring.subsystems.append(Subsystem("ownership", wiring.ownership.run))
+        if wiring.device_plugin is not None:
+            from agent.deviceplugin.facts import OwnershipFacts
+
+            manager = wiring.device_plugin
+            manager.use_ownership(OwnershipFacts(wiring.ownership.service, manager.pools,
+                                                 cfg.device_plugin.gpu_resource_name))
     copies = [wiring.ownership.health_changes] if wiring.ownership is not None else []
     wiring.subsystems.append(health(cfg, hardware, registry, readiness=readiness, manager=wiring.device_plugin,
                                     device_health=device_health, verdicts=verdicts, scratch=scratch, dra=wiring.dra,
                                     device_health_copies=copies))
     if cfg.remediation.enabled or wiring.cluster.in_memory:  # the in-memory node: remediation is part of the demo
         wiring.remediation = remediation(cfg, hardware, registry, verdicts=verdicts, cluster=wiring.cluster)
+        if wiring.ownership is not None:  # the node condition names the pods holding the affected devices
+            wiring.remediation.engine.pods_of = wiring.ownership.service.pods_holding
         wiring.subsystems.append(Subsystem("remediation", wiring.remediation.run))
     if cfg.netacct.enabled:
         wiring.netacct = netacct(cfg, registry, wiring.cluster)
         wiring.subsystems.append(_netacct_subsystem(wiring.netacct))
+    if cfg.shaping.enabled:
+        wiring.shaping = shaping(cfg, registry, wiring.cluster, wiring.netacct)
+        wiring.subsystems.append(_shaping_subsystem(wiring.shaping))
     listeners = [s.on_topology for s in wiring.subsystems if s.on_topology is not None]
     wiring.subsystems.append(rescans(hardware, rescan, cfg.topology.rescan_interval_seconds, listeners))
     return wiring

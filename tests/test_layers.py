@@ -42,7 +42,7 @@ def _importers(prefix: str) -> set[str]:
 @pytest.mark.parametrize(("library", "allowed"), [
     ("pynvml", {"agent.host.nvml.real"}),
     ("lightkube", {"agent.kube.cluster"}),
-    ("pyroute2", {"agent.host.links"}),
+    ("pyroute2", {"agent.host.links", "agent.host.tc_netlink"}),
     ("subprocess", {"agent.netacct.backend"}),
 ])
 def test_only_the_port_imports_its_library(library, allowed):
@@ -57,8 +57,8 @@ def test_subprocesses_run_only_in_the_host_ports_and_the_iptables_port():
 
 SOURCES = ("agent.topology", "agent.host", "agent.simulate.profiles", "agent.simulate.sysfs_writer",
            "agent.simulate.sysfs_tree", "agent.config", "agent.signals", "agent.placement")
-CONSUMERS = ("agent.deviceplugin", "agent.dra", "agent.health", "agent.remediation", "agent.netacct", "agent.kube",
-             "agent.app", "agent.wiring", "agent.cli")
+CONSUMERS = ("agent.deviceplugin", "agent.dra", "agent.health", "agent.remediation", "agent.netacct", "agent.shaping",
+             "agent.kube", "agent.app", "agent.wiring", "agent.cli")
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -75,8 +75,10 @@ def test_sources_never_import_consumers(source):
     # the DRA driver reads the topology and the API; it shares no code with the device plugin or health
     ("agent.dra", ("agent.deviceplugin", "agent.health", "agent.remediation", "agent.netacct")),
     ("agent.remediation", ("agent.netacct", "agent.health", "agent.deviceplugin")),
-    ("agent.netacct", ("agent.remediation", "agent.health", "agent.deviceplugin")),
+    ("agent.netacct", ("agent.remediation", "agent.health", "agent.deviceplugin", "agent.shaping")),
     ("agent.deviceplugin", ("agent.remediation", "agent.netacct", "agent.health", "agent.kube", "agent.dra")),
+    # shaping reads netacct's pod list and internal set; netacct never reaches into shaping
+    ("agent.shaping", ("agent.remediation", "agent.health", "agent.deviceplugin", "agent.dra")),
     # health publishes device health and verdicts (agent.signals); it never reaches into the subsystems acting on them
     ("agent.health", ("agent.deviceplugin", "agent.remediation", "agent.netacct", "agent.kube")),
 ])

@@ -68,6 +68,11 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return from_mapping(hint, value, where)
+    if origin is dict:
+        key_hint, value_hint = typing.get_args(hint)
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return {_convert(k, key_hint, where): _convert(v, value_hint, f"{where}.{k}") for k, v in value.items()}
     if origin is list:
         (item_hint,) = typing.get_args(hint)
         if isinstance(value, str):

@@ -17,6 +17,7 @@ from agent.config.names import check_node_name
 from agent.config.netacct import NetacctConfig
 from agent.config.remediation import RemediationConfig
 from agent.config.resources import resource_name_problem, vf_range_problem
+from agent.config.shaping import ShapingConfig
 
 CONFIG_VERSION = 1
 DEFAULT_RESOURCE_PREFIX = PROJECT_DOMAIN
@@ -285,6 +286,7 @@ class AgentConfig:
     health: HealthConfig = setting(factory=HealthConfig, help="GPU and NIC health checks")
     remediation: RemediationConfig = setting(factory=RemediationConfig, help="actions on this node's API objects")
     netacct: NetacctConfig = setting(factory=NetacctConfig, help="network traffic accounting")
+    shaping: ShapingConfig = setting(factory=ShapingConfig, help="per-pod internet bandwidth shaping")
 
 
     def check(self) -> None:

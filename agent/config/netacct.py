@@ -42,8 +42,9 @@ class NetacctConfig:
              "default set: RFC 1918, 100.64.0.0/10, 169.254.0.0/16, fc00::/7, fe80::/10")
     pods_file: str | None = setting(
         None, flag="--pods-file", env="GPU_NODE_AGENT_PODS_FILE",
-        help='JSON file listing this node\'s pods, {"pods":[{"namespace":..,"name":..,"ips":[..]}]}, re-read on '
-             "change (standalone use instead of the Kubernetes pod watch)")
+        help='JSON file listing this node\'s pods, {"pods":[{"namespace":..,"name":..,"ips":[..]}]} (optional per '
+             'pod: "uid" and "annotations", for shaping), re-read on change (standalone use instead of the '
+             "Kubernetes pod watch)")
     per_pod_metrics: bool = setting(True, flag="--netacct-per-pod", env="GPU_NODE_AGENT_NETACCT_PER_POD",
                                     help="export per-pod byte counters (one series per pod, traffic class and "
                                          "direction); turn off to save Prometheus cardinality")

@@ -35,7 +35,7 @@ def accountable(pods: Iterable[PodView], warned: set[tuple[str, str]] | None = N
         if view.host_network or not view.ips or view.phase in FINISHED:
             continue
         try:
-            out.append(make_pod(view.namespace, view.name, view.ips))
+            out.append(make_pod(view.namespace, view.name, view.ips, view.uid, dict(view.annotations)))
         except PodListError as exc:
             if warned is None or view.key not in warned:
                 log.warning("netacct: not accounting pod %s/%s: %s", view.namespace, view.name, exc)

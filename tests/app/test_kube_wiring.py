@@ -142,3 +142,24 @@ async def test_preflight_runs_the_active_health_probes_on_the_nodes_own_sources(
     assert [r.name for r in failed] == ["NoPendingRowRemap"] and sick in failed[0].detail
     netacct.close()
     await ctx.aclose()
+
+
+async def test_shaping_shares_netacct_pods_and_writes_events_through_the_one_client(tmp_path: Path):
+    api = ApiServerDouble(FakeClock())
+    await api.start()
+    try:
+        ctx = context(tmp_path, kubeconfig=str(write_kubeconfig(tmp_path / "kc", api.url)), remediation=False)
+        ctx.cfg.shaping.enabled = True
+        netacct = wiring.netacct(ctx.cfg, ctx.registry, ctx.port)
+        shaping = wiring.shaping(ctx.cfg, ctx.registry, ctx.port, netacct)
+        assert shaping.pods is netacct.pods and not shaping.owns_source  # one pod watch per process
+        assert shaping.events is ctx.cluster and ctx.cluster is not None
+        (tmp_path / "other").mkdir()
+        other = context(tmp_path / "other", pods_file=str(tmp_path / "p.json"))
+        alone = wiring.shaping(other.cfg, other.registry, other.port, None)
+        assert isinstance(alone.pods, FilePodSource) and alone.owns_source and alone.events is None
+        for service in (shaping, alone, netacct):
+            service.close()
+        await ctx.aclose()
+    finally:
+        await api.stop()

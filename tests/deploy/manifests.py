@@ -27,7 +27,7 @@ NAMESPACE = "gpu-node-agent"
 JOB = "gpu-node-agent"
 CRD_GROUPS = ("monitoring.coreos.com/",)
 
-# The agent's metrics (issue 5 health, 4 allocation, 6 remediation, 7 netacct, 8 process), by name as scraped.
+# The agent's metrics (issue 5 health, 4 allocation, 6 remediation, 7 netacct, 8 process, 16 shaping), as scraped.
 AGENT_METRICS: dict[str, str] = {
     "gpu_node_agent_build_info": "gauge {version}: 1",
     "gpu_node_agent_subsystem_up": "gauge {subsystem}: 1 running, 0 failed",
@@ -70,6 +70,12 @@ AGENT_METRICS: dict[str, str] = {
     "gpu_node_agent_netacct_read_duration_seconds": "gauge",
     "gpu_node_agent_netacct_sync_failures_total": "counter",
     "gpu_node_agent_netacct_backend_info": "gauge {backend}",
+    "gpu_node_agent_pod_internet_limit_bits_per_second": "gauge {namespace,pod,direction}",
+    "gpu_node_agent_pod_internet_shaped_bytes_total": "counter {namespace,pod,direction}",
+    "gpu_node_agent_pod_internet_dropped_packets_total": "counter {namespace,pod,direction}",
+    "gpu_node_agent_shaping_up": "gauge: 1 when the last read of the shapers' counters succeeded",
+    "gpu_node_agent_shaping_pods": "gauge {state}",
+    "gpu_node_agent_shaping_sync_failures_total": "counter",
 }
 # Exposed by every agent, simulate mode included: the scrape test checks that they are really there.
 CORE_METRICS = ("gpu_node_agent_build_info", "gpu_node_agent_subsystem_up")

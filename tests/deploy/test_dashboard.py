@@ -62,6 +62,9 @@ def test_variable_queries_use_known_metrics():
     "gpu_node_agent_network_transmit_bytes_total",
     "gpu_node_agent_pod_network_receive_bytes_total",
     "gpu_node_agent_pod_network_transmit_bytes_total",
+    "gpu_node_agent_pod_internet_shaped_bytes_total",
+    "gpu_node_agent_pod_internet_limit_bits_per_second",
+    "gpu_node_agent_pod_internet_dropped_packets_total",
     "process_resident_memory_bytes",
     "process_cpu_seconds_total",
 ])

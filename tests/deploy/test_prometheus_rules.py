@@ -26,7 +26,7 @@ needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason=PROMETHEUS_MISSING)
 REQUIRED_ALERTS = {"GpuXidNeedsAction", "GpuDeviceUnhealthy", "GpuNodeCordonedByAgent", "GpuNodeVerdictCordonOrDrain",
                    "GpuNodeAgentDown", "GpuNodeAgentSubsystemDown", "GpuNodeAgentAccountingDown",
                    "GpuNodeAgentDcgmUnreadable", "GpuMissing", "PcieLinkDowntrained", "NicPortErrors",
-                   "NicLinkFlapping"}
+                   "NicLinkFlapping", "PodInternetBandwidthAtLimit"}
 
 
 def _write_rules(path: Path, *, annotations: bool = True) -> Path:
@@ -164,6 +164,22 @@ UNIT_TESTS: list[dict[str, Any]] = [
             *_alerts("GpuNodeAgentSubsystemDown",
                      ("5m", []), ("8m", [{**AGENT, "subsystem": "device-plugin", "severity": "warning"}])),
         ],
+    },
+    {   # 40 Mbit/s limit: pod a downloads at 39.6 Mbit/s (4.95 MB/s) from 5 min on; pod b at half its limit
+        "input_series": [
+            _series("gpu_node_agent_pod_internet_limit_bits_per_second", "40000000x40", namespace="team", pod="a",
+                    direction="ingress"),
+            _series("gpu_node_agent_pod_internet_shaped_bytes_total", "0x5 0+297000000x35", namespace="team",
+                    pod="a", direction="ingress"),
+            _series("gpu_node_agent_pod_internet_limit_bits_per_second", "40000000x40", namespace="team", pod="b",
+                    direction="egress"),
+            _series("gpu_node_agent_pod_internet_shaped_bytes_total", "0+150000000x40", namespace="team", pod="b",
+                    direction="egress"),
+        ],
+        "alert_rule_test": _alerts(
+            "PodInternetBandwidthAtLimit",
+            ("15m", []),  # pending
+            ("30m", [{"node": "n1", "namespace": "team", "pod": "a", "direction": "ingress", "severity": "info"}])),
     },
     {   # the DCGM check fails at 5 min and recovers at 25; the kernel-log check is off (0) throughout: no alert
         "input_series": [

@@ -14,7 +14,7 @@ from agent.kube import errors, model
 from agent.kube.cluster import connect
 from agent.kube.errors import ClusterConfigError
 from agent.kube.metrics import ApiRequestCounter
-from agent.kube.model import Condition, EventRecord, LeaseView
+from agent.kube.model import Condition, EventRecord, LeaseView, ObjectRef
 from agent.kube.transport import request_verb
 from tests.fakes.apiserver import write_kubeconfig
 from tests.fakes.clock import FakeClock
@@ -81,6 +81,17 @@ async def test_events_are_created_on_the_node_then_folded(port, api):
     assert stored["metadata"]["namespace"] == "default" and stored["type"] == "Warning"
     await port.write_event(EventRecord("Cordoned", "GpuXid79", "Warning", created.name, 3, 1.0e9, 1.0e9 + 60))
     assert api.events[created.name]["count"] == 3
+
+
+async def test_events_about_a_pod_go_to_its_namespace(port, api):
+    pod = ObjectRef("Pod", "team", "trainer-0", "uid-1")
+    created = await port.write_event(EventRecord("InvalidBandwidthAnnotation", "bad", "Warning", first_time=1.0e9,
+                                                 last_time=1.0e9, involved=pod))
+    stored = api.events[created.name]
+    assert created.name.startswith("trainer-0.") and created.involved == pod
+    assert stored["metadata"]["namespace"] == "team"
+    assert stored["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "namespace": "team", "name": "trainer-0",
+                                        "uid": "uid-1"}
 
 
 async def test_leases_create_conflict_and_replace(port, api):

@@ -63,14 +63,15 @@ async def test_only_pods_with_their_own_ips_are_published(api: ApiServerDouble, 
     task = asyncio.create_task(source.run(stop))
     try:
         await until(lambda: source.snapshot()[1] is not None, "the first list")
-        assert source.snapshot()[1] == (make_pod("team", "trainer", ["10.1.0.5", "fd00::5"]),)
+        assert source.snapshot()[1] == (make_pod("team", "trainer", ["10.1.0.5", "fd00::5"], "uid-team-trainer"),)
         assert caplog.text.count("not accounting pod team/broken") == 1
 
         api.update_pod("team", "pending", {"status": {"podIPs": [{"ip": "10.1.0.6"}]}})  # the kubelet reports it
         await until(lambda: len(source.snapshot()[1] or ()) == 2, "the pod with its new IP")
         api.delete_pod("team", "trainer")
         api.update_pod("team", "broken", {"metadata": {"labels": {"a": "b"}}})  # warned once, not per change
-        await until(lambda: source.snapshot()[1] == (make_pod("team", "pending", ["10.1.0.6"]),), "the delete")
+        await until(lambda: source.snapshot()[1] == (make_pod("team", "pending", ["10.1.0.6"], "uid-team-pending"),),
+                    "the delete")
         assert caplog.text.count("not accounting pod team/broken") == 1
     finally:
         stop.set()
@@ -89,7 +90,7 @@ async def test_the_set_stays_unknown_until_the_first_list_succeeds(api: ApiServe
             assert source.snapshot() == (0, None)  # unknown: the engine keeps the members it finds
             await clock.advance(clock.next_deadline() - clock.now())  # type: ignore[operator]
         await until(lambda: source.snapshot()[1] is not None, "the first list")
-        assert source.snapshot() == (1, (make_pod("team", "trainer", ["10.1.0.5"]),))
+        assert source.snapshot() == (1, (make_pod("team", "trainer", ["10.1.0.5"], "uid-team-trainer"),))
     finally:
         stop.set()
         await asyncio.wait_for(task, 5)

@@ -460,12 +460,20 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
     if cfg.pod_resources.socket:
         wiring.ownership = ownership(cfg, registry, wiring.cluster, kubelet)
         wiring.subsystems.append(Subsystem("ownership", wiring.ownership.run))
+        if wiring.device_plugin is not None:
+            from agent.deviceplugin.facts import OwnershipFacts
+
+            manager = wiring.device_plugin
+            manager.use_ownership(OwnershipFacts(wiring.ownership.service, manager.pools,
+                                                 cfg.device_plugin.gpu_resource_name))
     copies = [wiring.ownership.health_changes] if wiring.ownership is not None else []
     wiring.subsystems.append(health(cfg, hardware, registry, readiness=readiness, manager=wiring.device_plugin,
                                     device_health=device_health, verdicts=verdicts, scratch=scratch, dra=wiring.dra,
                                     device_health_copies=copies))
     if cfg.remediation.enabled or wiring.cluster.in_memory:  # the in-memory node: remediation is part of the demo
         wiring.remediation = remediation(cfg, hardware, registry, verdicts=verdicts, cluster=wiring.cluster)
+        if wiring.ownership is not None:  # the node condition names the pods holding the affected devices
+            wiring.remediation.engine.pods_of = wiring.ownership.service.pods_holding
         wiring.subsystems.append(Subsystem("remediation", wiring.remediation.run))
     if cfg.netacct.enabled:
         wiring.netacct = netacct(cfg, registry, wiring.cluster)

@@ -22,6 +22,7 @@ from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config.model import DevicePluginConfig
 from agent.deviceplugin.cdi import SPEC_DIRS, RdmaSpecWriter, find_spec, remove_stale_specs
 from agent.deviceplugin.devinfo import DeviceInfoWriter
+from agent.deviceplugin.facts import OwnershipFacts
 from agent.deviceplugin.metrics import AllocationMetrics
 from agent.deviceplugin.payload import AllocateOptions
 from agent.deviceplugin.pluginwatcher import PLUGIN_WATCHER, PluginWatcherLink, resolve_mode
@@ -91,6 +92,7 @@ class DevicePluginManager:
         self._health_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._started = False
+        self.facts: OwnershipFacts | None = None
 
     @property
     def registered(self) -> asyncio.Event:
@@ -101,6 +103,10 @@ class DevicePluginManager:
     def registrations(self) -> int:
         """Successful Register calls so far."""
         return self._link.registrations
+
+    def pools(self) -> list[ResourcePool]:
+        """The pools being served now (they change on rescans)."""
+        return [plugin.pool for plugin in self._plugins.values()]
 
     @property
     def resources(self) -> list[str]:
@@ -132,9 +138,18 @@ class DevicePluginManager:
                          "it" if len(empty) == 1 else "them")
         return {name: pool for name, pool in scan.by_name().items() if pool.devices}
 
+    def use_ownership(self, facts: OwnershipFacts) -> None:
+        """Place with the kubelet's facts: each preference call looks up the container's partner devices, and the
+        other kind's free devices come from the kubelet's last reading."""
+        self.facts = facts
+        self.allocator.known_free = facts.known_free
+        for plugin in self._plugins.values():
+            plugin.partner_lookup = facts.partner
+
     def _new_plugin(self, pool: ResourcePool) -> DevicePlugin:
         plugin = DevicePlugin(pool, self._options, policy=self._policy, on_allocate=self.allocator.allocated,
-                              metrics=self.metrics, device_info=self.device_info, device_health=self.device_health)
+                              metrics=self.metrics, device_info=self.device_info, device_health=self.device_health,
+                              partner_lookup=self.facts.partner if self.facts is not None else None)
         self.metrics.add_resource(pool.resource_name)
         return plugin
 

@@ -8,14 +8,17 @@ input with no preference; it never prefers a device marked Unhealthy (the kubele
 ListAndWatch message). For that it only decodes, calls the policy, counts and encodes: the validation, the
 choice and the reason live in `agent.placement`. The policy is pluggable: a standalone servicer uses
 `simple_policy`; the manager plugs in the PCIe-aware `placement.joint.JointAllocator`, shared by all its
-resources, and its Allocate hook.
+resources, and its Allocate hook. With a `partner_lookup` (the kubelet's PodResources facts,
+`agent.ownership`), each preference call first asks which devices of the other kind this container holds; the
+lookup bounds itself with a short deadline and answers None when it cannot tell in time, and then the policy
+guesses as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 import grpc
 
@@ -36,6 +39,8 @@ UNHEALTHY = "Unhealthy"
 PreferencePolicy = Callable[[ResourcePool, ContainerRequest], Preference]
 # (pool, device IDs) after each successful Allocate of one container request -> allocations to count by level
 AllocationHook = Callable[[ResourcePool, Sequence[str]], Iterable[AllocationLevel]]
+# (pool) during a preference call -> the other kind's devices the container under admission holds; None: unknown
+PartnerLookup = Callable[[ResourcePool], Awaitable[frozenset[str] | None]]
 
 
 def simple_policy(pool: ResourcePool, request: ContainerRequest) -> Preference:
@@ -62,8 +67,10 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
                  contributors: Sequence[Contributor] | None = None, *,
                  on_allocate: AllocationHook | None = None,
                  metrics: AllocationMetrics | None = None,
-                 device_info: DeviceInfoWriter | None = None, device_health: DeviceHealth | None = None) -> None:
+                 device_info: DeviceInfoWriter | None = None, device_health: DeviceHealth | None = None,
+                 partner_lookup: PartnerLookup | None = None) -> None:
         self._pool = pool
+        self.partner_lookup = partner_lookup
         self._device_info = device_info
         self._device_health = device_health if device_health is not None else DeviceHealth()
         self._options = options or AllocateOptions()
@@ -178,11 +185,12 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
             context: grpc.aio.ServicerContext) -> api_pb2.PreferredAllocationResponse:
         """One preference per container; never an error, which would fail the pod's admission."""
         response = api_pb2.PreferredAllocationResponse()
+        partner = await self._partner() if len(request.container_requests) == 1 else None
         for container in request.container_requests:
             asked = ContainerRequest(
                 served=self._pool.ids, available=tuple(container.available_deviceIDs),
                 must_include=tuple(container.must_include_deviceIDs), size=container.allocation_size,
-                unhealthy=self._device_health.unhealthy().keys())
+                unhealthy=self._device_health.unhealthy().keys(), partner=partner)
             try:
                 preference = self._policy(self._pool, asked)
             except Exception:
@@ -198,6 +206,16 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
                 return api_pb2.PreferredAllocationResponse()
             response.container_responses.add(deviceIDs=preference.devices)
         return response
+
+    async def _partner(self) -> frozenset[str] | None:
+        """The kubelet's fact for this call, or None (no lookup, or it failed: never fail the preference)."""
+        if self.partner_lookup is None:
+            return None
+        try:
+            return await self.partner_lookup(self._pool)
+        except Exception:
+            log.exception("%s: partner lookup failed; the policy guesses", self.resource_name)
+            return None
 
     async def Allocate(self, request: api_pb2.AllocateRequest,
                        context: grpc.aio.ServicerContext) -> api_pb2.AllocateResponse:

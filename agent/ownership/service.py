@@ -44,7 +44,7 @@ class OwnershipService:
         self.poll_interval = poll_interval
         self.lookup_timeout = lookup_timeout
         self.poll_timeout = poll_timeout
-        self._monotonic = monotonic
+        self.monotonic = monotonic
         self.latest: Ownership | None = None
         self.read_at: float | None = None  # monotonic time of `latest`
         self.refreshed = asyncio.Event()
@@ -63,7 +63,7 @@ class OwnershipService:
             log.debug("ownership poll: %s", exc)
             return None
         self.latest = Ownership(containers, allocatable)
-        self.read_at = self._monotonic()
+        self.read_at = self.monotonic()
         self.refreshed.set()
         return self.latest
 
@@ -79,6 +79,10 @@ class OwnershipService:
     def holders(self, device_id: str) -> tuple[Holder, ...]:
         """Containers holding `device_id` in the latest reading (empty when unknown)."""
         return self.latest.holders(device_id) if self.latest is not None else ()
+
+    def pods_holding(self, device_ids: Iterable[str]) -> list[str]:
+        """"namespace/name" of every pod holding one of `device_ids` in the latest reading, sorted."""
+        return sorted({f"{h.namespace}/{h.pod}" for d in device_ids for h in self.holders(d)})
 
     def pod(self, namespace: str, name: str) -> PodView | None:
         """The pod spec from the own-node pod watch, when there is one."""

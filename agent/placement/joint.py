@@ -27,10 +27,15 @@ devices it was paired with (other resource) are free too. Limits:
   (the kubelet's checkpoint of older allocations is unknown), and a restart of the agent forgets pairings;
 - the kubelet re-runs Allocate for a container that has no recorded devices at start (node-reboot race):
   that is recorded as a fresh allocation.
-The exact answer is in the kubelet's PodResources API (`List`); using it would mean I/O on the hot path (or a
-background poll), so it is a later improvement: `known_free` is where those facts plug in. When the other kind
-is not served here at all (GPUs served by NVIDIA's plugin: NIC-only), `other_free` is None and the policy
-assumes every GPU free, which spreads VFs over PFs. Several NIC pools (say RDMA VFs and an Ethernet pool) all
+Facts replace both guesses where the kubelet's PodResources API gives them (`agent.ownership`): a request's
+`partner` (the other kind's devices this container holds; the servicer looks it up with a short deadline) is
+used instead of the admission context, and pairs exactly for the metric too; `known_free` (the kubelet's free
+devices from the last poll) is intersected with the estimate, so after an agent restart nothing the kubelet
+holds looks free, and nothing allocated since the poll does either. When the other kind is not served here at
+all (GPUs served by NVIDIA's plugin: NIC-only), the partner GPUs are NVIDIA's device IDs (UUIDs, `::N` replicas
+of shared GPUs): they are mapped to the topology's GPUs (an unknown one is logged once and ignored), and without
+a partner `other_free` is the kubelet's free GPUs, else None and the policy assumes every GPU free, which spreads
+VFs over PFs. Several NIC pools (say RDMA VFs and an Ethernet pool) all
 count as the NIC kind, and share the one admission-context slot for it.
 """
 
@@ -132,11 +137,13 @@ class JointAllocator:
         self._peers = peers
         self._ttl_s = ttl_s
         self._clock = clock
-        self._known_free = known_free
+        self.known_free = known_free
         self.admission = AdmissionContext(ttl_s=ttl_s, clock=clock)
         self._taken: dict[str, frozenset[str]] = {}  # resource -> devices believed allocated
         self._holder: dict[str, _Container] = {}  # device ID -> the container believed to hold it
         self._open: _Container | None = None  # its other resource may still come
+        self._exact: tuple[DeviceKind, frozenset[str]] | None = None  # the last preference's partner fact
+        self._unmapped: set[str] = set()  # partner IDs not in the topology, logged once
 
     def prefer(self, pool: ServedPool, request: ContainerRequest) -> Preference:
         """The PCIe-aware preference for one container request of `pool`'s resource, and why."""
@@ -146,6 +153,10 @@ class JointAllocator:
         kind = DeviceKind(pool.kind)
         must_include = request.must_include
         context = self.admission.begin_preference(kind)
+        self._exact = None
+        if request.partner is not None:  # the kubelet's fact replaces the guess
+            context = self._mapped(pool.topology, kind, request.partner)
+            self._exact = (kind, context)
         self._offered(pool.resource_name, request.served, checked.offered, must_include)
         levels = self._preference_started(kind, context)
         if pool.topology is None:  # a pool built by hand, not from a scan: nothing to align with
@@ -163,9 +174,21 @@ class JointAllocator:
         self.admission.record_allocation(kind, ids)
         self._taken[resource] = self._taken.get(resource, frozenset()) | ids
         levels: list[AllocationLevel] = []
+        exact, self._exact = self._exact, None
+        partner = exact[1] if exact is not None and exact[0] is kind else None
         container = self._open
-        if container is not None and container.kind != kind and not self._stale(container):
-            self._open = None  # the second resource of that container
+        paired = container is not None and container.kind != kind and not self._stale(container)
+        if partner:  # a fact: this container holds `partner`
+            label = self._pair_level(pool.topology, kind, ids, partner)
+            if paired and container is not None and container.first <= partner:
+                self._open = None  # its first resource was served here: count it with the pair
+                levels.append((container.resource, label))
+            else:
+                levels += self._close_open()
+                container = _Container(kind, resource, ids, self._clock())
+            levels.append((resource, label))
+        elif paired and partner is None and container is not None:
+            self._open = None  # the second resource of that container (the admission context's guess)
             label = self._pair_level(pool.topology, kind, ids, container.first)
             levels += [(container.resource, label), (resource, label)]
         else:
@@ -187,17 +210,32 @@ class JointAllocator:
     def other_free(self, kind: DeviceKind) -> frozenset[str] | None:
         """Healthy devices of the other kind believed free; None when no pool of the other kind is served."""
         wanted = other_kind(kind)
-        if self._known_free is not None:
-            known = self._known_free(wanted)
-            if known is not None:
-                return known
+        known = self.known_free(wanted) if self.known_free is not None else None
         free: set[str] = set()
         served = False
         for peer in self._peers():
             if peer.pool.kind == wanted.value:
                 served = True
                 free |= peer.healthy_ids() - self._taken.get(peer.pool.resource_name, frozenset())
-        return frozenset(free) if served else None
+        if not served:
+            return known
+        # free only where both agree: the kubelet's last reading and what was allocated here since
+        return frozenset(free) if known is None else frozenset(free) & known
+
+    def _mapped(self, topology: Topology | None, kind: DeviceKind, partner: frozenset[str]) -> frozenset[str]:
+        """The partner's device IDs as the topology names them: a shared GPU's replica (`<uuid>::<n>`) is the GPU;
+        an ID the topology does not know (another plugin's MIG device, a GPU without a UUID) is dropped."""
+        if topology is None:
+            return partner
+        ids = {g.uuid for g in topology.gpus if g.uuid} if kind is DeviceKind.NIC else \
+            {v.bus_id for n in topology.nics for v in n.vfs} | {n.bus_id for n in topology.nics}
+        mapped = {i.partition("::")[0] for i in partner}
+        unknown = mapped - ids - self._unmapped
+        if unknown:
+            self._unmapped |= unknown
+            log.warning("partner devices %s are not on this node's topology; ignored for placement",
+                        ", ".join(sorted(unknown)))
+        return frozenset(mapped & ids)
 
     def serves(self, kind: DeviceKind) -> bool:
         """Whether any server of `kind` runs in this manager."""

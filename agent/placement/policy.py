@@ -89,7 +89,9 @@ class ContainerRequest:
     """One GetPreferredAllocation container request as the kubelet sent it, with what the servicer knows.
 
     `served`: the resource's device IDs in pool order; `unhealthy`: those marked Unhealthy here (the kubelet's
-    view may lag by one ListAndWatch message, so it can still offer them).
+    view may lag by one ListAndWatch message, so it can still offer them). `partner`: the other kind's devices
+    this container holds, as the kubelet reports them (`agent.ownership`): a fact, empty when it holds none yet;
+    None when unknown, and then the admission context guesses.
     """
 
     served: Sequence[str]
@@ -97,6 +99,7 @@ class ContainerRequest:
     size: int
     must_include: Sequence[str] = ()
     unhealthy: Set[str] = frozenset()
+    partner: frozenset[str] | None = None
 
 
 # (resource, level label): one Allocate of `resource` whose container's GPU-NIC level is now known (`joint`)

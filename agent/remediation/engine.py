@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from agent.clock import Clock
@@ -68,6 +68,8 @@ class Engine:
                  drainer: Drainer, clock: Clock, counter: ActionCounter, inputs: Inputs, wake: Callable[[], None],
                  jitter: Callable[[], float] = lambda: 1.0) -> None:
         self.config = config
+        # device IDs -> the pods holding them ("namespace/name"), named in the condition message (agent.ownership)
+        self.pods_of: Callable[[Sequence[str]], list[str]] | None = None
         self.keys = Keys.for_prefix(config.prefix)
         self.actions = actions
         self.slots = slots
@@ -217,7 +219,8 @@ class Engine:
                 await self.actions.ensure_condition(False, "PreflightPassed", "preflight checks passed")
         elif verdict.severity >= Severity.DEGRADED:
             deferred = "RemediationDeferred (no free slot): " if self.deferred_until is not None else ""
-            await self.actions.ensure_condition(True, verdict.reason, deferred + verdict.describe())
+            message = deferred + verdict.describe() + self._pods(verdict)
+            await self.actions.ensure_condition(True, verdict.reason, message)
             repeat = was_problem and before is not None and before.reason == verdict.reason
             if verdict.severity is Severity.DEGRADED and not repeat:
                 await self.events.emit("Degraded", f"{verdict.reason}: {verdict.describe()}", WARNING)
@@ -225,6 +228,17 @@ class Engine:
             await self.actions.ensure_condition(False, verdict.reason, verdict.describe())
             if was_problem:  # the condition on the node, so a restarted agent does not say it twice
                 await self.events.emit("Recovered", f"{verdict.reason}: {verdict.describe()}")
+
+    def _pods(self, verdict: NodeVerdict) -> str:
+        """' (pods: a/b, c/d)' for the pods holding the verdict's devices; '' when none or unknown."""
+        if self.pods_of is None or not verdict.devices:
+            return ""
+        try:
+            pods = self.pods_of(verdict.devices)
+        except Exception:  # naming pods is a courtesy; it must never stop the condition
+            log.exception("cannot name the pods of %s", ", ".join(verdict.devices))
+            return ""
+        return f" (pods: {', '.join(pods)})" if pods else ""
 
     # --- drain ------------------------------------------------------------------------------------------------
 

@@ -108,6 +108,7 @@ class LocalKubelet(api_pb2_grpc.RegistrationServicer):
         self._changed = asyncio.Event()
         self._admit_lock = asyncio.Lock()
         self.records = DeviceRecords(self.allocatable)
+        self.preferences: list[tuple[str, frozenset[str], tuple[str, ...]]] = []  # (resource, offered, preferred)
         self.pod_resources = (PodResourcesServer(self.records, pod_resources_socket)
                               if pod_resources_socket is not None else None)
         self._pods_admitted = 0
@@ -363,6 +364,7 @@ class LocalKubelet(api_pb2_grpc.RegistrationServicer):
                 raise AdmissionError(
                     f"device plugin GetPreferredAllocation rpc failed: {exc.details()}") from exc
             preferred = set(reply.container_responses[0].deviceIDs) if reply.container_responses else set()
+            self.preferences.append((name, frozenset(available | set(chosen)), tuple(preferred)))
             fill(preferred & available)
         fill(available)
         try:

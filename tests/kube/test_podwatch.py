@@ -104,6 +104,7 @@ async def test_resumes_from_the_last_version_after_the_server_ends_a_watch(api, 
 
     # writes to other objects move the version on; the bookmark carries it
     api.admin_patch({"metadata": {"labels": {"x": "y"}}})
+    await until(lambda: clock.next_deadline() is not None, "the double's watch timer")  # armed only after open
     await clock.advance(601)  # the server's timeoutSeconds pass: BOOKMARK, then the watch ends
     await until(lambda: len(api.pod_requests(watches=True)) == 3, "a third watch")
     assert api.pod_requests(watches=True)[2].query["resourceVersion"] == str(api.rv)
@@ -146,6 +147,8 @@ async def test_errors_back_off_exponentially_and_honour_retry_after(api, port, c
 
     api.fail("GET", r"/api/v1/pods$", 429, headers={"Retry-After": "30"})
     first = api.pod_requests(watches=True)[0]
+    # the double counts a watch as open before it arms its timer on the fake clock: advance only once it is armed
+    await until(lambda: clock.next_deadline() is not None, "the double's watch timer")
     await clock.advance(first.at + int(first.query["timeoutSeconds"]) - clock.now())  # the watch ends ...
     assert await backoff_wait(clock) >= 30  # ... and the reconnect is throttled: wait as long as asked
     throttled_at = clock.now()

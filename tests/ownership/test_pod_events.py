@@ -116,6 +116,7 @@ async def test_no_api_access_posts_nothing_and_still_names_the_holders() -> None
     await service.refresh()
     holders = await PodDeviceEvents(None, service).device_unhealthy(VF, "link down")
     assert [(h.pod, h.container) for h in holders] == [("trainer-0", "main")]
+    assert service.pods_holding([VF, "GPU-unknown"]) == ["team-a/trainer-0"]  # for the node condition's message
 
 
 async def test_a_pod_name_that_is_no_kubernetes_name_never_reaches_a_request_path(api: ApiServerDouble,

@@ -135,3 +135,12 @@ async def test_an_admins_cordon_is_never_lifted_by_the_agent(harness: Harness):
     await harness.advance(601)
     assert our_taint(harness) is None
     assert harness.api.node["spec"]["unschedulable"] is True  # the admin's cordon stays
+
+
+async def test_condition_names_the_pods_holding_the_devices(harness: Harness):
+    service = await harness.start()
+    service.engine.pods_of = lambda devices: ["ml/trainer-0"] if "GPU-1" in devices else []
+    await harness.verdict(XID79)
+    condition = harness.api.condition("GpuUnhealthy")
+    assert condition["status"] == "True" and "GPU-1" in condition["message"]
+    assert condition["message"].endswith("(pods: ml/trainer-0)")

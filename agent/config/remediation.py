@@ -7,13 +7,54 @@ values that would make a 7,500-node fleet hammer the API server (a condition hea
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from agent.config.fields import PROJECT_DOMAIN, setting
 
 CLOUDS = ("azure", "gcp", "aws")
+DRAIN_MODES = ("Immediate", "AllowCompletion", "DeleteAfterTimeout")
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 UNCORDON_POLICIES = ("never", "non-hardware", "always")
 MIN_HEARTBEAT_SECONDS = 300.0
+
+
+def parse_selector(text: str) -> tuple[tuple[str, str], ...]:
+    """An equality label selector `k=v,k2=v2` (also `k==v`) as (key, value) pairs; ValueError names the bad part.
+
+    Only equality is accepted: a drain rule that silently matched more than the operator meant would evict the
+    wrong pods, so anything else (`!=`, `in (..)`, a bare key) is refused rather than guessed."""
+    pairs: list[tuple[str, str]] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        key, sep, value = part.replace("==", "=", 1).partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or key.endswith("!") or not _LABEL_KEY.match(key) or len(key) > 316 \
+                or not _LABEL_VALUE.match(value) or len(value) > 63:
+            raise ValueError(f"podSelector: {part!r} is not an equality requirement key=value")
+        pairs.append((key, value))
+    return tuple(pairs)
+
+
+@dataclass
+class DrainRule:
+    """One `remediation.drainModes` entry: which pods (namespaces and/or labels; empty = any) drain how."""
+
+    namespaces: list[str] = setting(factory=list, help="namespaces this rule covers (empty: every namespace)")
+    pod_selector: str = setting("", help="equality label selector k=v,k2=v2 (empty: every pod)")
+    mode: str = setting("Immediate", choices=DRAIN_MODES,
+                        help="Immediate (evict now), AllowCompletion (never evict; wait until the drain deadline), "
+                             "DeleteAfterTimeout (evict timeoutSeconds after the fault)")
+    timeout_seconds: float = setting(3600.0, help="DeleteAfterTimeout: seconds from the fault to the eviction; the "
+                                                  "most a pod's drain-timeout-seconds annotation may ask for")
+
+    def check(self) -> None:
+        """Refuse a rule the drainer could not apply as written."""
+        parse_selector(self.pod_selector)
+        if self.mode not in DRAIN_MODES:
+            raise ValueError(f"mode: {self.mode!r} not one of {', '.join(DRAIN_MODES)}")
 
 
 @dataclass
@@ -55,6 +96,14 @@ class RemediationConfig:
     drain_deadline_seconds: float = setting(
         3600.0, flag="--drain-deadline", env="GPU_NODE_AGENT_DRAIN_DEADLINE",
         help="seconds after which an unfinished drain stops and is reported")
+    drain_modes: list[DrainRule] = setting(
+        factory=list, help="per-workload drain modes, first match wins: namespaces, podSelector, mode, timeoutSeconds")
+    default_drain_mode: str = setting(
+        "Immediate", flag="--default-drain-mode", env="GPU_NODE_AGENT_DEFAULT_DRAIN_MODE", choices=DRAIN_MODES,
+        help="drain mode of a pod no drainModes rule matches")
+    default_drain_timeout_seconds: float = setting(
+        1800.0, flag="--default-drain-timeout", env="GPU_NODE_AGENT_DEFAULT_DRAIN_TIMEOUT",
+        help="DeleteAfterTimeout as defaultDrainMode: seconds from the fault to the eviction")
     eviction_backoff_seconds: float = setting(
         5.0, flag="--eviction-backoff", env="GPU_NODE_AGENT_EVICTION_BACKOFF",
         help="first wait after a 429 (PodDisruptionBudget) eviction refusal; doubles up to the maximum")
@@ -112,6 +161,15 @@ class RemediationConfig:
                      "eviction_backoff_seconds", "preflight_command_timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        timeouts = [(f"drainModes[{i}].timeoutSeconds", r.timeout_seconds) for i, r in enumerate(self.drain_modes)
+                    if r.mode == "DeleteAfterTimeout"]
+        if self.default_drain_mode == "DeleteAfterTimeout":
+            timeouts.append(("defaultDrainTimeoutSeconds", self.default_drain_timeout_seconds))
+        for name, timeout in timeouts:
+            if timeout >= self.drain_deadline_seconds:
+                raise ValueError(f"{name}: {timeout:.0f} is not under "
+                                 f"drainDeadlineSeconds ({self.drain_deadline_seconds:.0f}); the drain would stop "
+                                 f"before the eviction: raise drainDeadlineSeconds or lower the timeout")
         if self.uncordon_policy not in UNCORDON_POLICIES:
             raise ValueError(f"uncordonPolicy: {self.uncordon_policy!r} not one of {', '.join(UNCORDON_POLICIES)}")
 

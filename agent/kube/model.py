@@ -158,6 +158,15 @@ class PodView:
     uid: str = ""
     annotations: tuple[tuple[str, str], ...] = ()  # sorted (key, value) pairs
     containers: tuple[ContainerSpec, ...] = ()  # init containers first, then app containers, in spec order
+    labels: tuple[tuple[str, str], ...] = ()  # metadata.labels, sorted (a tuple keeps the view hashable)
+
+    def label(self, key: str) -> str | None:
+        """One metadata.labels value, or None."""
+        return dict(self.labels).get(key)
+
+    def annotation(self, key: str) -> str | None:
+        """One metadata.annotations value, or None."""
+        return dict(self.annotations).get(key)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -180,9 +189,16 @@ class PodView:
                    ips=ips, host_network=bool(spec.get("hostNetwork")),
                    resource_version=str(meta.get("resourceVersion") or ""), uid=str(meta.get("uid") or ""),
                    annotations=tuple(sorted((str(k), str(v)) for k, v in (meta.get("annotations") or {}).items())),
-
                    containers=tuple([ContainerSpec.from_dict(c, init=True) for c in spec.get("initContainers") or ()]
-                                    + [ContainerSpec.from_dict(c) for c in spec.get("containers") or ()]))
+                                    + [ContainerSpec.from_dict(c) for c in spec.get("containers") or ()]),
+                   labels=_string_pairs(meta.get("labels")))
+
+
+def _string_pairs(data: Any) -> tuple[tuple[str, str], ...]:
+    """A label map as sorted (key, value) pairs; non-string entries are dropped."""
+    if not isinstance(data, Mapping):
+        return ()
+    return tuple(sorted((k, v) for k, v in data.items() if isinstance(k, str) and isinstance(v, str)))
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@ whether the fault still calls for a drain (draino#50, #116 drained after the con
 200/201 evicted; 404 already gone; 429 a PDB (or API throttling) says not now: back off exponentially, honour
 Retry-After; 500 misconfiguration such as several PDBs on one pod: report (Warning Event) and keep trying at a
 slow pace, since a person may fix the PDBs. At the deadline it stops and reports what is left.
+
+Each pod is treated by its drain mode (`drainmodes`): evicted at once, at its time after the fault, or never
+(it is waited for); one Event on each pod says which mode applies and when it will be evicted.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from dataclasses import dataclass
 
 from agent.clock import Clock
 from agent.kube.errors import ApiError, ApiNotFound, ApiServerError, ApiTooManyRequests
-from agent.kube.model import PodView
+from agent.kube.model import ObjectRef, PodView
 from agent.kube.port import PodApi
+from agent.remediation.drainmodes import DrainPlanner, PodPlan
 from agent.remediation.events import WARNING, EventRecorder
 from agent.remediation.metrics import ActionCounter
 from agent.supervisor import Backoff
@@ -49,9 +53,12 @@ class Drainer:
     """One drain at a time; `run` returns when done, at the deadline, or when stopped."""
 
     def __init__(self, api: PodApi, clock: Clock, events: EventRecorder, actions: ActionCounter, *,
-                 own_pod: tuple[str, str], backoff_seconds: float = 5.0, backoff_max_seconds: float = 120.0,
+                 own_pod: tuple[str, str], planner: DrainPlanner, pod_events: EventRecorder | None = None,
+                 backoff_seconds: float = 5.0, backoff_max_seconds: float = 120.0,
                  blocked_retry_seconds: float = 300.0, dry_run: bool = False) -> None:
         self._api = api
+        self._planner = planner
+        self._pod_events = pod_events or events
         self._clock = clock
         self._events = events
         self._actions = actions
@@ -61,9 +68,12 @@ class Drainer:
         self._blocked_retry = blocked_retry_seconds
         self._dry_run = dry_run
 
-    async def run(self, stop: asyncio.Event, deadline: float, wanted: Callable[[], bool]) -> DrainResult:
-        """Evict until no evictable pod is left."""
+    async def run(self, stop: asyncio.Event, deadline: float, wanted: Callable[[], bool],
+                  fault_at: float | None = None) -> DrainResult:
+        """Evict until no evictable pod is left; drain-mode times count from `fault_at` (default: now)."""
         backoff = Backoff(self._backoff_initial, self._backoff_max)
+        fault = self._clock.now() if fault_at is None else fault_at
+        plans: dict[str, PodPlan] = {}  # by pod uid (or namespace/name): announced once per drain
         remaining: tuple[str, ...] = ()
         announced = False
         while not stop.is_set():
@@ -90,21 +100,42 @@ class Drainer:
             if not announced:
                 announced = True
                 await self._events.emit("Draining", f"evicting {len(todo)} pods: {_names(remaining)}")
+            due = []
+            for pod in todo:
+                plan = await self._plan(plans, pod, fault, deadline)
+                if plan.evict_at is not None and not pod.terminating:
+                    due.append((plan.evict_at, pod))
             if self._dry_run:
                 self._actions.count("drain", "dry_run")
                 return DrainResult("complete", remaining)
             wait = POLL_SECONDS
-            for pod in (p for p in todo if not p.terminating):
+            for evict_at, pod in due:
                 if stop.is_set() or not wanted() or self._clock.now() >= deadline:
                     break
+                if evict_at > self._clock.now():
+                    continue
                 outcome, pause = await self._evict(pod, backoff.delay)
                 if outcome == "ok":
                     backoff.reset()
                 elif outcome == "throttled":
                     backoff.next()  # the next refusal waits longer
                 wait = max(wait, pause)
+            later = [at - self._clock.now() for at, _pod in due if at > self._clock.now()]
+            if later:  # wake for the next scheduled eviction, not a poll later
+                wait = min(wait, *later)
             await self._clock.wait(stop, max(0.0, min(wait, deadline - self._clock.now())))
         return DrainResult("stopped", remaining)
+
+    async def _plan(self, plans: dict[str, PodPlan], pod: PodView, fault: float, deadline: float) -> PodPlan:
+        """The pod's drain plan, announced by an Event on the pod the first time it is seen in this drain."""
+        key = pod.uid or f"{pod.namespace}/{pod.name}"
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = self._planner.plan(pod, fault)
+            self._actions.count("drain_mode", plan.mode)
+            await self._pod_events.emit("DrainScheduled", plan.describe(deadline),
+                                        involved=ObjectRef("Pod", pod.namespace, pod.name, pod.uid))
+        return plan
 
     async def _evict(self, pod: PodView, backoff: float) -> tuple[str, float]:
         """Evict one pod: (outcome, seconds to wait before the next round)."""

@@ -261,7 +261,8 @@ class Engine:
                 {self.keys.drain: "running", self.keys.drain_started: format_time(started)}))
         self._drain_stop = asyncio.Event()
         deadline = started + self.config.drain_deadline_seconds
-        self._drain_task = asyncio.create_task(self.drainer.run(self._drain_stop, deadline, self._drain_wanted),
+        self._drain_task = asyncio.create_task(self.drainer.run(self._drain_stop, deadline, self._drain_wanted,
+                                                                 started),
                                                name="remediation-drain")
         self._drain_task.add_done_callback(lambda _task: self._wake())
 

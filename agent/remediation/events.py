@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from agent.clock import Clock
 from agent.kube.errors import ApiError, ApiNotFound
-from agent.kube.model import EventRecord
+from agent.kube.model import EventRecord, ObjectRef
 from agent.kube.port import EventApi
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class EventRecorder:
         self._refill = refill_seconds
         self._tokens = float(burst)
         self._tokens_at = clock.now()
-        self._seen: OrderedDict[tuple[str, str], _Seen] = OrderedDict()
+        self._seen: OrderedDict[tuple[str, str, ObjectRef | None], _Seen] = OrderedDict()
         self.dropped = 0
 
     def _take_token(self, now: float) -> bool:
@@ -56,14 +56,15 @@ class EventRecorder:
         self._tokens -= 1.0
         return True
 
-    async def emit(self, reason: str, message: str, type: str = NORMAL) -> None:
-        """Record one decision as an Event (logged always; sent unless folded or rate-limited)."""
+    async def emit(self, reason: str, message: str, type: str = NORMAL, involved: ObjectRef | None = None) -> None:
+        """Record one decision as an Event about the Node, or about `involved` (a Pod); logged always, sent unless
+        folded or rate-limited."""
         if self._dry_run:
             message = f"[dry-run] {message}"
         log.log(logging.WARNING if type == WARNING else logging.INFO, "event %s: %s", reason, message,
                 extra={"reason": reason, "event_type": type})
         now = self._clock.now()
-        key = (reason, message)
+        key = (reason, message, involved)
         seen = self._seen.get(key)
         if seen is not None and now - seen.sent_at < self._aggregate:
             seen.pending += 1
@@ -75,9 +76,10 @@ class EventRecorder:
             return
         if seen is not None:
             old = seen.record
-            record = EventRecord(reason, message, type, old.name, old.count + seen.pending + 1, old.first_time, now)
+            record = EventRecord(reason, message, type, old.name, old.count + seen.pending + 1, old.first_time, now,
+                                 involved)
         else:
-            record = EventRecord(reason, message, type, first_time=now, last_time=now)
+            record = EventRecord(reason, message, type, first_time=now, last_time=now, involved=involved)
         try:
             try:
                 written = await self._api.write_event(record)
@@ -85,7 +87,7 @@ class EventRecorder:
                 if not record.name:
                     raise
                 written = await self._api.write_event(EventRecord(reason, message, type, first_time=now,
-                                                                  last_time=now))
+                                                                  last_time=now, involved=involved))
         except ApiError as exc:
             log.warning("event %s not recorded: %s", reason, exc)
             return

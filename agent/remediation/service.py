@@ -25,6 +25,7 @@ from agent.kube.port import Cluster
 from agent.kube.reflector import MAX_BACKOFF, Reflector
 from agent.remediation.actions import NodeActions
 from agent.remediation.drain import Drainer
+from agent.remediation.drainmodes import DrainPlanner
 from agent.remediation.engine import Engine, Inputs
 from agent.remediation.events import EventRecorder
 from agent.remediation.maintenance import Fetch, MaintenanceWatcher, urllib_fetch
@@ -37,6 +38,7 @@ from agent.supervisor import Backoff, RunFn, Supervisor
 log = logging.getLogger(__name__)
 
 MAX_IDLE = 3600.0
+POD_EVENT_BURST = 110  # one DrainScheduled Event per pod: the kubelet admits at most 110 pods per node by default
 # The node watch retries sooner than writes do: one cheap GET per node per minute at worst, and its first answer
 # after an outage wakes the reconcile loop, so a pending cordon waits at most about this long once the API is back.
 WATCH_MAX_BACKOFF = 60.0
@@ -80,7 +82,11 @@ class RemediationService:
         self.slots = Slots(cluster, self.clock, self.counter, namespace=config.lease_namespace(),
                            count=config.slots, holder=node_name, lease_seconds=config.slot_lease_seconds,
                            label=f"{config.prefix}/remediation-slot", dry_run=dry)
+        # pod Events (one per pod per drain, only while draining) have their own bucket so that a node full of
+        # pods cannot starve the node's own Events
+        self.pod_events = EventRecorder(cluster, self.clock, dry_run=dry, burst=POD_EVENT_BURST)
         drainer = Drainer(cluster, self.clock, self.events, self.counter, own_pod=(pod_namespace, pod_name),
+                          planner=DrainPlanner(config), pod_events=self.pod_events,
                           backoff_seconds=config.eviction_backoff_seconds,
                           backoff_max_seconds=config.eviction_backoff_max_seconds,
                           blocked_retry_seconds=config.eviction_blocked_retry_seconds, dry_run=dry)

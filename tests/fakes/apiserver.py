@@ -83,14 +83,19 @@ class ApiServerDouble(EventsAndLeases, ResourceApi, HttpDouble):
     def add_pod(self, namespace: str, name: str, *, owner: str = "ReplicaSet", mirror: bool = False,
                 phase: str = "Running", node: str | None = None, ips: tuple[str, ...] = (),
                 host_network: bool = False, containers: list[dict[str, Any]] | None = None,
-                init_containers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                init_containers: list[dict[str, Any]] | None = None, labels: dict[str, str] | None = None,
+                annotations: dict[str, str] | None = None) -> dict[str, Any]:
         """Create (ADDED) or replace (MODIFIED) a pod, by default on the double's node; `containers` are
         spec.containers entries (name, resources), e.g. from `container_spec`."""
         meta: dict[str, Any] = {"name": name, "namespace": namespace, "uid": f"uid-{namespace}-{name}",
                                 "ownerReferences": [{"kind": owner, "name": "x", "apiVersion": "v1", "uid": "o"}]
                                 if owner else []}
+        if labels:
+            meta["labels"] = dict(labels)
+        if annotations or mirror:
+            meta["annotations"] = dict(annotations or {})
         if mirror:
-            meta["annotations"] = {"kubernetes.io/config.mirror": "abc"}
+            meta["annotations"]["kubernetes.io/config.mirror"] = "abc"
         spec: dict[str, Any] = {"nodeName": node or self.node_name, "containers": containers or []}
         if init_containers:
             spec["initContainers"] = init_containers

@@ -108,6 +108,7 @@ class TcState:
     devices: dict[int, DeviceShaping] = field(default_factory=dict)
     ifbs: dict[str, IfbState] = field(default_factory=dict)
     counters: dict[int, ShaperCounters] = field(default_factory=dict)  # by ifindex (pod interface or IFB)
+    foreign: dict[int, str] = field(default_factory=dict)  # interfaces with another tc owner and none of ours
 
 
 def exemptions(networks: Iterable[Network], *, source: bool) -> tuple[Exemption, ...]:
@@ -152,7 +153,10 @@ class TcPort(Protocol):
         """The interface with this index, None if gone."""
 
     def read(self) -> TcState:
-        """Our objects everywhere in the namespace, with their leaf counters."""
+        """Our objects everywhere in the namespace, with their leaf counters, and the interfaces others own."""
+
+    def counters(self) -> dict[int, ShaperCounters]:
+        """Leaf counters of every shaper, by ifindex (one cheap read, for scrapes)."""
 
     def device(self, index: int) -> DeviceShaping:
         """One interface's shaping objects, foreign owners included."""

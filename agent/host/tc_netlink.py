@@ -6,6 +6,7 @@ Read-back: pyroute2 0.9 decodes the keys of `TCA_U32_SEL` from the wrong offset 
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
 import struct
@@ -194,14 +195,20 @@ class NetlinkTc:
 
     def device(self, index: int) -> DeviceShaping:
         """One interface's shaping objects, foreign owners included."""
-        return self._describe(index, list(self._ipr.get_qdiscs(index=index)))
+        return self._describe(index, self._dump().get(index, []))
 
-    def read(self) -> TcState:
-        """One qdisc dump of the namespace, then per-interface detail only where something of ours is."""
+    def _dump(self) -> dict[int, list[Any]]:
+        """Every qdisc of the namespace by ifindex: one request (the kernel dumps all devices' qdiscs whatever
+        index is asked for, so per-device qdisc reads would cost a full dump each)."""
         by_index: dict[int, list[Any]] = {}
         for q in self._ipr.get_qdiscs():
             by_index.setdefault(int(q["index"]), []).append(q)
-        state = TcState()
+        return by_index
+
+    def read(self) -> TcState:
+        """One qdisc dump and one link dump, then per-interface detail only where a root or hook is not default."""
+        by_index = self._dump()
+        state = TcState(counters=self._leaf_counters(by_index))
         raw = list(self._ipr.get_links())
         links = {link.index: link for link in map(self._link, raw)}
         flags = {int(msg["index"]): int(msg["flags"]) for msg in raw}
@@ -217,21 +224,31 @@ class NetlinkTc:
             found = links.get(index)
             if found is None or found.kind == "ifb":
                 continue
-            ours_root = any(q["handle"] == ROOT and q["parent"] == 0xFFFFFFFF for q in qdiscs)
+            root = next((q for q in qdiscs if q["parent"] == 0xFFFFFFFF), None)
             hook = any(q["parent"] == 0xFFFFFFF1 for q in qdiscs)
-            if ours_root or hook:
+            if hook or (root is not None and (root["handle"] == ROOT or _kind(root) not in DEFAULT_ROOTS)):
                 shaping = self._describe(index, qdiscs)
                 if shaping.download_bps is not None or shaping.upload_ifb is not None or shaping.upload_exempt:
                     state.devices[index] = shaping
+                elif shaping.foreign:
+                    state.foreign[index] = shaping.foreign
+        return state
+
+    def _leaf_counters(self, by_index: dict[int, list[Any]]) -> dict[int, ShaperCounters]:
+        out: dict[int, ShaperCounters] = {}
         for index, qdiscs in by_index.items():
             for q in qdiscs:
                 if q["handle"] == LEAF and q["parent"] == LIMITED:
                     stats = q.get_attr("TCA_STATS2")
                     basic = stats.get_attr("TCA_STATS_BASIC") if stats else None
                     queue = stats.get_attr("TCA_STATS_QUEUE") if stats else None
-                    state.counters[index] = ShaperCounters(int(basic["bytes"]) if basic else 0,
-                                                           int(queue["drops"]) if queue else 0)
-        return state
+                    out[index] = ShaperCounters(int(basic["bytes"]) if basic else 0,
+                                                int(queue["drops"]) if queue else 0)
+        return out
+
+    def counters(self) -> dict[int, ShaperCounters]:
+        """Leaf counters from one qdisc dump."""
+        return self._leaf_counters(self._dump())
 
     # -- changing ----------------------------------------------------------------------------------------------
 
@@ -268,10 +285,15 @@ class NetlinkTc:
                    limit=queue_bytes(rate_bps))
 
     def unshape_download(self, index: int) -> None:
-        """Remove our HTB root (and everything under it); a foreign root is left alone."""
-        root = next((q for q in self._ipr.get_qdiscs(index=index) if q["parent"] == 0xFFFFFFFF), None)
-        if root is not None and root["handle"] == ROOT:
-            self._call("HTB root removal", "del", "htb", index=index, handle=ROOT, parent=0xFFFFFFFF)
+        """Remove our HTB root (and everything under it). The request names our handle, so the kernel refuses it
+        for a root that is not ours (EINVAL) and there is none to remove (ENOENT): both mean nothing of ours."""
+        from pyroute2.netlink.exceptions import NetlinkError
+
+        try:
+            self._ipr.tc("del", "htb", index=index, handle=ROOT, parent=0xFFFFFFFF)
+        except NetlinkError as exc:
+            if exc.code not in (errno.ENOENT, errno.EINVAL):
+                raise TcError(f"HTB root removal: {exc}") from exc
 
     def ensure_ifb(self, name: str, rate_bps: int) -> int:
         """Create, bring up (txqueuelen 1000: a new IFB has 32) and shape the IFB; its index."""
@@ -288,7 +310,7 @@ class NetlinkTc:
             self._ipr.link("set", index=index, state="up", txqlen=1000)
         except NetlinkError as exc:
             raise TcError(f"IFB {name}: {exc}") from exc
-        current = self._rate(index) if any(q["handle"] == ROOT for q in self._ipr.get_qdiscs(index=index)) else None
+        current = self._rate(index)  # our limited class exists only under our root
         if current is None:
             self.unshape_download(index)
             self._install_htb(index, rate_bps)
@@ -298,29 +320,42 @@ class NetlinkTc:
 
     def shape_upload(self, index: int, ifb_index: int, exempt: Sequence[Exemption]) -> None:
         """clsact on the interface; exemptions first (no action: the packet goes on), then the redirect."""
-        self.unshape_upload(index)
-        if not any(q["parent"] == 0xFFFFFFF1 for q in self._ipr.get_qdiscs(index=index)):
-            self._call("clsact", "add", "clsact", index=index)
+        from pyroute2.netlink.exceptions import NetlinkError
+
+        self._remove_our_filters(index)
+        try:
+            self._ipr.tc("add", "clsact", index=index)
+        except NetlinkError as exc:
+            if exc.code != errno.EEXIST:  # already there (ours; a foreign hook was ruled out by the caller)
+                raise TcError(f"clsact: {exc}") from exc
         # The classid of a clsact filter selects nothing; pyroute2 requires one, so it is our root's handle.
         self._add_exemptions(index, CLSACT_INGRESS, exempt, ROOT)
         self._call("upload redirect", "add-filter", "u32", index=index, parent=CLSACT_INGRESS, prio=PRIO_REDIRECT,
                    protocol=ETH_P_ALL, target=ROOT, keys=["0x0/0x0+0"],
                    action={"kind": "mirred", "direction": "egress", "action": "redirect", "ifindex": ifb_index})
 
-    def unshape_upload(self, index: int) -> None:
-        """Delete our priorities from the ingress hook; the hook itself only when nothing else is on it."""
-        hook = next((q for q in self._ipr.get_qdiscs(index=index) if q["parent"] == 0xFFFFFFF1), None)
-        if hook is None:
-            return
-        filters = self._filters(index, CLSACT_INGRESS)
-        prios = {f["info"] >> 16 for f in filters}
-        # the redirect first: an exemption-less moment is harmless, a redirect without exemptions is not
+    def _remove_our_filters(self, index: int) -> set[int]:
+        """Delete our priorities from the ingress hook (the redirect first: an exemption-less moment is harmless,
+        a redirect without exemptions is not); the priorities left, which are someone else's."""
+        prios = {f["info"] >> 16 for f in self._filters(index, CLSACT_INGRESS)}
         for prio in sorted(prios & set(OUR_PRIOS), reverse=True):
             protocol = ETH_P_ALL if prio == PRIO_REDIRECT else ETH_P_IP if prio == PRIO_V4 else ETH_P_IPV6
             self._call("ingress filter removal", "del-filter", "u32", index=index, parent=CLSACT_INGRESS, prio=prio,
                        target=ROOT, protocol=protocol)
-        if not prios - set(OUR_PRIOS) and _kind(hook) == "clsact":
-            self._call("clsact removal", "del", "clsact", index=index)
+        return prios - set(OUR_PRIOS)
+
+    def unshape_upload(self, index: int) -> None:
+        """Delete our filters; the clsact hook too when nothing else is on it (by kind: an `ingress` qdisc is
+        never removed)."""
+        from pyroute2.netlink.exceptions import NetlinkError
+
+        if self._remove_our_filters(index):
+            return
+        try:
+            self._ipr.tc("del", "clsact", index=index)
+        except NetlinkError as exc:
+            if exc.code not in (errno.ENOENT, errno.EINVAL):
+                raise TcError(f"clsact removal: {exc}") from exc
 
     def delete_ifb(self, name: str) -> None:
         """Delete one of our IFBs by name."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from agent.host.tc import IFB_NAME, DeviceShaping, Exemption, IfbState, Link, ShaperCounters, TcError, TcPort, TcState
@@ -132,10 +132,16 @@ class SimulatedTc:
                     state.ifbs[device.link.name] = IfbState(device.link.name, index, rate, rate is not None,
                                                             device.up)
             elif device.download or device.upload:
-                state.devices[index] = replace(self.device(index), foreign="")
+                state.devices[index] = self.device(index)
+            elif device.foreign_root or device.foreign_hook:
+                state.foreign[index] = self.device(index).foreign
             if device.download:
                 state.counters[index] = device.counters
         return state
+
+    def counters(self) -> dict[int, ShaperCounters]:
+        """Leaf counters by ifindex."""
+        return self.read().counters
 
     def shape_download(self, index: int, rate_bps: int, exempt: Sequence[Exemption]) -> None:
         """Replace our download shaper."""

@@ -52,6 +52,7 @@ class SyncReport:
     pods: dict[PodKey, PodShaping] = field(default_factory=dict)
     problems: dict[PodKey, tuple[Pod, tuple[Problem, ...]]] = field(default_factory=dict)
     removed: list[str] = field(default_factory=list)
+    ifb_index: dict[str, int] = field(default_factory=dict)  # our IFBs after the sync (for counter reads)
 
     def count(self, state: str) -> int:
         """Pods in `state`."""
@@ -79,6 +80,7 @@ class Shaper:
         self.sync_failures = 0
         self._lock = threading.Lock()
         self._reported: set[tuple[PodKey, str]] = set()  # conflicts already logged
+        self._ifbs: dict[str, int] = {}  # IFB name -> index, as this sync left them
 
     def close(self) -> None:
         """Release the port (shapers stay)."""
@@ -125,6 +127,7 @@ class Shaper:
 
     def _sync(self, pods: Sequence[Pod]) -> SyncReport:
         report = SyncReport()
+        self._ifbs = {}
         wanted = self._wanted(pods, report)
         state = self.port.read()
         needed_ifbs = {ifb_name(pod) for pod, limits in wanted.values() if limits.egress is not None}
@@ -154,6 +157,7 @@ class Shaper:
             except TcError as exc:
                 report.pods[key] = PodShaping(limits, "error", str(exc), index)
                 log.warning("shaping: pod %s/%s on interface %d: %s; retrying", pod.namespace, pod.name, index, exc)
+        report.ifb_index = self._ifbs
         for key, shaping in report.pods.items():
             if shaping.state == "conflict" and (key, shaping.detail) not in self._reported:
                 self._reported.add((key, shaping.detail))
@@ -163,7 +167,7 @@ class Shaper:
         return report
 
     def _shape(self, index: int, pod: Pod, limits: Limits, state: TcState) -> None:
-        current = state.devices.get(index) or self.port.device(index)
+        current = state.devices.get(index) or DeviceShaping(foreign=state.foreign.get(index, ""))
         if current.foreign:
             raise TcError(f"interface {index} has another owner: {current.foreign}")
         down_exempt = frozenset(self.download_exempt)
@@ -190,6 +194,7 @@ class Shaper:
             log.info("shaping: pod %s/%s uploads limited to %d bit/s (%s)", pod.namespace, pod.name, rate, name)
         else:
             ifb_index = ifb.index
+        self._ifbs[name] = ifb_index
         if current.upload_ifb != ifb_index or current.upload_exempt != frozenset(self.upload_exempt):
             self.port.shape_upload(index, ifb_index, self.upload_exempt)
 
@@ -201,15 +206,15 @@ class Shaper:
             shaped = {k: p for k, p in self.last.pods.items() if p.state == "shaped"}
             if not shaped:
                 return {}
-            state = self.port.read()
+            leaves = self.port.counters()
         out: dict[PodKey, PodCounters] = {}
         for key, shaping in shaped.items():
             counters: dict[str, ShaperCounters] = {}
-            if shaping.limits.ingress is not None and shaping.index in state.counters:
-                counters["ingress"] = state.counters[shaping.index]
-            ifb = state.ifbs.get(shaping.ifb)
-            if shaping.limits.egress is not None and ifb is not None and ifb.index in state.counters:
-                counters["egress"] = state.counters[ifb.index]
+            if shaping.limits.ingress is not None and shaping.index in leaves:
+                counters["ingress"] = leaves[shaping.index]
+            ifb = self.last.ifb_index.get(shaping.ifb)
+            if shaping.limits.egress is not None and ifb in leaves:
+                counters["egress"] = leaves[ifb]
             out[key] = PodCounters(shaping.limits, counters)
         return out
 

@@ -4,7 +4,8 @@ Writes the dgx-h100 profile as a sysfs tree, gives each RDMA PF a second port (a
 dual-port ConnectX), and times what the agent does every `--nic-counter-interval`: `NicSysfs.read_pass` (port
 state, rate and the judged counters of every port; link width/speed and AER of every GPU and PF and of the
 bridges above them) plus `CounterJudge.judge`. A counter grows on one port each trial, so the judge has work.
-The files are in tmpfs-like page cache here; on a node each IB counter read is a MAD to the HCA, slower.
+Files stay open between passes (`OpenFiles`: one `pread` per file). The tree here is plain files; on a node
+each IB counter read is a MAD to the HCA, which costs more than the syscall.
 
     python bench/nic_counter_pass.py --trials 2000
 """

@@ -87,10 +87,13 @@ class NicWatcher:
             self.first_pass.set()
             return
         await asyncio.to_thread(self.load)
-        while not stop.is_set():
-            await self.check_once()
-            self.first_pass.set()
-            await aio.sleep_or_stop(stop, self.config.nic_counter_interval_seconds)
+        try:
+            while not stop.is_set():
+                await self.check_once()
+                self.first_pass.set()
+                await aio.sleep_or_stop(stop, self.config.nic_counter_interval_seconds)
+        finally:
+            self.sysfs.close()  # the files kept open between passes (a restart opens them again)
 
     async def check_once(self) -> None:
         """One pass: read, judge, publish findings, save the counters."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +83,61 @@ def _read(path: str) -> str | None:
         os.close(fd)
 
 
+class OpenFiles:
+    """Sysfs files kept open between passes and re-read with one `pread` at offset 0.
+
+    A sysfs attribute regenerates its text on every read from offset 0, and opening it (the path walk) costs
+    about 30 times the read, so a pass keeps its files open. A file that went away is noticed either way: sysfs
+    answers ENODEV for a removed device, and a plain file (a simulated tree) shows no links left after an unlink;
+    both are closed and opened again by path, which then fails. At most `limit` files are kept (fds are a
+    process-wide budget); beyond that a read opens and closes.
+    """
+
+    def __init__(self, limit: int | None = None) -> None:
+        if limit is None:
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            limit = max(0, min(2048, soft // 4)) if soft != resource.RLIM_INFINITY else 2048
+        self.limit = limit
+        self._fds: dict[str, int] = {}
+
+    def read(self, path: str) -> str | None:
+        """The file's text now, or None when it cannot be read."""
+        fd = self._fds.get(path)
+        if fd is not None:
+            try:
+                if os.fstat(fd).st_nlink > 0:
+                    return os.pread(fd, 4096, 0).decode("ascii", "replace")
+            except OSError:
+                pass
+            self._drop(path)
+        if len(self._fds) >= self.limit:
+            return _read(path)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            text = os.pread(fd, 4096, 0).decode("ascii", "replace")
+        except OSError:
+            os.close(fd)
+            return None
+        self._fds[path] = fd
+        return text
+
+    def _drop(self, path: str) -> None:
+        fd = self._fds.pop(path, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Close every kept file."""
+        for path in list(self._fds):
+            self._drop(path)
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+
 def _int(text: str | None) -> int | None:
     if text is None:
         return None
@@ -126,6 +182,11 @@ class NicSysfs:
         self._ports: dict[str, tuple[int, ...]] = {}
         self._upstream: dict[str, tuple[str, ...]] = {}
         self._link_layer: dict[tuple[str, int], str] = {}
+        self.files = OpenFiles()
+
+    def close(self) -> None:
+        """Close the files kept open between passes."""
+        self.files.close()
 
     def ports(self, device: str) -> tuple[int, ...]:
         """Port numbers of an RDMA device (cached; () when it has none or is gone)."""
@@ -165,16 +226,16 @@ class NicSysfs:
     def read_port(self, device: str, port: int) -> tuple[PortReading | None, str]:
         """One port's state and counters; (None, why) when its state cannot be read."""
         base = f"{self.root}/class/infiniband/{device}/ports/{port}"
-        state = _read(f"{base}/state")
+        state = self.files.read(f"{base}/state")
         if state is None:
             self._counter_files.pop((device, port), None)
             self._ports.pop(device, None)
             return None, f"cannot read {base}/state"
-        rate = _RATE.match(_read(f"{base}/rate") or "")
+        rate = _RATE.match(self.files.read(f"{base}/rate") or "")
         counters: dict[str, int] = {}
         files = self._files(device, port)
         for name, path in files:
-            value = _int(_read(path))
+            value = _int(self.files.read(path))
             if value is not None:
                 counters[name] = value
         if files and not counters:
@@ -182,27 +243,28 @@ class NicSysfs:
             return None, f"cannot read the counters under {base}"
         name = _state_name(state).upper()
         if (device, port) not in self._link_layer:  # fixed for the port's life; the others change
-            self._link_layer[(device, port)] = (_read(f"{base}/link_layer") or "").strip()
-        physical = "LinkUp" if name == "ACTIVE" else _state_name(_read(f"{base}/phys_state"))  # ACTIVE needs LinkUp
+            self._link_layer[(device, port)] = (self.files.read(f"{base}/link_layer") or "").strip()
+        physical = "LinkUp" if name == "ACTIVE" else _state_name(self.files.read(f"{base}/phys_state"))
         return PortReading(device, port, name, physical, float(rate.group(1)) if rate else None,
                            self._link_layer[(device, port)], counters), ""
 
     def read_link(self, bus_id: str, speed: bool = True) -> PcieLink | None:
         """Link width (and speed) of a function; None when its directory is gone."""
         base = f"{self.root}/bus/pci/devices/{bus_id}"
-        width = _read(f"{base}/current_link_width")
+        width = self.files.read(f"{base}/current_link_width")
         if width is None and not os.path.isdir(base):
             return None
         if not speed:
-            return PcieLink(bus_id, _int(width), _int(_read(f"{base}/max_link_width")))
-        return PcieLink(bus_id, _int(width), _int(_read(f"{base}/max_link_width")),
-                        _speed(_read(f"{base}/current_link_speed")), _speed(_read(f"{base}/max_link_speed")))
+            return PcieLink(bus_id, _int(width), _int(self.files.read(f"{base}/max_link_width")))
+        read = self.files.read
+        return PcieLink(bus_id, _int(width), _int(read(f"{base}/max_link_width")),
+                        _speed(read(f"{base}/current_link_speed")), _speed(read(f"{base}/max_link_speed")))
 
     def read_aer(self, bus_id: str) -> dict[str, int]:
         """TOTAL_ERR_* per kind; {} when AER files are absent (AER off, firmware-first)."""
         found: dict[str, int] = {}
         for kind in AER_KINDS:
-            text = _read(f"{self.root}/bus/pci/devices/{bus_id}/aer_dev_{kind}")
+            text = self.files.read(f"{self.root}/bus/pci/devices/{bus_id}/aer_dev_{kind}")
             value = parse_aer(text, kind) if text is not None else None
             if value is not None:
                 found[kind] = value

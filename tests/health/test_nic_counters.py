@@ -232,11 +232,11 @@ async def test_unreadable_counters_make_that_nic_unhealthy_until_they_read_again
     running = await start_service(node, _nic_config(kmsg_file, nic_hold_seconds=0))
     nic = node.topology().rdma_nics[1]
     state = _port_dir(node.sysfs_root, nic.rdma or "") / "state"
-    state.rename(state.with_name("state.away"))
+    state.unlink()  # a removed file (sysfs: a removed device answers ENODEV) even to a reader that kept it open
     get = running.registry.get_sample_value
     await until(lambda: get("gpu_node_agent_health_check_up", {"check": "nic_counters"}) == 0)
     await until(lambda: all(running.health().get(vf) is False for vf in _vfs(nic)))
-    state.with_name("state.away").rename(state)
+    state.write_text("4: ACTIVE\n")
     await until(lambda: get("gpu_node_agent_health_check_up", {"check": "nic_counters"}) == 1)
     await until(lambda: all(running.health().get(vf) is True for vf in _vfs(nic)))
 
@@ -280,3 +280,22 @@ async def test_gpudirect_rdma_module_missing_is_a_degraded_finding(writable_node
     assert running.service.verdict.verdict == "degraded" and "nvidia_peermem" in running.service.verdict.message
     (node.sysfs_root / "module" / "gdrdrv").mkdir()  # GDRCopy's module is enough
     await until(lambda: running.service.verdict.verdict == "healthy")
+
+
+def test_open_files_are_reread_and_notice_removal(tmp_path: Path) -> None:
+    from agent.host.nic_sysfs import OpenFiles
+
+    path = tmp_path / "link_downed"
+    path.write_text("1\n")
+    files = OpenFiles(limit=4)
+    assert files.read(str(path)) == "1\n" and len(files) == 1
+    path.write_text("2\n")  # rewritten in place: the kept file reads the new text
+    assert files.read(str(path)) == "2\n"
+    path.unlink()
+    assert files.read(str(path)) is None and len(files) == 0
+    path.write_text("3\n")
+    assert files.read(str(path)) == "3\n"
+    full = OpenFiles(limit=0)  # no budget: open, read, close
+    assert full.read(str(path)) == "3\n" and len(full) == 0
+    files.close()
+    assert len(files) == 0

@@ -71,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
                                        "(stop the agent first)")
 
     dump = sub.add_parser("config", help="print the effective configuration as YAML")
+    dump.add_argument("--actions", action="store_true",
+                      help="print the effective action table instead (every Xid and check, defaults + overrides)")
     config.add_flags(dump)
     return parser
 
@@ -163,8 +165,23 @@ def _cmd_config(args: argparse.Namespace) -> int:
         for warning in read.warnings:
             print(f"gpu-node-agent config: warning: {plugin.sriov_dp_config}: {warning}", file=sys.stderr)
         cfg = dataclasses.replace(cfg, device_plugin=dataclasses.replace(plugin, pools=list(read.pools)))
+    if getattr(args, "actions", False):
+        print(yaml.safe_dump(_action_table(cfg), sort_keys=False), end="")
+        return 0
     print(yaml.safe_dump(config.to_mapping(cfg), sort_keys=False), end="")
     return 0
+
+
+def _action_table(cfg: config.AgentConfig) -> dict[str, object]:
+    """What each check does on this node once config is applied (what `xidActions` and the *Action settings
+    change), so an operator sees the result of the overrides rather than reading the catalog."""
+    from agent.health.xid import UNKNOWN_XID_ACTION, XidPolicy, action_word
+
+    health = cfg.health
+    return {"xidActions": XidPolicy(health.xid_action_overrides()).table(),
+            "unknownXid": action_word(UNKNOWN_XID_ACTION),
+            "checks": {"linkDownAction": health.link_down_action,
+                       "dcgmLinkErrorAction": health.dcgm_link_error_action}}
 
 
 def _cmd_netacct(args: argparse.Namespace) -> int:

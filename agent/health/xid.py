@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from agent.health.findings import GpuRef
-from agent.signals import Severity
+from agent.signals import XID_NONE, Severity
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,11 @@ HARDWARE_BUCKETS = frozenset({"RESTART_BM", "WORKFLOW_XID_48", "WORKFLOW_NVLINK_
 UNKNOWN_XID_ACTION = Severity.DEGRADED  # visible, never disruptive: override it once you know the code
 
 
+def action_word(action: Severity) -> str:
+    """How an Xid action is spelled in overrides: `none` for healthy, else the severity's word."""
+    return XID_NONE if action is Severity.HEALTHY else action.value
+
+
 class XidPolicy:
     """The catalog plus the operator's overrides: what to do about each code."""
 
@@ -106,6 +111,17 @@ class XidPolicy:
             return self._overrides[code]
         info = CATALOG.get(code)
         return UNKNOWN_XID_ACTION if info is None else BUCKET_ACTIONS.get(info.bucket, UNKNOWN_XID_ACTION)
+
+    def table(self) -> list[dict[str, str | int]]:
+        """The effective action of every catalogued or overridden code, with where it comes from."""
+        rows: list[dict[str, str | int]] = []
+        for code in sorted(set(CATALOG) | set(self._overrides)):
+            info = CATALOG.get(code)
+            source = "override" if code in self._overrides else f"catalog {info.bucket}" if info else "default"
+            action = self.action(code)
+            rows.append({"xid": code, "name": info.mnemonic if info else "", "action": action_word(action),
+                         "source": source})
+        return rows
 
     @staticmethod
     def is_hardware(code: int) -> bool:

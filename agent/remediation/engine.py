@@ -86,6 +86,7 @@ class Engine:
         self.deferred_until: float | None = None
         self._drain_task: asyncio.Task[DrainResult] | None = None
         self._drain_stop = asyncio.Event()
+        self._had_verdict = False  # a verdict was seen in this process (None after one means every source cleared)
         self._said: set[tuple[str, str]] = set()  # (what, reason) already announced, to avoid repeating Events
 
     def recorded(self) -> Recorded:
@@ -249,6 +250,7 @@ class Engine:
 
     async def _condition(self, verdict: NodeVerdict | None) -> None:
         pre = self.inputs.preflight
+        self._had_verdict = self._had_verdict or verdict is not None
         before = self.actions.condition()
         was_problem = before is not None and before.status == "True"
         latched = self.actions.node.annotations.get(self.latch_keys.latched)
@@ -261,6 +263,10 @@ class Engine:
             current = self.actions.condition()
             if pre.passed and current is not None and current.reason == "PreflightFailed":
                 await self.actions.ensure_condition(False, "PreflightPassed", "preflight checks passed")
+            elif self._had_verdict and current is not None and current.status == "True":
+                # every source that had a verdict withdrew it (a maintenance notice ended, with no health
+                # subsystem running): a condition left True would start NHC/Karpenter repair clocks
+                await self.actions.ensure_condition(False, "Cleared", "no source reports a problem any more")
         elif verdict.severity >= Severity.DEGRADED:
             deferred = "RemediationDeferred (no free slot): " if self.deferred_until is not None else ""
             message = deferred + verdict.describe() + self._pods(verdict)

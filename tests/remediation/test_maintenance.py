@@ -201,3 +201,17 @@ async def test_a_scheduled_event_cordons_then_drains_ahead_of_not_before(harness
     await harness.settle()
     await harness.advance(600)
     await harness.until(lambda: not harness.api.node["spec"].get("unschedulable"), "uncordoned after maintenance")
+
+
+async def test_a_maintenance_only_condition_returns_to_false_when_the_notice_ends(harness: Harness, metadata):
+    meta, url = metadata
+    meta.gcp = "TERMINATE_ON_HOST_MAINTENANCE"
+    await harness.start(make_config(maintenance_clouds=["gcp"], maintenance_base_url=url,
+                                    maintenance_poll_seconds=60))  # no health verdict at all: maintenance only
+    await harness.advance(60)
+    await harness.until(lambda: (harness.api.condition("GpuUnhealthy") or {}).get("status") == "True",
+                        "maintenance condition")
+    meta.gcp = "NONE"
+    await harness.advance(60)
+    await harness.until(lambda: harness.api.condition("GpuUnhealthy")["status"] == "False", "condition cleared")
+    assert harness.api.condition("GpuUnhealthy")["reason"] == "Cleared"

@@ -57,6 +57,7 @@ AGENT_METRICS: dict[str, str] = {
     "gpu_node_agent_devices_not_served": "gauge {reason}: devices found but not advertised",
     "gpu_node_agent_preferred_allocation_failures_total": "counter {resource}",
     "gpu_node_agent_remediation_actions_total": "counter {action,result}",
+    "gpu_node_agent_remediation_latched": "gauge: 1 while NeedsHumanAttention",
     "gpu_node_agent_apiserver_requests_total": "counter {verb,code}",
     "gpu_node_agent_dra_slice_publishes_total": "counter {result}",
     "gpu_node_agent_dra_claims_total": "counter {call,result}",

@@ -24,9 +24,9 @@ PROMTOOL = binary("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason=PROMETHEUS_MISSING)
 
 REQUIRED_ALERTS = {"GpuXidNeedsAction", "GpuDeviceUnhealthy", "GpuNodeCordonedByAgent", "GpuNodeVerdictCordonOrDrain",
-                   "GpuNodeAgentDown", "GpuNodeAgentSubsystemDown", "GpuNodeAgentAccountingDown",
-                   "GpuNodeAgentDcgmUnreadable", "GpuMissing", "PcieLinkDowntrained", "NicPortErrors",
-                   "NicLinkFlapping", "PodInternetBandwidthAtLimit"}
+                   "GpuNodeNeedsHumanAttention", "GpuNodeAgentDown", "GpuNodeAgentSubsystemDown",
+                   "GpuNodeAgentAccountingDown", "GpuNodeAgentDcgmUnreadable", "GpuMissing", "PcieLinkDowntrained",
+                   "NicPortErrors", "NicLinkFlapping", "PodInternetBandwidthAtLimit"}
 
 
 def _write_rules(path: Path, *, annotations: bool = True) -> Path:
@@ -138,8 +138,11 @@ UNIT_TESTS: list[dict[str, Any]] = [
             _series("gpu_node_agent_remediation_actions_total", "_x5 1+1x40", action="cordon", result="dry_run"),
             _series("gpu_node_agent_node_verdict", "0x4 1x10 0x5", verdict="drain"),
             _series("gpu_node_agent_node_verdict", "1x4 0x10 1x5", verdict="healthy"),
+            _series("gpu_node_agent_remediation_latched", "0x9 1x5 0x5"),
         ],
         "alert_rule_test": [
+            *_alerts("GpuNodeNeedsHumanAttention",
+                     ("9m", []), ("10m", [{"node": "n1", "severity": "critical"}]), ("16m", [])),
             *_alerts("GpuNodeCordonedByAgent",
                      ("4m", []), ("6m", [{"node": "n1", "severity": "warning"}]), ("25m", [])),
             *_alerts("GpuNodeVerdictCordonOrDrain",

@@ -279,7 +279,7 @@ def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *,
         return next((name for name in manager.resources if device_id in manager.plugin(name).pool.ids), None)
 
     service = HealthService(hc, state_dir, hardware.topology, hardware.nvml, device_health, registry, hardware.links,
-                            verdicts=verdicts, resource_of=resource_of)
+                            verdicts=verdicts, resource_of=resource_of, nic_sysfs=hardware.counters)
     readiness.require("first health pass")
 
     async def ready_after_first_pass() -> None:

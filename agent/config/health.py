@@ -15,6 +15,40 @@ from agent.signals import VERDICTS, XID_ACTIONS
 __all__ = ["VERDICTS", "XID_ACTIONS", "HealthConfig", "parse_xid_override"]
 
 
+# Default action of each NIC/PCIe/inventory check (`--check-action CHECK=ACTION` overrides one). The devices a
+# finding names are Unhealthy whatever the action; the action only sets the node verdict.
+CHECK_ACTIONS: dict[str, str] = {
+    "nic_link_downed": "degraded",  # link_downed grew: the port went down (and perhaps came back)
+    "nic_link_errors": "degraded",  # local_link_integrity / excessive_buffer_overrun errors grew
+    "nic_symbol_errors": "degraded",  # symbol_error over its hourly rate (bit error rate past IBTA's 1e-12)
+    "nic_rcv_errors": "degraded",  # port_rcv_errors over its rate
+    "nic_link_flapping": "degraded",  # link_error_recovery plus observed flaps over the per-minute rate
+    "nic_link_outage": "degraded",  # the port was down longer than the outage threshold
+    "nic_low_rate": "degraded",  # an active port slower than its peers
+    "pcie_downtrained": "degraded",  # current link width below max on a GPU, NIC or their upstream ports
+    "pcie_aer_fatal": "cordon",  # aer_dev_fatal grew
+    "pcie_aer_nonfatal": "degraded",  # aer_dev_nonfatal grew
+    "gpu_missing": "cordon",  # fewer GPUs than expected on the bus or in NVML
+    "nic_driver_fatal": "cordon",  # mlx5_core: firmware heartbeat lost, unrecoverable error, command timeout
+    "nic_driver_warning": "degraded",  # mlx5_core: PCIe slot power too low, transceiver over temperature
+    "nvswitch_fatal": "cordon",  # a fatal NVSwitch SXid
+    "gpudirect_missing": "degraded",  # RDMA VFs and GPUs served, but neither nvidia_peermem nor gdrdrv loaded
+    "unknown": "degraded",  # a check that cannot run (unknownHealthAction=unhealthy): what the node verdict says
+}
+
+
+def parse_check_action(text: str) -> tuple[str, str]:
+    """`"pcie_downtrained=cordon"` -> ("pcie_downtrained", "cordon"); ValueError naming the problem otherwise."""
+    name, sep, action = text.partition("=")
+    name, action = name.strip(), action.strip().lower()
+    if not sep or name not in CHECK_ACTIONS:
+        raise ValueError(f"check action {text!r} must look like CHECK=ACTION with CHECK one of "
+                         f"{', '.join(CHECK_ACTIONS)}")
+    if action not in VERDICTS:
+        raise ValueError(f"check action {text!r}: action must be one of {', '.join(VERDICTS)}")
+    return name, action
+
+
 def parse_xid_override(text: str) -> tuple[int, str]:
     """`"109=drain"` -> (109, "drain"); ValueError naming the problem otherwise."""
     code_text, sep, action = text.partition("=")
@@ -62,6 +96,41 @@ class HealthConfig:
         "degraded", flag="--link-down-action", env="GPU_NODE_AGENT_LINK_DOWN_ACTION", choices=VERDICTS,
         help="node verdict while an RDMA NIC link is down (its VFs are Unhealthy regardless)")
 
+    nic_counter_interval_seconds: float = setting(
+        10.0, flag="--nic-counter-interval", env="GPU_NODE_AGENT_NIC_COUNTER_INTERVAL", zero_ok=True,
+        help="seconds between passes over the InfiniBand/RoCE port counters, PCIe link widths and AER counters "
+             "(one pass reads them all); 0 turns the check off")
+    nic_hold_seconds: float = setting(
+        300.0, flag="--nic-hold", env="GPU_NODE_AGENT_NIC_HOLD", zero_ok=True,
+        help="how long a NIC/PCIe/inventory finding (and the Unhealthy devices it names) stays after its "
+             "condition was last seen")
+    nic_symbol_errors_per_hour: float = setting(
+        120.0, flag="--nic-symbol-errors-per-hour", env="GPU_NODE_AGENT_NIC_SYMBOL_ERRORS_PER_HOUR",
+        help="symbol_error increase within an hour above which a port is faulty (120/h is IBTA's 1e-12 BER)")
+    nic_flaps_per_minute: float = setting(
+        5.0, flag="--nic-flaps-per-minute", env="GPU_NODE_AGENT_NIC_FLAPS_PER_MINUTE",
+        help="link_error_recovery increases plus observed down/up cycles within a minute at which a port is "
+             "flapping")
+    nic_rcv_errors_per_second: float = setting(
+        10.0, flag="--nic-rcv-errors-per-second", env="GPU_NODE_AGENT_NIC_RCV_ERRORS_PER_SECOND",
+        help="port_rcv_errors per second between two passes above which a port is in an error storm")
+    nic_outage_seconds: float = setting(
+        30.0, flag="--nic-outage", env="GPU_NODE_AGENT_NIC_OUTAGE",
+        help="a port down at least this long is a finding even after it came back (for the hold time)")
+    expected_gpus: int = setting(
+        0, flag="--expected-gpus", env="GPU_NODE_AGENT_EXPECTED_GPUS",
+        help="GPUs this node must have (on the PCI bus and in NVML); 0 means the count at the first scan")
+    unknown_health_action: str = setting(
+        "unhealthy", flag="--unknown-health-action", env="GPU_NODE_AGENT_UNKNOWN_HEALTH_ACTION",
+        choices=("unhealthy", "keep"),
+        help="when a check cannot run (NVML fails to start on a node with NVIDIA GPUs in sysfs, counters "
+             "unreadable): 'unhealthy' marks the devices it covers Unhealthy until it runs again; 'keep' leaves "
+             "them as they were (health_check_up shows 0 either way)")
+    check_actions: list[str] = setting(
+        factory=list, flag="--check-action", env="GPU_NODE_AGENT_CHECK_ACTIONS", repeat=True,
+        help="override the node verdict of a NIC/PCIe/inventory check as CHECK=ACTION, e.g. "
+             "pcie_downtrained=cordon; checks: " + ", ".join(CHECK_ACTIONS))
+
     dcgm_exporter_url: str = setting(
         "", flag="--dcgm-exporter-url", env="GPU_NODE_AGENT_DCGM_EXPORTER_URL",
         help="a dcgm-exporter /metrics URL on this node to read Xid, ECC, row-remap, NVLink and PCIe replay signals "
@@ -97,11 +166,20 @@ class HealthConfig:
                      "dcgm_xid_pairing_window_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be greater than 0, got {getattr(self, name)}")
+        for name in ("nic_counter_interval_seconds", "nic_hold_seconds", "nic_symbol_errors_per_hour",
+                     "nic_flaps_per_minute", "nic_rcv_errors_per_second", "nic_outage_seconds", "expected_gpus"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        self.check_action_map()
         for name in ("link_check_interval_seconds", "dcgm_nvlink_errors_per_minute", "dcgm_pcie_replays_per_minute"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.dcgm_exporter_url and not self.dcgm_exporter_url.startswith(("http://", "https://")):
             raise ValueError(f"dcgm_exporter_url must be an http:// or https:// URL, got {self.dcgm_exporter_url!r}")
+
+    def check_action_map(self) -> dict[str, str]:
+        """Every NIC/PCIe/inventory check -> its action (defaults, then `check_actions`); ValueError if malformed."""
+        return {**CHECK_ACTIONS, **dict(parse_check_action(item) for item in self.check_actions)}
 
     def xid_action_overrides(self) -> dict[int, str]:
         """Xid code -> action from `xid_actions`; ValueError on a malformed entry."""

@@ -104,6 +104,13 @@ class RemediationConfig:
     default_drain_timeout_seconds: float = setting(
         1800.0, flag="--default-drain-timeout", env="GPU_NODE_AGENT_DEFAULT_DRAIN_TIMEOUT",
         help="DeleteAfterTimeout as defaultDrainMode: seconds from the fault to the eviction")
+    latch_count: int = setting(
+        3, flag="--latch-count", env="GPU_NODE_AGENT_LATCH_COUNT",
+        help="remediations (cordon, GPU reset, reboot request) within latchWindowSeconds after which the node stays "
+             "cordoned as NeedsHumanAttention until a person removes the annotation (0: off)")
+    latch_window_seconds: float = setting(
+        604800.0, flag="--latch-window", env="GPU_NODE_AGENT_LATCH_WINDOW",
+        help="window in seconds over which remediations are counted for the latch (default 7 days)")
     eviction_backoff_seconds: float = setting(
         5.0, flag="--eviction-backoff", env="GPU_NODE_AGENT_EVICTION_BACKOFF",
         help="first wait after a 429 (PodDisruptionBudget) eviction refusal; doubles up to the maximum")
@@ -170,6 +177,8 @@ class RemediationConfig:
                 raise ValueError(f"{name}: {timeout:.0f} is not under "
                                  f"drainDeadlineSeconds ({self.drain_deadline_seconds:.0f}); the drain would stop "
                                  f"before the eviction: raise drainDeadlineSeconds or lower the timeout")
+        if self.latch_count < 0:
+            raise ValueError(f"latchCount: {self.latch_count} must be 0 (off) or more")
         if self.uncordon_policy not in UNCORDON_POLICIES:
             raise ValueError(f"uncordonPolicy: {self.uncordon_policy!r} not one of {', '.join(UNCORDON_POLICIES)}")
 

@@ -220,6 +220,16 @@ class HealthAssessor:
                                     code="NicLinkDown"), "links")
         self._publish()
 
+    def on_findings(self, source: str, findings: list[Finding]) -> None:
+        """A producer's whole current set of findings (keys start with `source`): the ones it no longer lists end."""
+        keep = {f.key for f in findings}
+        for finding in findings:
+            self._add(finding)
+        for finding in self.book.findings():
+            if finding.key.startswith(source) and finding.key not in keep:
+                self.book.remove(finding.key)
+        self._publish()
+
     def tick(self) -> None:
         """Housekeeping: HOLD findings expire, quiet Xid bursts end."""
         now = self.clock()

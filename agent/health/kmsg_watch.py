@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from agent import aio
 from agent.health.assess import HealthAssessor
 from agent.health.checks import Checks, CheckState
 from agent.health.nvrm import FallenOffBus, GpuUuidLine, NvrmLine, XidLine, parse_nvrm_all
+from agent.health.pci_kmsg import PciFault, parse_pci_fault
 from agent.host.kmsg import KERNEL_FACILITY, KmsgCursor, KmsgReader, KmsgRecord
 
 log = logging.getLogger(__name__)
@@ -29,8 +31,9 @@ class KmsgWatcher:
 
     def __init__(self, path: str | Path, assessor: HealthAssessor, boot_id: str,
                  cursor: KmsgCursor | None = None, file_poll_interval: float = 0.05, *,
-                 checks: Checks | None = None) -> None:
+                 checks: Checks | None = None, pci_faults: Callable[[PciFault], None] | None = None) -> None:
         self.path = Path(path)
+        self.pci_faults = pci_faults  # mlx5, AER and SXid lines go here (the NIC/PCIe producer)
         self.assessor = assessor
         self.checks = checks if checks is not None else Checks()
         self.boot_id = boot_id
@@ -87,6 +90,11 @@ class KmsgWatcher:
         return False
 
     def _handle(self, record: KmsgRecord) -> None:
+        if self.pci_faults is not None and record.facility == KERNEL_FACILITY:
+            fault = parse_pci_fault(record.message)
+            if fault is not None:
+                self.pci_faults(fault)
+                return
         lines = parse_nvrm_all(record.message)
         if not lines:
             return

@@ -31,11 +31,14 @@ from agent.health.dcgm_watch import DcgmWatcher
 from agent.health.kmsg_watch import KmsgWatcher
 from agent.health.links import LinkWatcher
 from agent.health.metrics import HealthCollector, ResourceOf
+from agent.health.nic_metrics import NicCollector
+from agent.health.nic_watch import NicWatcher
 from agent.health.nvml_watch import NvmlEventWatcher, NvmlPoller
 from agent.health.state import SavedHealth, StateStore
 from agent.host.dcgm_exporter import DcgmExporterPort, HttpDcgmExporter
 from agent.host.kmsg import read_boot_id
 from agent.host.links import LinkPort, NetlinkLinkPort
+from agent.host.nic_sysfs import NicSysfs
 from agent.host.nvml import NvmlHealth
 from agent.signals import DeviceHealth, Latest, NodeVerdict
 from agent.supervisor import FatalError, Supervisor
@@ -58,7 +61,7 @@ class HealthService:
                  nvml: NvmlHealth, device_health: DeviceHealth, registry: CollectorRegistry,
                  link_port: LinkPort | None = None, *, verdicts: Latest[NodeVerdict] | None = None,
                  resource_of: ResourceOf | None = None,
-                 dcgm_port: DcgmExporterPort | None = None,
+                 dcgm_port: DcgmExporterPort | None = None, nic_sysfs: NicSysfs | None = None,
                  boot_id_path: str | os.PathLike[str] = BOOT_ID_PATH, clock: Clock = SYSTEM_CLOCK,
                  kmsg_file_poll_interval: float = 0.05, housekeeping_interval: float = 1.0,
                  restart_backoff: tuple[float, float] = (1.0, 30.0)) -> None:
@@ -88,11 +91,18 @@ class HealthService:
                                 nvlink_errors_per_minute=config.dcgm_nvlink_errors_per_minute,
                                 pcie_replays_per_minute=config.dcgm_pcie_replays_per_minute, checks=self._checks) \
             if dcgm_port is not None else None
+        if nic_sysfs is None:
+            nic_sysfs = NicSysfs(getattr(self.links.port, "sysfs_root", "/sys"))
+        self.nic = NicWatcher(nic_sysfs, self.assessor, config, nvml, clock=clock, state_dir=state_dir,
+                              checks=self._checks)
+        if self.kmsg is not None:
+            self.kmsg.pci_faults = self.nic.on_kernel_fault
         self._saved = SavedHealth()
         registry.register(HealthCollector(self.assessor, self._checks, resource_of,
                                           lambda: self.kmsg.lost_records if self.kmsg else 0, self.dcgm,
                                           kmsg_skipped=lambda: self.kmsg.skipped if self.kmsg else {},
                                           kmsg_resyncs=lambda: self.kmsg.resyncs if self.kmsg else 0))
+        registry.register(NicCollector(self.nic))
 
     @property
     def verdict(self) -> NodeVerdict:
@@ -131,7 +141,9 @@ class HealthService:
             "nvml_events": (self.nvml_events.run, self.nvml_events.first_pass),
             "nvml_poll": (self.nvml_poll.run, self.nvml_poll.first_pass),
             "links": (self.links.run, self.links.first_pass),
+            "nic_counters": (self.nic.run, self.nic.first_pass),
         }
+        self.nic.boot_id = boot_id
         if self.kmsg is not None:
             self.kmsg.boot_id = boot_id
             self.kmsg.cursor = self._saved.cursor if self._saved.kmsg_path == self.config.kmsg else None

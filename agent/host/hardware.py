@@ -16,6 +16,7 @@ from pathlib import Path
 from agent.config import TopologyConfig
 from agent.host import probes
 from agent.host.links import LinkPort, NetlinkLinkPort, SysfsLinkPort
+from agent.host.nic_sysfs import NicSysfs
 from agent.host.nvml import NvmlHealth, RealNvml
 from agent.simulate.node import SimulatedNode, build_simulated_node
 from agent.topology.load import load_topology
@@ -34,6 +35,11 @@ class Hardware:
     topology: Topology
     links: LinkPort
     simulated: SimulatedNode | None = None
+    counters: NicSysfs | None = None  # IB port counters, PCIe widths, AER: read by health's NIC/PCIe pass
+
+    def __post_init__(self) -> None:
+        if self.counters is None:
+            self.counters = NicSysfs(self.sysfs_root)
 
     def rescan(self) -> Topology:
         """Read the sources again (blocking: call from a thread); the new value replaces `topology`."""
@@ -54,7 +60,8 @@ class Hardware:
 
     def describe(self) -> str:
         """One line for logs: which sources are in use."""
-        where = f"simulated profile {self.simulated.profile.name}" if self.simulated else f"sysfs {self.sysfs_root}"
+        where = f"simulated profile {self.simulated.profile.name} (sysfs tree {self.sysfs_root}: write its files to " \
+            "inject faults)" if self.simulated else f"sysfs {self.sysfs_root}"
         xml = f", NCCL topology {self.topology_file}" if self.topology_file else ""
         return f"{where}{xml}, NVML {'available' if self.nvml.available else 'unavailable'}"
 

@@ -9,7 +9,9 @@ again, or in a restarted agent, repeats nothing. The rules, from the failures of
   not cordon again until a different fault, or the same one after a healthy window (draino#17);
 - uncordon only our own cordon, after `healthy_window_seconds` of health, when the policy allows the reason
   (hardware faults stay by default); never touch an admin's `spec.unschedulable` (drainsafe#1);
-- a drain stops as soon as the verdict no longer asks for it (draino#50).
+- a drain stops as soon as the verdict no longer asks for it (draino#50);
+- every cordon is stamped into the remediation history; the `latchCount`-th within the window latches the node
+  `NeedsHumanAttention` (`latch`): no automatic uncordon until a person removes the latch annotation.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from agent.clock import Clock
 from agent.config.remediation import RemediationConfig
 from agent.kube.model import format_time
-from agent.remediation import state
+from agent.remediation import latch, state
 from agent.remediation.actions import NodeActions
 from agent.remediation.drain import Drainer, DrainResult
 from agent.remediation.events import WARNING, EventRecorder
@@ -71,6 +73,7 @@ class Engine:
         # device IDs -> the pods holding them ("namespace/name"), named in the condition message (agent.ownership)
         self.pods_of: Callable[[Sequence[str]], list[str]] | None = None
         self.keys = Keys.for_prefix(config.prefix)
+        self.latch_keys = latch.LatchKeys.for_prefix(config.prefix)
         self.actions = actions
         self.slots = slots
         self.events = events
@@ -98,9 +101,12 @@ class Engine:
             await self._admin_uncordoned(rec)
         await self._preflight()
         verdict = self.inputs.effective()
+        await self._latch_cleared(verdict)
+        latched = latch.latched(self.actions.node, self.latch_keys)
+        self.counter.latched(latched)
         if verdict is not None and verdict.severity >= Severity.CORDON:
             await self._fault(verdict)
-        elif verdict is not None:
+        elif verdict is not None and not latched:  # latched: no uncordon, whatever the checks say
             await self._not_faulty(verdict)
         await self._condition(verdict)
         if self.recorded().cordoned:
@@ -166,6 +172,7 @@ class Engine:
             if await self.actions.apply("cordon", lambda n: state.cordon_patch(n, self.keys, verdict.reason,
                                                                                 verdict.hardware, now)):
                 await self.events.emit("Cordoned", f"{verdict.reason}: {verdict.describe()} (slot {slot})", WARNING)
+                await self.remediated(f"cordon for {verdict.reason}")
         elif rec.reason != verdict.reason and await self.actions.apply(
                 "cordon", lambda n: state.reason_patch(n, self.keys, verdict.reason, verdict.hardware)):
             await self.events.emit("CordonReasonChanged", f"{rec.reason} -> {verdict.reason}: "
@@ -174,6 +181,39 @@ class Engine:
             await self.actions.apply("annotate", lambda n: state.annotate({self.keys.healthy_since: None}))
         if verdict.severity is Severity.DRAIN:
             await self._drain()
+
+    async def remediated(self, what: str) -> None:
+        """Stamp one remediation on the node; the `latchCount`-th within the window latches NeedsHumanAttention."""
+        cfg = self.config
+        outcome = latch.record(self.actions.node, self.latch_keys, self.clock.now(), count=cfg.latch_count,
+                               window=cfg.latch_window_seconds, what=what)
+        if not await self.actions.apply("annotate", lambda n: state.annotate(outcome.annotations)):
+            return
+        if outcome.trips and latch.latched(self.actions.node, self.latch_keys):
+            self.counter.count("latch", "ok")
+            self.counter.latched(True)
+            await self.events.emit(latch.LATCH_REASON, outcome.message, WARNING)
+
+    async def _latch_cleared(self, verdict: NodeVerdict | None) -> None:
+        """A person removed the latch annotation (the condition still says NeedsHumanAttention): forget the
+        history and, when nothing is wrong now, lift the agent's cordon at once: the person has said it is fixed."""
+        condition = self.actions.condition()
+        if condition is None or condition.reason != latch.LATCH_REASON or latch.latched(self.actions.node,
+                                                                                          self.latch_keys):
+            return
+        rec = self.recorded()
+        await self.actions.apply("annotate", lambda n: state.annotate({self.latch_keys.history: None}))
+        self.counter.count("latch", "cleared")
+        faulty = verdict is not None and verdict.severity >= Severity.CORDON
+        if rec.cordoned and not faulty and await self.actions.apply(
+                "uncordon", lambda n: state.uncordon_patch(n, self.keys)):
+            await self.slots.release()
+        await self._say("NeedsHumanAttentionCleared", condition.message,
+                        f"the annotation {self.latch_keys.latched} was removed: latch cleared"
+                        + ("" if faulty or not rec.cordoned else "; lifted the agent's cordon"))
+        if not faulty:
+            await self.actions.ensure_condition(False, "NeedsHumanAttentionCleared",
+                                                f"a person removed {self.latch_keys.latched}")
 
     async def _not_faulty(self, verdict: NodeVerdict) -> None:
         self.deferred_until = None
@@ -211,7 +251,11 @@ class Engine:
         pre = self.inputs.preflight
         before = self.actions.condition()
         was_problem = before is not None and before.status == "True"
-        if pre.active and pre.failure:
+        latched = self.actions.node.annotations.get(self.latch_keys.latched)
+        if latched is not None:
+            await self.actions.ensure_condition(True, latch.LATCH_REASON, f"{latched}; remove the annotation "
+                                                f"{self.latch_keys.latched} once repaired")
+        elif pre.active and pre.failure:
             await self.actions.ensure_condition(True, "PreflightFailed", pre.failure)
         elif verdict is None:
             current = self.actions.condition()

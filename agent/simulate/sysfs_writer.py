@@ -30,6 +30,12 @@ Layout, relative to the tree root (which plays `/sys`):
 7. GPUs are plain functions (vendor 0x10de, class 0x0302xx, driver `nvidia`). Their UUIDs are not in sysfs:
    `Profile.gpu_uuids` holds them for the simulated NVML.
 
+8. Health files: every non-VF function has `aer_dev_{correctable,fatal,nonfatal}` (all zero); every RDMA port
+   has `counters/<name>` and `hw_counters/<name>` ("0\n") for the counters health reads. Inject a fault by
+   writing one: `echo 1 > class/infiniband/mlx5_0/ports/1/counters/link_downed`, `echo 8 >
+   bus/pci/devices/<gpu>/current_link_width`, or a TOTAL_ERR_FATAL line in `aer_dev_fatal`. A profile with
+   GPUs and RDMA NICs has `module/nvidia_peermem/` (GPUDirect RDMA loaded; remove it to see the finding).
+
 A function with `link_up: false` reports netdev `down`, carrier 0 and port `1: DOWN`/`3: Disabled`.
 """
 
@@ -39,9 +45,22 @@ import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
+from agent.host.nic_sysfs import HW_COUNTERS, PORT_COUNTERS
 from agent.simulate.profiles import Model, Profile, vf_bus_id
 from agent.simulate.sysfs_tree import SysfsTree
 
+# AER counter files as the kernel writes them (drivers/pci/pcie/aer.c aer_stats_attrs): one "<Name> <count>"
+# line per named bit, then the TOTAL line. Correctable and uncorrectable bit names of current kernels.
+AER_FILES = {
+    "correctable": ("RxErr", "BadTLP", "BadDLLP", "Rollover", "Timeout", "NonFatalErr", "CorrIntErr", "HeaderOF",
+                    "TOTAL_ERR_COR"),
+    "fatal": ("Undefined", "DLP", "SDES", "TLP", "FCP", "CmpltTO", "CmpltAbrt", "UnxCmplt", "RxOF", "MalfTLP",
+              "ECRC", "UnsupReq", "ACSViol", "UncorrIntErr", "BlockedTLP", "AtomicOpBlocked", "TLPBlockedErr",
+              "PoisonTLPBlocked", "TOTAL_ERR_FATAL"),
+    "nonfatal": ("Undefined", "DLP", "SDES", "TLP", "FCP", "CmpltTO", "CmpltAbrt", "UnxCmplt", "RxOF", "MalfTLP",
+                 "ECRC", "UnsupReq", "ACSViol", "UncorrIntErr", "BlockedTLP", "AtomicOpBlocked", "TLPBlockedErr",
+                 "PoisonTLPBlocked", "TOTAL_ERR_NONFATAL"),
+}
 UVERBS_MAJOR = 231
 UVERBS_BASE_MINOR = 192
 ISSM_BASE_MINOR = 64
@@ -135,8 +154,11 @@ def profile_tree(profile: Profile) -> SysfsTree:
     tree.add_file("class/infiniband_verbs/abi_version", "6\n")
     tree.add_file("class/infiniband_mad/abi_version", "5\n")
     tree.add_dir("bus/pci/drivers")
-    for f in functions(profile):
+    listed = functions(profile)
+    for f in listed:
         _write_function(tree, profile, f)
+    if any(f.model.is_gpu for f in listed) and any(f.rdma_index is not None for f in listed):
+        tree.add_file("module/nvidia_peermem/initstate", "live\n")  # GPUDirect RDMA, as the GPU operator loads it
     return tree
 
 
@@ -151,6 +173,9 @@ def _write_function(tree: SysfsTree, profile: Profile, f: SimFunction) -> None:
     ):
         tree.add_file(base / name, f"{text}\n")
     tree.add_symlink_to(f"bus/pci/devices/{f.bdf}", base)
+    if f.pf is None:
+        for kind, lines in AER_FILES.items():
+            tree.add_file(base / f"aer_dev_{kind}", "".join(f"{name} 0\n" for name in lines))
     if m.driver:
         tree.add_dir(f"bus/pci/drivers/{m.driver}")
         tree.add_symlink_to(base / "driver", f"bus/pci/drivers/{m.driver}")
@@ -193,6 +218,9 @@ def _write_rdma(tree: SysfsTree, f: SimFunction, guid: str, m: Model) -> None:
     for name, text in (("state", "4: ACTIVE" if up else "1: DOWN"), ("phys_state", "5: LinkUp" if up else
                        "3: Disabled"), ("link_layer", m.net.link_layer), ("rate", m.net.rate)):
         tree.add_file(dev / "ports" / "1" / name, f"{text}\n")
+    for sub, names in (("counters", PORT_COUNTERS), ("hw_counters", HW_COUNTERS)):
+        for name in names:
+            tree.add_file(dev / "ports" / "1" / sub / name, "0\n")
     tree.add_symlink_to(f"class/infiniband/{ibdev}", dev)
     assert k is not None
     for cls, node, minor in (

@@ -24,8 +24,9 @@ PROMTOOL = binary("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason=PROMETHEUS_MISSING)
 
 REQUIRED_ALERTS = {"GpuXidNeedsAction", "GpuDeviceUnhealthy", "GpuNodeCordonedByAgent", "GpuNodeVerdictCordonOrDrain",
-                   "GpuNodeAgentDown", "GpuNodeAgentSubsystemDown", "GpuNodeAgentAccountingDown",
-                   "GpuNodeAgentDcgmUnreadable", "PodInternetBandwidthAtLimit"}
+                   "GpuNodeNeedsHumanAttention", "GpuNodeAgentDown", "GpuNodeAgentSubsystemDown",
+                   "GpuNodeAgentAccountingDown", "GpuNodeAgentDcgmUnreadable", "GpuMissing", "PcieLinkDowntrained",
+                   "NicPortErrors", "NicLinkFlapping", "PodInternetBandwidthAtLimit"}
 
 
 def _write_rules(path: Path, *, annotations: bool = True) -> Path:
@@ -137,8 +138,11 @@ UNIT_TESTS: list[dict[str, Any]] = [
             _series("gpu_node_agent_remediation_actions_total", "_x5 1+1x40", action="cordon", result="dry_run"),
             _series("gpu_node_agent_node_verdict", "0x4 1x10 0x5", verdict="drain"),
             _series("gpu_node_agent_node_verdict", "1x4 0x10 1x5", verdict="healthy"),
+            _series("gpu_node_agent_remediation_latched", "0x9 1x5 0x5"),
         ],
         "alert_rule_test": [
+            *_alerts("GpuNodeNeedsHumanAttention",
+                     ("9m", []), ("10m", [{"node": "n1", "severity": "critical"}]), ("16m", [])),
             *_alerts("GpuNodeCordonedByAgent",
                      ("4m", []), ("6m", [{"node": "n1", "severity": "warning"}]), ("25m", [])),
             *_alerts("GpuNodeVerdictCordonOrDrain",
@@ -188,6 +192,34 @@ UNIT_TESTS: list[dict[str, Any]] = [
         "alert_rule_test": _alerts("GpuNodeAgentDcgmUnreadable",
                                    ("19m", []), ("20m", [{**AGENT, "check": "dcgm", "severity": "warning"}]),
                                    ("26m", [])),
+    },
+    {   # GPU 5 vanishes at 5 min and is back at 15; a GPU link runs x8 from 5 min on
+        "input_series": [
+            _series("gpu_node_agent_gpus_expected", "8x30"),
+            _series("gpu_node_agent_gpus_present", "8x4 7x10 8x15"),
+            _series("gpu_node_agent_pcie_link_degraded", "0x4 1x25", device="0000:1b:00.0"),
+            _series("gpu_node_agent_pcie_link_degraded", "0x30", device="0000:43:00.0"),
+        ],
+        "alert_rule_test": [
+            *_alerts("GpuMissing", ("6m", []), ("7m", [{**AGENT, "severity": "critical"}]), ("16m", [])),
+            *_alerts("PcieLinkDowntrained", ("14m", []),
+                     ("15m", [{**AGENT, "device": "0000:1b:00.0", "severity": "warning"}])),
+        ],
+    },
+    {   # link_downed grows at 5 min; mlx5_1/1 goes down and up three times within the hour
+        "input_series": [
+            _series("gpu_node_agent_nic_port_counter_total", "0x4 1x30", device="mlx5_0", port="1",
+                    counter="link_downed"),
+            _series("gpu_node_agent_nic_port_counter_total", "0+100x30", device="mlx5_0", port="1",
+                    counter="symbol_error"),
+            _series("gpu_node_agent_nic_link_flaps_total", "0x9 1x5 2x5 3x15", device="mlx5_1", port="1"),
+        ],
+        "alert_rule_test": [
+            *_alerts("NicPortErrors", ("6m", [{"node": "n1", "device": "mlx5_0", "port": "1", "severity": "warning"}]),
+                     ("21m", [])),
+            *_alerts("NicLinkFlapping", ("20m", []),
+                     ("25m", [{"node": "n1", "device": "mlx5_1", "port": "1", "severity": "warning"}])),
+        ],
     },
 ]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
@@ -29,6 +30,7 @@ from agent.host.nvml.api import (
 )
 
 log = logging.getLogger(__name__)
+_RETRY_INIT_SECONDS = 60.0  # a failed nvmlInit is tried again this long after (health recovers with the driver)
 
 
 class RealNvml:
@@ -38,12 +40,15 @@ class RealNvml:
         self._library = library
         self._lock = threading.Lock()
         self._initialised: bool | None = None
+        self._failed_at = 0.0
         self.unavailable_reason = ""
         self._handles: dict[str, Any] = {}
         self._unsupported_logged: set[tuple[str, str]] = set()
 
     def _init(self) -> ModuleType | None:
         with self._lock:
+            if self._initialised is False and time.monotonic() - self._failed_at >= _RETRY_INIT_SECONDS:
+                self._initialised = None  # the driver may be loaded by now: try again, so health can recover
             if self._initialised is None:
                 try:
                     if self._library is None:
@@ -52,11 +57,17 @@ class RealNvml:
                         self._library = pynvml
                     self._library.nvmlInit()
                     self._initialised = True
+                    if self.unavailable_reason:
+                        log.info("NVML initialised after all (was: %s)", self.unavailable_reason)
+                    self.unavailable_reason = ""
                 except Exception as exc:  # pynvml raises NVMLError subclasses, or OSError for the library
                     self._initialised = False
-                    self.unavailable_reason = f"{type(exc).__name__}: {exc}"
-                    log.warning("NVML unavailable (%s); GPU identity and NVML health checks are off",
-                                self.unavailable_reason)
+                    self._failed_at = time.monotonic()
+                    reason, self.unavailable_reason = self.unavailable_reason, f"{type(exc).__name__}: {exc}"
+                    if reason != self.unavailable_reason:
+                        log.warning("NVML unavailable (%s); GPU identity and NVML health checks are off "
+                                    "(initialisation is retried every %.0f s)", self.unavailable_reason,
+                                    _RETRY_INIT_SECONDS)
             return self._library if self._initialised else None
 
     @property

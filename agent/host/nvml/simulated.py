@@ -54,6 +54,11 @@ class SimulatedNvml:
         """Why NVML is unavailable."""
         return self._reason
 
+    def set_available(self, available: bool, reason: str = "NVMLError_DriverNotLoaded: simulated") -> None:
+        """Make NVML fail to initialise (a driver reload, a broken library) or come back."""
+        self._available = available
+        self._reason = "" if available else reason
+
     def gpu_uuids(self) -> dict[str, str]:
         """The profile's UUIDs."""
         return dict(self._uuids) if self._available else {}

@@ -168,7 +168,7 @@ def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegis
     so that device ownership reads its records)."""
     from agent.deviceplugin.manager import DevicePluginManager
     from agent.deviceplugin.pools import PoolConfigError
-    from agent.deviceplugin.registration import SocketPathError
+    from agent.host.unixsocket import SocketPathError
     from agent.simulate.kubelet import LocalKubelet
 
     dp = cfg.device_plugin
@@ -219,7 +219,7 @@ def dra(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, cl
     directories, the sockets and CDI specs go to the scratch directory."""
     from agent.config.model import AgentConfig as _Defaults
     from agent.dra.service import DraService
-    from agent.dra.sockets import SocketPathError
+    from agent.host.unixsocket import SocketPathError
     from agent.kube.errors import ClusterConfigError
 
     dc = cfg.dra

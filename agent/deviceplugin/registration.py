@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,36 +23,20 @@ from agent import aio
 from agent.clock import SYSTEM_CLOCK, Clock
 from agent.deviceplugin.server import DevicePlugin
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.host import unixsocket
+from agent.host.unixsocket import socket_identity
 from agent.supervisor import Backoff
 
 log = logging.getLogger(__name__)
 
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
-MAX_SOCKET_PATH = 107  # AF_UNIX sun_path minus the terminating NUL
-
-
-class SocketPathError(ValueError):
-    """A unix socket path longer than the kernel allows."""
+DEVICE_PLUGIN_DIR_HINT = "use a shorter device-plugin directory"
 
 
 def check_socket_path(path: str | os.PathLike[str]) -> str:
     """Return `path` as a string, or raise SocketPathError when it exceeds the 107-byte AF_UNIX limit."""
-    text = os.fspath(path)
-    size = len(text.encode())
-    if size > MAX_SOCKET_PATH:
-        raise SocketPathError(f"unix socket path {text!r} is {size} bytes; the limit is {MAX_SOCKET_PATH}: "
-                              "use a shorter device-plugin directory")
-    return text
-
-
-def _identity(path: str) -> tuple[int, int] | None:
-    """(inode, ctime) of a unix socket, None when absent or not a socket."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return None
-    return (info.st_ino, info.st_ctime_ns) if stat.S_ISSOCK(info.st_mode) else None
+    return unixsocket.check_socket_path(path, DEVICE_PLUGIN_DIR_HINT)
 
 
 class PluginServer:
@@ -73,7 +56,7 @@ class PluginServer:
     def serving(self) -> bool:
         """True while our server runs and the socket it bound is still there."""
         return self._server is not None and self._identity is not None \
-            and _identity(self.path) == self._identity
+            and socket_identity(self.path) == self._identity
 
     async def start(self) -> None:
         """(Re)start serving: any previous server is stopped first, so it cannot unlink the new socket."""
@@ -91,7 +74,7 @@ class PluginServer:
             await server.stop(0)
             raise
         self._server = server
-        self._identity = _identity(self.path)
+        self._identity = socket_identity(self.path)
 
     async def stop(self) -> None:
         """End open streams and stop the server; its socket file is removed."""
@@ -101,7 +84,7 @@ class PluginServer:
             return
         self.servicer.end_streams()
         await server.stop(self._grace)
-        if bound is not None and _identity(self.path) == bound:  # gRPC normally unlinks it already
+        if bound is not None and socket_identity(self.path) == bound:  # gRPC normally unlinks it already
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
 
@@ -207,7 +190,7 @@ class KubeletLink:
 
     async def step(self) -> None:
         """One pass: check the kubelet, re-serve lost sockets, register what is not registered."""
-        kubelet = _identity(self.kubelet_socket)
+        kubelet = socket_identity(self.kubelet_socket)
         if kubelet is None:
             self._present = False
             self._set_state("absent", "kubelet socket %s not found; waiting for the kubelet",

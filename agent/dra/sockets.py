@@ -12,8 +12,6 @@ comes back).
 from __future__ import annotations
 
 import logging
-import os
-import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,33 +21,12 @@ from agent.dra.grpc_api import DraV1, DraV1beta1, Registration, ResourceHealth
 from agent.dra.health.v1alpha1 import api_pb2_grpc as health_grpc
 from agent.dra.v1 import api_pb2_grpc as v1_grpc
 from agent.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from agent.host.unixsocket import check_socket_path, socket_identity
 from agent.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 
 log = logging.getLogger(__name__)
 
 DRA_SOCKET = "dra.sock"
-MAX_SOCKET_PATH = 107  # AF_UNIX sun_path minus the terminating NUL
-
-
-class SocketPathError(ValueError):
-    """A unix socket path longer than the kernel allows."""
-
-
-def _check(path: Path) -> str:
-    text = os.fspath(path)
-    if len(text.encode()) > MAX_SOCKET_PATH:
-        raise SocketPathError(f"unix socket path {text!r} is longer than {MAX_SOCKET_PATH} bytes")
-    return text
-
-
-def _identity(path: str) -> tuple[int, int] | None:
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return None
-    return (info.st_ino, info.st_ctime_ns) if stat.S_ISSOCK(info.st_mode) else None
-
-
 class _Served:
     """One grpc.aio server on one unix socket."""
 
@@ -61,7 +38,7 @@ class _Served:
 
     @property
     def serving(self) -> bool:
-        return self._server is not None and self._identity is not None and _identity(self.path) == self._identity
+        return self._server is not None and self._identity is not None and socket_identity(self.path) == self._identity
 
     async def start(self) -> None:
         await self.stop()
@@ -71,13 +48,13 @@ class _Served:
         self._add(server)
         server.add_insecure_port(f"unix://{self.path}")
         await server.start()
-        self._server, self._identity = server, _identity(self.path)
+        self._server, self._identity = server, socket_identity(self.path)
 
     async def stop(self) -> None:
         server, self._server = self._server, None
         if server is not None:
             await server.stop(grace=0.5)
-        if self._identity is not None and _identity(self.path) == self._identity:
+        if self._identity is not None and socket_identity(self.path) == self._identity:
             Path(self.path).unlink(missing_ok=True)
         self._identity = None
 
@@ -87,8 +64,8 @@ class PluginSockets:
 
     def __init__(self, *, driver: str, plugin_dir: str, registry_dir: str, dra_v1: DraV1, dra_v1beta1: DraV1beta1,
                  health: ResourceHealth, on_status: Callable[[bool, str], None]) -> None:
-        self.endpoint = _check(Path(plugin_dir) / DRA_SOCKET)
-        self.registration_path = _check(Path(registry_dir) / f"{driver}-reg.sock")
+        self.endpoint = check_socket_path(Path(plugin_dir) / DRA_SOCKET)
+        self.registration_path = check_socket_path(Path(registry_dir) / f"{driver}-reg.sock")
         registration = Registration(driver, self.endpoint, on_status)
 
         def add_services(server: grpc.aio.Server) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from agent.config.model import DevicePluginConfig, PoolConfig, SelectorConfig
 from agent.deviceplugin.pools import PoolConfigError, build_pools, socket_name
-from agent.deviceplugin.registration import MAX_SOCKET_PATH
+from agent.host.unixsocket import MAX_SOCKET_PATH
 from tests.deviceplugin.conftest import GPU_UUIDS, small_topology
 
 

@@ -15,9 +15,10 @@ from agent.config.model import DevicePluginConfig
 from agent.deviceplugin.metrics import AllocationMetrics
 from agent.deviceplugin.payload import AllocateOptions
 from agent.deviceplugin.pools import build_pools
-from agent.deviceplugin.registration import PluginServer, SocketPathError, check_socket_path
+from agent.deviceplugin.registration import PluginServer, check_socket_path
 from agent.deviceplugin.server import DevicePlugin
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.host.unixsocket import SocketPathError
 from agent.signals import DeviceHealthEvent
 from tests.deviceplugin.conftest import GPU_UUIDS, first_list, small_topology
 

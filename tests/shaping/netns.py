@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -147,11 +148,15 @@ def poke(net: Net, role: str, address: str) -> None:
 
 
 def tc_objects(net: Net) -> list[str]:
-    """Every qdisc and filter in the node namespace that is not a default, plus IFB links (residue check)."""
+    """Every qdisc and filter in the node namespace that is not a default, plus IFB links (residue check).
+
+    HTB prints a live counter (`direct_packets_stat`) in its parameters: a packet still in flight between two
+    snapshots would change it, so it is left out of what is compared.
+    """
     out: list[str] = []
     for line in sh("tc", "qdisc", "show", ns=net.node).splitlines():
         if not line.startswith("qdisc noqueue"):
-            out.append(line)
+            out.append(re.sub(r" direct_packets_stat \d+", "", line))
     for line in sh("ip", "-o", "link", "show", "type", "ifb", ns=net.node).splitlines():
         out.append(line.split(":")[1].strip())
     return out

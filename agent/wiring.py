@@ -24,6 +24,7 @@ from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config import AgentConfig
 from agent.host.hardware import Hardware
 from agent.http import Readiness
+from agent.kube.access import ClusterPort
 from agent.signals import DeviceHealth, DeviceHealthEvent, Latest, NodeVerdict
 from agent.supervisor import RunFn, StartupError
 from agent.topology.model import Topology
@@ -42,8 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TopologyListener = Callable[[Topology], Awaitable[None]]
-SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
-SIMULATED_NODE = "simulated-node"
 
 
 @dataclass
@@ -53,58 +52,6 @@ class Subsystem:
     name: str
     run: RunFn
     on_topology: TopologyListener | None = None
-
-
-class ClusterPort:
-    """The process's one Kubernetes API client, opened on first use and shared by remediation and netacct.
-
-    In memory (the simulated node and its pods) only when no credentials are given: `--simulate` without
-    `--kubeconfig`, outside a cluster. `--simulate` never changes which API server a kubeconfig points at.
-    """
-
-    def __init__(self, cfg: AgentConfig, registry: CollectorRegistry, *,
-                 service_account_token: Path = SERVICE_ACCOUNT_TOKEN) -> None:
-        self._cfg = cfg
-        self._registry = registry
-        self.in_cluster = service_account_token.is_file()
-        self.in_memory = cfg.topology.simulate is not None and not cfg.api_server.kubeconfig and not self.in_cluster
-        self.opened: Cluster | None = None
-        self._failure: Exception | None = None
-
-    @property
-    def node_name(self) -> str:
-        """This node's name (the simulated node's when in memory and none is given)."""
-        return self._cfg.node_name or (SIMULATED_NODE if self.in_memory else "")
-
-    def describe(self) -> str:
-        """Which API server, for the start line."""
-        if self.in_memory:
-            return f"in-memory cluster (node {self.node_name}; no credentials given)"
-        where = f"kubeconfig {self._cfg.api_server.kubeconfig}" if self._cfg.api_server.kubeconfig else \
-            "in-cluster service account" if self.in_cluster else "default kubeconfig"
-        return f"API server from {where} (node {self.node_name or '?'})"
-
-    def get(self) -> Cluster:
-        """The client; `ClusterConfigError` without a node name (a real cluster only) or without credentials."""
-        if self.opened is None:
-            from agent.kube import ClusterConfigError, open_cluster
-
-            if self._failure is not None:  # every user hears the same answer; the client is made once
-                raise self._failure
-            api = self._cfg.api_server
-            try:
-                self.opened = open_cluster(self.node_name, self._registry, in_memory=self.in_memory,
-                                           kubeconfig=api.kubeconfig, timeout=api.timeout_seconds)
-            except ClusterConfigError as exc:
-                self._failure = exc
-                raise
-        return self.opened
-
-    async def aclose(self) -> None:
-        """Release the client (after every subsystem using it has stopped)."""
-        cluster, self.opened = self.opened, None
-        if cluster is not None:
-            await cluster.aclose()
 
 
 def rescans(hardware: Hardware, rescan: asyncio.Event, interval: float,

@@ -1,6 +1,7 @@
 """The NIC/PCIe/inventory producer: one polled pass reads port counters, link widths, AER and GPU presence.
 
-Every `nic_counter_interval_seconds` one pass (in a worker thread: sysfs reads block) reads every port of every
+Every `nic_counter_interval_seconds` (or sooner, when a held finding's hold ends: it clears then, not up to an
+interval later) one pass (in a worker thread: sysfs reads block) reads every port of every
 RDMA PF, the PCIe link and AER files of every GPU and RDMA PF and of the bridges above them, and which GPUs are
 still on the bus and in NVML. `CounterJudge` turns it into observations; this module names the devices each
 one covers (a port -> its PF and that PF's VFs only; a GPU -> its UUID; a bridge -> everything below it), holds
@@ -77,6 +78,8 @@ class NicWatcher:
         self.known_gpus: dict[str, GpuRef] = {}  # bus id -> GPU, from the first scan on (rescans add)
         self.inventory = Inventory(0, 0, {})
         self._held: dict[str, tuple[Finding, float]] = {}  # key -> (finding, held until)
+        self._seen: set[str] = set()  # keys the last pass observed (held on by the next pass, so no wake for them)
+        self._wake = asyncio.Event()
         self._save_failed = False
         self.kernel_faults_foreign = 0  # kernel-log faults naming a function that is not on this node
         # told when an RDMA port's state changed between passes (sysfs sends no event; the link check reads again)
@@ -91,13 +94,27 @@ class NicWatcher:
             self.first_pass.set()
             return
         await asyncio.to_thread(self.load)
+        stopping = asyncio.ensure_future(stop.wait())
+        stopping.add_done_callback(lambda _: self._wake.set())
         try:
             while not stop.is_set():
                 await self.check_once()
                 self.first_pass.set()
-                await aio.sleep_or_stop(stop, self.config.nic_counter_interval_seconds)
+                next_pass = self.clock.monotonic() + self.config.nic_counter_interval_seconds
+                while not stop.is_set():  # a new kernel-log fault wakes this early: its hold may end first
+                    self._wake.clear()
+                    now = self.clock.monotonic()
+                    wake_at = min(next_pass, self._next_hold_end(now))
+                    if wake_at <= now or not await self.clock.wait(self._wake, wake_at - now):
+                        break
         finally:
+            await aio.cancel_and_wait(stopping)
             self.sysfs.close()  # the files kept open between passes (a restart opens them again)
+
+    def _next_hold_end(self, now: float) -> float:
+        """When the first finding that is only held (no longer seen) ends: the next pass clears it right then."""
+        return min((until for key, (_, until) in self._held.items() if key not in self._seen and until > now),
+                   default=float("inf"))
 
     async def check_once(self) -> None:
         """One pass: read, judge, publish findings, save the counters."""
@@ -152,7 +169,7 @@ class NicWatcher:
         """This pass's findings, and earlier ones still within their hold time."""
         for finding in findings:
             self._held[finding.key] = (finding, now + self.config.nic_hold_seconds)
-        current = {f.key for f in findings}
+        current = self._seen = {f.key for f in findings}
         for key in [k for k, (_, until) in self._held.items() if k not in current and until <= now]:
             log.info("cleared: %s", self._held.pop(key)[0].reason)
         return [finding for finding, _ in self._held.values()]
@@ -176,6 +193,7 @@ class NicWatcher:
             log.warning("%s", finding.reason, extra={"pci_bus_id": fault.bus_id, "check": fault.kind})
         self._held[finding.key] = (finding, now + self.config.nic_hold_seconds)
         self.assessor.on_findings(SOURCE, [f for f, _ in self._held.values()])
+        self._wake.set()  # the pass loop schedules its next wake-up with this hold's end
 
     # inventory and fail safe ---------------------------------------------------------------------------------
     def _inventory(self, reading: CounterPass, nvml_up: bool, nvml_gpus: dict[str, str]) -> list[Finding]:

@@ -16,8 +16,10 @@ from agent.health.nic_counters import CounterJudge, Thresholds
 from agent.host.nic_sysfs import NicSysfs, parse_aer
 from agent.simulate.node import SimulatedNode
 from agent.topology.model import Nic
+from tests.fakes.clock import FakeClock
 from tests.fakes.polling import until
 from tests.health.conftest import fast_config
+from tests.health.test_pci_kmsg import MLX5_MISS_COUNT
 
 # A real aer_dev_fatal file (Linux drivers/pci/pcie/aer.c aer_stats_attrs output, as shown in
 # Documentation/ABI/testing/sysfs-bus-pci-devices-aer_stats): one line per bit, then the TOTAL.
@@ -299,3 +301,51 @@ def test_open_files_are_reread_and_notice_removal(tmp_path: Path) -> None:
     assert full.read(str(path)) == "3\n" and len(full) == 0
     files.close()
     assert len(files) == 0
+
+
+async def test_a_held_finding_clears_when_its_hold_ends_not_at_the_next_pass(
+        writable_node: SimulatedNode, kmsg_file: Path, start_service) -> None:
+    """Passes every 10 s, hold 25 s: a link_downed seen at 10 s is last seen then, held until 35 s; the pass
+    loop wakes at 35 s (not 40 s) and the finding clears right then. Fake time moves only here."""
+    node, clock = writable_node, FakeClock()
+    t0 = clock.monotonic()
+    running = await start_service(node, _nic_config(kmsg_file, nic_counter_interval_seconds=10, nic_hold_seconds=25,
+                                                    link_check_interval_seconds=0), clock=clock)
+    nic = node.topology().rdma_nics[2]
+
+    async def asleep_until(at: float) -> None:  # the pass finished and the loop sleeps until `at`
+        await until(lambda: clock.next_deadline() == at, f"the NIC pass loop waiting for t0+{at - t0:g}")
+
+    await asleep_until(t0 + 10)
+    _bump(node.sysfs_root, nic.rdma or "", "link_downed")
+    await clock.advance(10)
+    await until(lambda: all(running.health().get(vf) is False for vf in _vfs(nic)), "VFs Unhealthy")
+    await asleep_until(t0 + 20)  # still seen at 10 s: no wake-up for its hold yet
+    await clock.advance(10)
+    await asleep_until(t0 + 30)  # the 20 s pass no longer sees it: held until 35 s, after the next pass
+    await clock.advance(10)
+    await asleep_until(t0 + 35)  # the 30 s pass: the hold ends before the 40 s pass, so wake then
+    assert all(running.health().get(vf) is False for vf in _vfs(nic))
+    await clock.advance(5)
+    await until(lambda: all(running.health().get(vf) is True for vf in _vfs(nic)), "healthy at the hold's end")
+    assert clock.monotonic() == t0 + 35
+    assert running.service.verdict.verdict == "healthy"
+    await asleep_until(t0 + 45)  # and back to the interval
+
+
+async def test_a_kernel_fault_held_shorter_than_the_interval_clears_at_its_hold_end(
+        node: SimulatedNode, kmsg_file: Path, start_service) -> None:
+    """A fault from the kernel log arrives between passes; its hold (3 s) ends long before the next pass (60 s)."""
+    clock = FakeClock()
+    t0 = clock.monotonic()
+    running = await start_service(node, _nic_config(kmsg_file, nic_counter_interval_seconds=60, nic_hold_seconds=3,
+                                                    link_check_interval_seconds=0), clock=clock)
+    await until(lambda: clock.next_deadline() == t0 + 60, "the NIC pass loop asleep")
+    nic = node.topology().rdma_nics[1]
+    with kmsg_file.open("a") as log:  # a real line (see test_pci_kmsg.py for its source), naming this node's NIC
+        log.write(f"3,1,1001,-;{MLX5_MISS_COUNT.replace('0000:41:00.0', nic.bus_id)}\n")
+    await until(lambda: all(running.health().get(vf) is False for vf in _vfs(nic)), "VFs Unhealthy")
+    await until(lambda: clock.next_deadline() == t0 + 3, "woken to wait for the hold's end")
+    await clock.advance(3)
+    await until(lambda: all(running.health().get(vf) is True for vf in _vfs(nic)), "healthy at the hold's end")
+    assert clock.monotonic() == t0 + 3

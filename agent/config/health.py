@@ -101,9 +101,11 @@ class HealthConfig:
         help="how long a 'degraded' finding (growing single-bit ECC, degraded-class Xid) stays after its last "
              "occurrence")
     link_check_interval_seconds: float = setting(
-        1.0, flag="--link-check-interval", env="GPU_NODE_AGENT_LINK_CHECK_INTERVAL",
+        30.0, flag="--link-check-interval", env="GPU_NODE_AGENT_LINK_CHECK_INTERVAL",
         zero_ok=True,
-        help="seconds between NIC link checks (netdev carrier/operstate, InfiniBand port state); 0 turns it off")
+        help="seconds between safety-net NIC link checks (netdev carrier/operstate, InfiniBand port state); links "
+             "are judged at once on every netlink link event, this poll catches what no event reports; 0 turns "
+             "link checks off")
     link_down_action: str = setting(
         "degraded", flag="--link-down-action", env="GPU_NODE_AGENT_LINK_DOWN_ACTION", choices=VERDICTS,
         help="node verdict while an RDMA NIC link is down (its VFs are Unhealthy regardless)")

@@ -34,13 +34,14 @@ class HealthCollector(Collector):
     def __init__(self, assessor: HealthAssessor, checks: Checks, resource_of: ResourceOf | None = None,
                  kmsg_lost: Callable[[], int] = lambda: 0, dcgm: DcgmWatcher | None = None, *,
                  kmsg_skipped: Callable[[], Mapping[str, int]] = dict,
-                 kmsg_resyncs: Callable[[], int] = lambda: 0) -> None:
+                 kmsg_resyncs: Callable[[], int] = lambda: 0, link_resyncs: Callable[[], int] = lambda: 0) -> None:
         self.assessor = assessor
         self.checks = checks
         self.resource_of = resource_of
         self.kmsg_lost = kmsg_lost
         self.kmsg_skipped = kmsg_skipped
         self.kmsg_resyncs = kmsg_resyncs
+        self.link_resyncs = link_resyncs
         self.dcgm = dcgm
 
     def collect(self) -> Iterator[Metric]:
@@ -79,6 +80,10 @@ class HealthCollector(Collector):
                                       "be real (went back, leapt, or a saved position ahead of the kernel)")
         resyncs.add_metric([], self.kmsg_resyncs())
         yield resyncs
+        link_resyncs = CounterMetricFamily(PREFIX + "link_event_resyncs", "times the netlink link-event stream lost "
+                                           "news (socket overrun, ENOBUFS) and every link was read again")
+        link_resyncs.add_metric([], self.link_resyncs())
+        yield link_resyncs
         if self.dcgm is not None:
             yield from self._dcgm(self.dcgm)
 

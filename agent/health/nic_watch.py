@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +79,9 @@ class NicWatcher:
         self._held: dict[str, tuple[Finding, float]] = {}  # key -> (finding, held until)
         self._save_failed = False
         self.kernel_faults_foreign = 0  # kernel-log faults naming a function that is not on this node
+        # told when an RDMA port's state changed between passes (sysfs sends no event; the link check reads again)
+        self.port_state_changed: Callable[[], None] | None = None
+        self._port_states: dict[tuple[str, int], str] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         """Pass after pass until `stop`; an unexpected error goes to the supervisor (which retries)."""
@@ -102,6 +106,10 @@ class NicWatcher:
             self.known_gpus.setdefault(gpu.bus_id, GpuRef(str(gpu.index), gpu.uuid or "", gpu.bus_id))
         reading, nvml_up, nvml_gpus, modules = await asyncio.to_thread(self._read, topology)
         now = self.clock.monotonic()
+        states = {(p.device, p.port): p.state for p in reading.ports}
+        if self._port_states and states != self._port_states and self.port_state_changed is not None:
+            self.port_state_changed()
+        self._port_states = states
         observations = self.judge.judge(reading, now)
         for flap in self.judge.last_flaps:
             log.warning("%s link came back after %.1f s down", flap.subject, flap.downtime,

@@ -87,7 +87,7 @@ class HealthService:
         self.nvml_poll = NvmlPoller(nvml, self.assessor, config.nvml_poll_interval_seconds, checks=self._checks)
         self.gpu_state = GpuStateWatcher(nvml, self.assessor, config, clock=clock, checks=self._checks)
         self.links = LinkWatcher(link_port or NetlinkLinkPort("/sys"), self.assessor,
-                                 config.link_check_interval_seconds, checks=self._checks)
+                                 config.link_check_interval_seconds, clock=clock, checks=self._checks)
         if dcgm_port is None and config.dcgm_exporter_url:
             dcgm_port = HttpDcgmExporter(config.dcgm_exporter_url, config.dcgm_scrape_timeout_seconds, keep=keep_line)
         self.dcgm = DcgmWatcher(dcgm_port, self.assessor, topology, config.dcgm_scrape_interval_seconds,
@@ -98,13 +98,15 @@ class HealthService:
             nic_sysfs = NicSysfs(getattr(self.links.port, "sysfs_root", "/sys"))
         self.nic = NicWatcher(nic_sysfs, self.assessor, config, nvml, clock=clock, state_dir=state_dir,
                               checks=self._checks)
+        self.nic.port_state_changed = self.links.nudge
         if self.kmsg is not None:
             self.kmsg.pci_faults = self.nic.on_kernel_fault
         self._saved = SavedHealth()
         registry.register(HealthCollector(self.assessor, self._checks, resource_of,
                                           lambda: self.kmsg.lost_records if self.kmsg else 0, self.dcgm,
                                           kmsg_skipped=lambda: self.kmsg.skipped if self.kmsg else {},
-                                          kmsg_resyncs=lambda: self.kmsg.resyncs if self.kmsg else 0))
+                                          kmsg_resyncs=lambda: self.kmsg.resyncs if self.kmsg else 0,
+                                          link_resyncs=lambda: self.links.resyncs))
         registry.register(NicCollector(self.nic))
         registry.register(GpuStateCollector(self.gpu_state))
 

@@ -12,15 +12,14 @@ namespaces are per thread, so the calling thread switches in, opens the socket a
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import errno
 import itertools
 import os
 import socket
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from agent.host.netns import entered
 
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_IPSET = 6
@@ -31,7 +30,6 @@ NLMSG_ERROR, NLMSG_DONE = 2, 3
 ATTR_PROTOCOL, ATTR_SETNAME, ATTR_TYPENAME, ATTR_FAMILY, ATTR_DATA, ATTR_ADT = 1, 2, 3, 5, 7, 8
 ELEM_IP, ELEM_CIDR, ELEM_CADT_FLAGS, ELEM_BYTES, ELEM_PACKETS = 1, 3, 8, 24, 25
 FLAG_WITH_COUNTERS = 1 << 3
-CLONE_NEWNET = 0x40000000
 _TYPE_MASK = 0x3FFF  # strips NLA_F_NESTED and NLA_F_NET_BYTEORDER
 _HDR = struct.Struct("=IHHII")
 _NLA = struct.Struct("=HH")
@@ -51,27 +49,6 @@ class SetDump:
     family: int = 0
     flags: int = 0
     members: dict[tuple[bytes, int], tuple[int, int]] = field(default_factory=dict)
-
-
-def _setns(fd: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns: {os.strerror(err)}")
-
-
-@contextlib.contextmanager
-def entered(netns: str | None) -> Iterator[None]:
-    """Run the body with this thread inside network namespace `netns` (an `ip netns` name); None: stay."""
-    if netns is None:
-        yield
-        return
-    with open("/proc/thread-self/ns/net", "rb") as home, open(f"/run/netns/{netns}", "rb") as target:
-        _setns(target.fileno())
-        try:
-            yield
-        finally:
-            _setns(home.fileno())
 
 
 def open_socket(netns: str | None = None, timeout: float = 5.0) -> socket.socket:

@@ -12,6 +12,7 @@ from agent.host.nvml import SimulatedNvml
 from agent.simulate.node import SimulatedNode
 from agent.topology.load import load_topology
 from agent.topology.model import Nic, Topology
+from tests.fakes.clock import FakeClock
 from tests.fakes.polling import until
 from tests.health.conftest import fast_config
 
@@ -86,3 +87,21 @@ async def test_link_down_action_is_configurable(writable_node: SimulatedNode, km
     nic = _pf(node.topology(), 0)
     _set_link(node, nic, up=False)
     await until(lambda: running.service.verdict.verdict == "cordon")
+
+
+async def test_an_rdma_port_change_seen_by_the_counter_pass_nudges_the_link_check(
+        writable_node: SimulatedNode, kmsg_file, start_service) -> None:
+    """sysfs sends no event for an RDMA port state: the NIC counter pass (every 0.05 fake seconds here) notices
+    the change and the link check reads again long before its 30 s safety poll."""
+    node, clock = writable_node, FakeClock()
+    start = clock.monotonic()
+    running = await start_service(node, fast_config(kmsg_file, link_check_interval_seconds=30,
+                                                    nic_counter_interval_seconds=0.05),
+                                  link_port=SysfsLinkPort(node.sysfs_root, poll_interval=3600), clock=clock)
+    nic = _pf(node.topology(), 1)
+    port = node.sysfs_root / "class" / "infiniband" / (nic.rdma or "") / "ports" / "1"
+    (port / "state").write_text("1: DOWN\n")
+    await until(lambda: running.service.verdict.verdict == "degraded", "port DOWN judged", clock=clock, step=0.05)
+    assert f"{nic.rdma} port 1 DOWN" in running.service.verdict.reasons[0]
+    assert all(running.health().get(vf.bus_id) is False for vf in nic.vfs)
+    assert clock.monotonic() - start < 30

@@ -139,6 +139,9 @@ class _Broken:
     def rdma_port_states(self, rdma: str) -> dict:
         return {}
 
+    def subscribe(self) -> None:
+        raise OSError("netlink socket refused")
+
 
 async def test_a_failing_producer_is_restarted_and_the_rest_runs(node: SimulatedNode, kmsg_file: Path,
                                                                  start_service) -> None:

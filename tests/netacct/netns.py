@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from agent.netacct.ipset_netlink import entered
+from agent.host.netns import entered
 
 TOOLS = ("ip", "sysctl", "ipset", "iptables-nft-save", "iptables-legacy-save", "ip6tables-nft-save",
          "ip6tables-legacy-save")

@@ -5,7 +5,6 @@ library's exception classes, ctypes structs (`c_nvmlGpuFabricInfo_v3_t`, `c_nvml
 
 from __future__ import annotations
 
-import ctypes
 import types
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +14,7 @@ import pytest
 
 from agent.host.nvml import GpuFabric, GpuLostError, GpuState, NvmlUnavailableError, RealNvml
 from tests.fakes.clock import FakeClock
+from tests.fakes.libnvml import StandInGpu, StandInLibNvml
 
 UUID = "GPU-a"
 
@@ -154,24 +154,25 @@ async def test_init_is_retried_on_the_injected_clock() -> None:
     assert nvml.gpu_state(UUID).fabric == GpuFabric(3)
 
 
-def test_the_fabric_struct_is_passed_by_reference_to_the_real_wrapper() -> None:
-    """The real pynvml wrapper hands its argument to C unchanged: a reference must reach the C function."""
-    seen: list[int] = []
-    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(pynvml.c_nvmlGpuFabricInfo_v3_t))
-
-    def c_function(handle: int | None, info: Any) -> int:
-        seen.append(info.contents.version)
-        info.contents.state = pynvml.NVML_GPU_FABRIC_STATE_COMPLETED
-        info.contents.healthSummary = pynvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_HEALTHY
-        return pynvml.NVML_SUCCESS
-
-    callback = proto(c_function)
-    saved = dict(pynvml._nvmlGetFunctionPointer_cache)
-    pynvml._nvmlGetFunctionPointer_cache["nvmlDeviceGetGpuFabricInfoV"] = callback
-    try:
-        lib = _library(nvmlDeviceGetGpuFabricInfoV=pynvml.nvmlDeviceGetGpuFabricInfoV)
-        assert RealNvml(lib).gpu_state(UUID).fabric == GpuFabric(3, 0, 0, 1)
-    finally:
-        pynvml._nvmlGetFunctionPointer_cache.clear()
-        pynvml._nvmlGetFunctionPointer_cache.update(saved)
-    assert seen == [pynvml.nvmlGpuFabricInfo_v3]  # the v3 struct with its version set by the constructor
+def test_through_the_real_pynvml_wrappers() -> None:
+    """RealNvml over the real pynvml module, whose C functions are a stand-in libnvidia-ml (tests/fakes/libnvml)."""
+    gpus = [StandInGpu("GPU-0"), StandInGpu("GPU-1", links={**dict.fromkeys(range(18), True), 3: False},
+                                             fabric_state=pynvml.NVML_GPU_FABRIC_STATE_IN_PROGRESS,
+                                             health_summary=pynvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_HEALTHY,
+                                             recovery_action=pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET),
+            StandInGpu("GPU-2", links={}, fabric_state=pynvml.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED,
+                       recovery_return=pynvml.NVML_ERROR_NOT_SUPPORTED),
+            StandInGpu("GPU-3", lost=True)]
+    with StandInLibNvml(gpus).install():
+        nvml = RealNvml(pynvml)
+        first, second, pcie = (nvml.gpu_state(f"GPU-{i}") for i in range(3))
+        with pytest.raises(GpuLostError):
+            nvml.gpu_state("GPU-3")
+        gpus[0].recovery_return = pynvml.NVML_ERROR_UNKNOWN
+        failing = nvml.gpu_state("GPU-0")
+    assert first == GpuState("GPU-0", dict.fromkeys(range(18), True), GpuFabric(3), 0, {})
+    assert second == GpuState("GPU-1", {**dict.fromkeys(range(18), True), 3: False}, GpuFabric(2, 0, 0, 1), 4, {})
+    assert pcie == GpuState("GPU-2", {}, None, None, {})
+    assert list(failing.errors) == ["recovery_action"] and failing.recovery_action is None
+    assert failing.fabric == GpuFabric(3)
+    assert pynvml.nvmlLib is None  # the stand-in is gone again

@@ -212,7 +212,8 @@ class RealNvml:
             errors[part] = str(exc)
         except NvmlError as exc:
             errors[part] = str(exc)
-        except (AttributeError, TypeError, ValueError) as exc:  # a library too old or too new for these calls
+        except (AttributeError, TypeError, ValueError, ctypes.ArgumentError) as exc:  # a library too old or too
+            # new for these calls: that part cannot be read (the check shows it), the others still can
             errors[part] = f"{type(exc).__name__}: {exc}"
         return None
 

@@ -6,6 +6,8 @@ the agent):
 - `Severity`: what a finding or the node deserves, an ordered enum (healthy < degraded < cordon < drain).
   Compare severities with each other, never with numbers; a new action slots in by its place in the class.
 - `NodeVerdict`: the health subsystem's one conclusion about the node, the value remediation acts on.
+- `GpuRecoveryAction`, `RecoveryRequest`: what the NVIDIA driver itself asks for a GPU (reset, reboot, drain),
+  carried in the verdict so remediation can do exactly that.
 - `DeviceHealthEvent`: one device going Unhealthy or back, as the device plugin reports it in ListAndWatch.
 - `DeviceHealth`: the one copy of which devices are Unhealthy and why. Health writes it, the device plugin's
   servers read it, and its change log tells the device plugin which devices flipped.
@@ -85,6 +87,35 @@ XID_NONE = "none"
 XID_ACTIONS: tuple[str, ...] = (XID_NONE, *VERDICTS[1:])
 
 
+class GpuRecoveryAction(enum.Enum):
+    """The recovery the NVIDIA driver requests for a GPU (NVML's `nvmlDeviceGpuRecoveryAction_t`, lower-cased).
+
+    NVIDIA's meaning: `gpu_reset` stop the GPU's processes, reset it (`nvidia-smi -r`), restart them;
+    `node_reboot` / `system_reboot` the OS state may be inconsistent, reboot; `drain_p2p` stop processes doing
+    peer-to-peer and query again; `drain_and_reset` drain P2P, then reset the GPU; `bus_reset` reset the GPU's
+    PCIe bus; `recover_imex_domain` recover the IMEX domain the GPU belongs to. `unknown`: a value newer than
+    this agent.
+    """
+
+    NONE = "none"
+    GPU_RESET = "gpu_reset"
+    NODE_REBOOT = "node_reboot"
+    DRAIN_P2P = "drain_p2p"
+    DRAIN_AND_RESET = "drain_and_reset"
+    RECOVER_IMEX_DOMAIN = "recover_imex_domain"
+    BUS_RESET = "bus_reset"
+    SYSTEM_REBOOT = "system_reboot"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class RecoveryRequest:
+    """The driver asks for `action` on the GPU `gpu_uuid` (read from NVML's GPU recovery-action field)."""
+
+    gpu_uuid: str
+    action: GpuRecoveryAction
+
+
 @dataclass(frozen=True)
 class NodeVerdict:
     """What the health subsystem concluded about this node: the one value remediation acts on.
@@ -93,7 +124,8 @@ class NodeVerdict:
     `reason`: CamelCase code of the first finding at that severity, e.g. "GpuXid79"; it becomes the taint value,
     condition reason and Event reason. `message`: one line for humans. `devices`: the device ids the findings at
     that severity name (GPU UUIDs, NIC bus ids). `hardware`: a hardware fault; by default the agent does not
-    lift such a cordon by itself. `reasons`: every active finding's text, most severe first.
+    lift such a cordon by itself. `reasons`: every active finding's text, most severe first. `recovery`: every
+    recovery the driver currently requests (whatever the severity), by GPU: what remediation should do.
     """
 
     severity: Severity
@@ -102,6 +134,7 @@ class NodeVerdict:
     devices: tuple[str, ...] = ()
     hardware: bool = False
     reasons: tuple[str, ...] = ()
+    recovery: tuple[RecoveryRequest, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.severity, Severity):

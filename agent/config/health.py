@@ -33,6 +33,18 @@ CHECK_ACTIONS: dict[str, str] = {
     "nic_driver_warning": "degraded",  # mlx5_core: PCIe slot power too low, transceiver over temperature
     "nvswitch_fatal": "cordon",  # a fatal NVSwitch SXid
     "gpudirect_missing": "degraded",  # RDMA VFs and GPUs served, but neither nvidia_peermem nor gdrdrv loaded
+    "nvlink_inactive": "cordon",  # NVML: a GPU's NVLinks inactive that its peers have active (node-wide fault)
+    "gpu_fabric": "cordon",  # NVML fabric probe not completed after the grace time, failed, or fabric unhealthy
+    "gpu_fabric_degraded": "degraded",  # fabric bandwidth degraded / limited capacity / a route recovery running
+    # NVML's GPU recovery-action field: the driver itself asks for this (the finding carries it for remediation)
+    "gpu_recovery_gpu_reset": "cordon",  # reset the GPU once its processes stopped
+    "gpu_recovery_node_reboot": "drain",  # the OS state may be inconsistent: reboot
+    "gpu_recovery_drain_p2p": "cordon",  # stop processes doing peer-to-peer, then query again
+    "gpu_recovery_drain_and_reset": "drain",  # drain peer-to-peer users, then reset the GPU
+    "gpu_recovery_recover_imex_domain": "cordon",  # the GPU's IMEX domain needs recovery
+    "gpu_recovery_bus_reset": "cordon",  # reset the GPU's PCIe bus
+    "gpu_recovery_system_reboot": "drain",  # reboot the system
+    "gpu_recovery_unknown": "cordon",  # a recovery-action value newer than this agent
     "unknown": "degraded",  # a check that cannot run (unknownHealthAction=unhealthy): what the node verdict says
 }
 
@@ -122,6 +134,14 @@ class HealthConfig:
     expected_gpus: int = setting(
         0, flag="--expected-gpus", env="GPU_NODE_AGENT_EXPECTED_GPUS",
         help="GPUs this node must have (on the PCI bus and in NVML); 0 means the count at the first scan")
+    gpu_state_interval_seconds: float = setting(
+        30.0, flag="--gpu-state-interval", env="GPU_NODE_AGENT_GPU_STATE_INTERVAL", zero_ok=True,
+        help="seconds between NVML reads of every GPU's NVLink link states, fabric state and the driver's "
+             "recovery action; 0 turns these checks off")
+    gpu_fabric_grace_seconds: float = setting(
+        600.0, flag="--gpu-fabric-grace", env="GPU_NODE_AGENT_GPU_FABRIC_GRACE", zero_ok=True,
+        help="how long a GPU's NVLink fabric registration may stay not started / in progress (after boot the "
+             "fabric manager trains the links) before it is a finding")
     unknown_health_action: str = setting(
         "unhealthy", flag="--unknown-health-action", env="GPU_NODE_AGENT_UNKNOWN_HEALTH_ACTION",
         choices=("unhealthy", "keep"),
@@ -130,7 +150,8 @@ class HealthConfig:
              "them as they were (health_check_up shows 0 either way)")
     check_actions: list[str] = setting(
         factory=list, flag="--check-action", env="GPU_NODE_AGENT_CHECK_ACTIONS", repeat=True,
-        help="override the node verdict of a NIC/PCIe/inventory check as CHECK=ACTION, e.g. "
+        help="override the node verdict of a NIC/PCIe/inventory/NVLink/fabric/recovery-action check as "
+             "CHECK=ACTION, e.g. "
              "pcie_downtrained=cordon; checks: " + ", ".join(CHECK_ACTIONS))
 
     dcgm_exporter_url: str = setting(
@@ -169,7 +190,8 @@ class HealthConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be greater than 0, got {getattr(self, name)}")
         for name in ("nic_counter_interval_seconds", "nic_hold_seconds", "nic_symbol_errors_per_hour",
-                     "nic_flaps_per_minute", "nic_rcv_errors_per_second", "nic_outage_seconds", "expected_gpus"):
+                     "nic_flaps_per_minute", "nic_rcv_errors_per_second", "nic_outage_seconds", "expected_gpus",
+                     "gpu_state_interval_seconds", "gpu_fabric_grace_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         self.check_action_map()

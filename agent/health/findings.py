@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from agent.signals import Severity
+from agent.signals import GpuRecoveryAction, Severity
 
 
 class Clears(enum.Enum):
@@ -51,3 +51,4 @@ class Finding:
     expires_at: float | None = None  # HOLD findings: monotonic time
     code: str = "GpuFault"  # CamelCase kind for taints, conditions and Events, e.g. GpuXid79, NicLinkDown
     hardware: bool = False  # a hardware fault (remediation does not lift its cordon by itself)
+    recovery: GpuRecoveryAction | None = None  # the driver's own requested recovery for `gpu_uuid`, if it said one

@@ -1,7 +1,7 @@
 """The health subsystem as one object: every producer supervised, device health out, node verdicts out.
 
-`HealthService.run(stop)` starts the producers (kernel log, NVML events, NVML polls, NIC links, and
-dcgm-exporter scrapes when a URL is configured) and a
+`HealthService.run(stop)` starts the producers (kernel log, NVML events, NVML polls, NVLink/fabric/recovery-action
+reads, NIC links, the NIC/PCIe counter pass, and dcgm-exporter scrapes when a URL is configured) and a
 housekeeping loop, under one `agent.supervisor.Supervisor`: a producer that raises is logged, shown as "failed" in
 `checks` and the `gpu_node_agent_health_check_up` gauge, and restarted with backoff, while the others carry
 on. Without NVML the NVML checks say "unavailable" and the rest runs, unless `require_nvml` asks for a hard
@@ -28,6 +28,8 @@ from agent.health.assess import HealthAssessor
 from agent.health.checks import Checks, CheckState
 from agent.health.dcgm import keep_line
 from agent.health.dcgm_watch import DcgmWatcher
+from agent.health.gpu_state_metrics import GpuStateCollector
+from agent.health.gpu_state_watch import GpuStateWatcher
 from agent.health.kmsg_watch import KmsgWatcher
 from agent.health.links import LinkWatcher
 from agent.health.metrics import HealthCollector, ResourceOf
@@ -83,6 +85,7 @@ class HealthService:
         self.nvml_events = NvmlEventWatcher(nvml, self.assessor, config.nvml_event_timeout_seconds,
                                             checks=self._checks)
         self.nvml_poll = NvmlPoller(nvml, self.assessor, config.nvml_poll_interval_seconds, checks=self._checks)
+        self.gpu_state = GpuStateWatcher(nvml, self.assessor, config, clock=clock, checks=self._checks)
         self.links = LinkWatcher(link_port or NetlinkLinkPort("/sys"), self.assessor,
                                  config.link_check_interval_seconds, clock=clock, checks=self._checks)
         if dcgm_port is None and config.dcgm_exporter_url:
@@ -105,6 +108,7 @@ class HealthService:
                                           kmsg_resyncs=lambda: self.kmsg.resyncs if self.kmsg else 0,
                                           link_resyncs=lambda: self.links.resyncs))
         registry.register(NicCollector(self.nic))
+        registry.register(GpuStateCollector(self.gpu_state))
 
     @property
     def verdict(self) -> NodeVerdict:
@@ -142,6 +146,7 @@ class HealthService:
         producers: dict[str, tuple[Producer, asyncio.Event]] = {
             "nvml_events": (self.nvml_events.run, self.nvml_events.first_pass),
             "nvml_poll": (self.nvml_poll.run, self.nvml_poll.first_pass),
+            "gpu_state": (self.gpu_state.run, self.gpu_state.first_pass),
             "links": (self.links.run, self.links.first_pass),
             "nic_counters": (self.nic.run, self.nic.first_pass),
         }

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from agent.health.findings import Clears, Finding
-from agent.signals import HEALTHY, NodeVerdict, Severity
+from agent.signals import HEALTHY, NodeVerdict, RecoveryRequest, Severity
 
 
 class VerdictBook:
@@ -89,6 +89,9 @@ class VerdictBook:
             return HEALTHY
         top = [f for f in active if f.severity == active[0].severity]
         reasons = tuple(dict.fromkeys(f.reason for f in active))
+        recovery = tuple(sorted({RecoveryRequest(f.gpu_uuid, f.recovery) for f in active
+                                 if f.recovery is not None and f.gpu_uuid},
+                                key=lambda r: (r.gpu_uuid, r.action.value)))
         return NodeVerdict(active[0].severity, top[0].code, "; ".join(reasons),
                            tuple(dict.fromkeys(d for f in top for d in f.devices)), any(f.hardware for f in top),
-                           reasons)
+                           reasons, recovery)

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config import TopologyConfig
 from agent.host import probes
 from agent.host.links import LinkPort, NetlinkLinkPort, SysfsLinkPort
@@ -61,20 +62,21 @@ class Hardware:
     def describe(self) -> str:
         """One line for logs: which sources are in use."""
         where = f"simulated profile {self.simulated.profile.name} (sysfs tree {self.sysfs_root}: write its files to " \
-            "inject faults)" if self.simulated else f"sysfs {self.sysfs_root}"
+            f"inject faults; NVML faults: <GPU UUID>.json in {self.simulated.nvml.overrides_dir})" if self.simulated \
+            else f"sysfs {self.sysfs_root}"
         xml = f", NCCL topology {self.topology_file}" if self.topology_file else ""
         return f"{where}{xml}, NVML {'available' if self.nvml.available else 'unavailable'}"
 
 
-def open_hardware(cfg: TopologyConfig, scratch: Path) -> Hardware:
+def open_hardware(cfg: TopologyConfig, scratch: Path, clock: Clock = SYSTEM_CLOCK) -> Hardware:
     """Open the configured sources and read the first topology. Raises for an unknown profile or bad XML."""
     if cfg.simulate:
-        node = build_simulated_node(cfg.simulate, scratch)
+        node = build_simulated_node(cfg.simulate, scratch, scratch.parent / "nvml")
         xml = Path(cfg.topology_file) if cfg.topology_file else node.topology_file
         hardware = Hardware(nvml=node.nvml, sysfs_root=node.sysfs_root, topology_file=xml,
                             topology=Topology(), links=SysfsLinkPort(node.sysfs_root), simulated=node)
     else:
-        hardware = Hardware(nvml=RealNvml(), sysfs_root=Path(cfg.sysfs_root),
+        hardware = Hardware(nvml=RealNvml(clock=clock), sysfs_root=Path(cfg.sysfs_root),
                             topology_file=Path(cfg.topology_file) if cfg.topology_file else None,
                             topology=Topology(), links=NetlinkLinkPort(cfg.sysfs_root))
     hardware.rescan()

@@ -34,12 +34,28 @@ class SimulatedNode:
                              gpu_minors=self.nvml.gpu_minors(), mig_gpus=self.nvml.mig_gpus())
 
 
-def build_simulated_node(name: str, root: Path) -> SimulatedNode:
-    """Write profile `name` as a sysfs tree under `root`. Raises profiles.UnknownProfileError."""
+# NVLinks and NVSwitch fabric of the GPU models the profiles use, by PCI device id: H100 SXM5 has 18 NVLink4 links
+# to the NVSwitches of an HGX board (fabric probe supported from Hopper on); V100 SXM2 has 6 NVLink2 links and no
+# fabric probe. A GPU model not listed is a PCIe board without NVLink.
+GPU_INTERCONNECT: dict[str, tuple[int, bool]] = {"0x2330": (18, True), "0x1db1": (6, False)}
+
+
+def simulated_nvml(profile: profiles.Profile, overrides_dir: Path | None = None) -> SimulatedNvml:
+    """The profile's NVML: its UUIDs, and the NVLinks and fabric of its GPU model."""
+    models = {dev.model.device for _, _, dev in profile.walk() if dev.model.is_gpu}
+    links, fabric = GPU_INTERCONNECT.get(min(models), (0, False)) if models else (0, False)
+    return SimulatedNvml(profile.gpu_uuids, nvlinks=links, fabric=fabric, overrides_dir=overrides_dir)
+
+
+def build_simulated_node(name: str, root: Path, nvml_overrides: Path | None = None) -> SimulatedNode:
+    """Write profile `name` as a sysfs tree under `root` (and create `nvml_overrides`, where NVML override files
+    are read, when given). Raises profiles.UnknownProfileError."""
     profile = profiles.load_profile(name)
     root.mkdir(parents=True, exist_ok=True)
     sysfs_writer.write_sysfs(profile, root)
-    return SimulatedNode(profile=profile, sysfs_root=root, nvml=SimulatedNvml(profile.gpu_uuids))
+    if nvml_overrides is not None:
+        nvml_overrides.mkdir(parents=True, exist_ok=True)
+    return SimulatedNode(profile=profile, sysfs_root=root, nvml=simulated_nvml(profile, nvml_overrides))
 
 
 def simulated_topology(name: str, root: Path) -> Topology:

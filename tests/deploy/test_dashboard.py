@@ -75,6 +75,9 @@ def test_variable_queries_use_known_metrics():
     "gpu_node_agent_gpus_present",
     "process_resident_memory_bytes",
     "process_cpu_seconds_total",
+    "gpu_node_agent_nvlink_links_down",
+    "gpu_node_agent_gpu_fabric_state",
+    "gpu_node_agent_gpu_recovery_action",
 ])
 def test_dashboard_shows(metric):
     assert any(metric in metric_names(expr) for _, expr in QUERIES), f"no panel shows {metric}"

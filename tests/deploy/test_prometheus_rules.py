@@ -26,7 +26,8 @@ needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason=PROMETHEUS_MISSING)
 REQUIRED_ALERTS = {"GpuXidNeedsAction", "GpuDeviceUnhealthy", "GpuNodeCordonedByAgent", "GpuNodeVerdictCordonOrDrain",
                    "GpuNodeNeedsHumanAttention", "GpuNodeAgentDown", "GpuNodeAgentSubsystemDown",
                    "GpuNodeAgentAccountingDown", "GpuNodeAgentDcgmUnreadable", "GpuMissing", "PcieLinkDowntrained",
-                   "NicPortErrors", "NicLinkFlapping", "PodInternetBandwidthAtLimit"}
+                   "NicPortErrors", "NicLinkFlapping", "PodInternetBandwidthAtLimit", "NvlinkInactive",
+                   "GpuFabricUnhealthy", "GpuRecoveryActionRequested"}
 
 
 def _write_rules(path: Path, *, annotations: bool = True) -> Path:
@@ -204,6 +205,25 @@ UNIT_TESTS: list[dict[str, Any]] = [
             *_alerts("GpuMissing", ("6m", []), ("7m", [{**AGENT, "severity": "critical"}]), ("16m", [])),
             *_alerts("PcieLinkDowntrained", ("14m", []),
                      ("15m", [{**AGENT, "device": "0000:1b:00.0", "severity": "warning"}])),
+        ],
+    },
+    {   # GPU 0 loses an NVLink at 5 min for 10 min; GPU 2's fabric stays in progress, then fails; a reset request
+        "input_series": [
+            _series("gpu_node_agent_nvlink_links_down", "0x4 1x10 0x15", **GPU0),
+            _series("gpu_node_agent_gpu_fabric_state", "1x20 0x10", **GPU2, state="in_progress"),
+            _series("gpu_node_agent_gpu_fabric_state", "0x20 1x10", **GPU2, state="completed"),
+            _series("gpu_node_agent_gpu_fabric_status", "_x20 999x10", **GPU2),
+            _series("gpu_node_agent_gpu_recovery_action", "0x3 1x5 0x20", **GPU0, action="gpu_reset"),
+            _series("gpu_node_agent_gpu_recovery_action", "1x3 0x5 1x20", **GPU0, action="none"),
+        ],
+        "alert_rule_test": [
+            *_alerts("NvlinkInactive", ("9m", []), ("10m", [{**AGENT, **GPU0, "severity": "critical"}]),
+                     ("20m", [])),
+            *_alerts("GpuFabricUnhealthy", ("9m", []), ("10m", [{**AGENT, **GPU2, "state": "in_progress",
+                                                                 "severity": "critical"}]),
+                     ("30m", [{**AGENT, **GPU2, "severity": "critical"}])),
+            *_alerts("GpuRecoveryActionRequested", ("4m", []),
+                     ("5m", [{**AGENT, **GPU0, "action": "gpu_reset", "severity": "critical"}]), ("10m", [])),
         ],
     },
     {   # link_downed grows at 5 min; mlx5_1/1 goes down and up three times within the hour

@@ -15,10 +15,9 @@ from prometheus_client import CollectorRegistry
 from agent.config.health import HealthConfig
 from agent.health.service import HealthService
 from agent.host.links import SysfsLinkPort
-from agent.host.nvml import SimulatedNvml
 from agent.signals import DeviceHealth, DeviceHealthEvent
 from agent.simulate import profiles
-from agent.simulate.node import SimulatedNode, build_simulated_node
+from agent.simulate.node import SimulatedNode, build_simulated_node, simulated_nvml
 
 TIMEOUT = 10.0  # generous: "eventually" checks, never timing assertions
 
@@ -44,9 +43,9 @@ def dgx_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _node(root: Path) -> SimulatedNode:
-    profile = profiles.load_profile("dgx-h100")
-    return SimulatedNode(profile=profile, sysfs_root=root, nvml=SimulatedNvml(profile.gpu_uuids))
+def _node(root: Path, nvml_overrides: Path | None = None) -> SimulatedNode:
+    profile = profiles.load_profile("dgx-h100")  # its twin: 18 active NVLinks per GPU, fabric probe completed
+    return SimulatedNode(profile=profile, sysfs_root=root, nvml=simulated_nvml(profile, nvml_overrides))
 
 
 @pytest.fixture
@@ -57,10 +56,12 @@ def node(dgx_root: Path) -> SimulatedNode:
 
 @pytest.fixture
 def writable_node(tmp_path: Path, dgx_root: Path) -> SimulatedNode:
-    """A dgx-h100 with its own copy of the sysfs tree, for tests that flip links (copying beats writing)."""
+    """A dgx-h100 with its own copy of the sysfs tree, for tests that flip links (copying beats writing), and its
+    own NVML override directory (`nvml.overrides_dir`)."""
     root = tmp_path / "sys"
     shutil.copytree(dgx_root, root, symlinks=True)
-    return _node(root)
+    (tmp_path / "nvml").mkdir()
+    return _node(root, tmp_path / "nvml")
 
 
 @pytest.fixture

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 log = logging.getLogger(__name__)
 
 _GPU_IS_LOST, _NOT_SUPPORTED, _TIMEOUT, _FUNCTION_NOT_FOUND, _RESET_REQUIRED = 15, 3, 10, 13, 16
+_INVALID_ARGUMENT, _ARGUMENT_VERSION_MISMATCH = 2, 25
+
+# nvmlGpuFabricState_t (NVML_GPU_FABRIC_STATE_*): the GPU's registration with the NVLink fabric (NVSwitch systems).
+FABRIC_NOT_SUPPORTED, FABRIC_NOT_STARTED, FABRIC_IN_PROGRESS, FABRIC_COMPLETED = 0, 1, 2, 3
+FABRIC_STATES = {FABRIC_NOT_SUPPORTED: "not_supported", FABRIC_NOT_STARTED: "not_started",
+                 FABRIC_IN_PROGRESS: "in_progress", FABRIC_COMPLETED: "completed"}
+# NVML_GPU_FABRIC_HEALTH_SUMMARY_* (nvmlGpuFabricInfo_v3_t.healthSummary)
+FABRIC_SUMMARY_NOT_SUPPORTED, FABRIC_SUMMARY_HEALTHY, FABRIC_SUMMARY_UNHEALTHY, FABRIC_SUMMARY_LIMITED = 0, 1, 2, 3
+# nvmlDeviceGpuRecoveryAction_t (NVML_GPU_RECOVERY_ACTION_*), the value of field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+RECOVERY_ACTIONS = {0: "none", 1: "gpu_reset", 2: "node_reboot", 3: "drain_p2p", 4: "drain_and_reset",
+                    5: "recover_imex_domain", 6: "bus_reset", 7: "system_reboot"}
 _SBE, _DBE, _XID = 0x1, 0x2, 0x8  # nvmlEventTypeSingleBitEccError, DoubleBitEccError, XidCriticalError
 _NO_INSTANCE = 0xFFFFFFFF
 
@@ -58,6 +69,36 @@ class MemoryHealth:
     remap_failure: bool | None = None
 
 
+@dataclass(frozen=True)
+class GpuFabric:
+    """nvmlGpuFabricInfo: the probe `state` (FABRIC_*), its `status` (an NVML return code, meaningful once
+    COMPLETED), and with newer drivers the `health_mask` (NVML_GPU_FABRIC_HEALTH_MASK_* 2-bit fields) and
+    `health_summary` (FABRIC_SUMMARY_*); 0 where the driver does not report them."""
+
+    state: int
+    status: int = 0
+    health_mask: int = 0
+    health_summary: int = 0
+
+
+@dataclass(frozen=True)
+class GpuState:
+    """NVLink, fabric and the driver's requested recovery of one GPU.
+
+    `nvlinks`: link number -> active, for the links NVML reports (empty: no NVLink, e.g. a PCIe board);
+    `fabric`: None where not supported (no NVSwitch fabric, older GPU or driver); `recovery_action`: the NVML
+    value (RECOVERY_ACTIONS), None where the field is not supported. A part whose query failed for another reason
+    is missing from the values (empty / None) and named in `errors` (part -> why): "nvlink", "fabric",
+    "recovery_action".
+    """
+
+    uuid: str
+    nvlinks: dict[int, bool]
+    fabric: GpuFabric | None = None
+    recovery_action: int | None = None
+    errors: dict[str, str] = field(default_factory=dict)
+
+
 class Nvml(Protocol):
     """What the agent asks of NVML."""
 
@@ -97,6 +138,10 @@ class NvmlHealth(Nvml, Protocol):
 
     def memory_health(self, uuid: str) -> MemoryHealth:
         """ECC counts, retired pages, remapped rows of one GPU. GpuLostError, NvmlUnavailableError."""
+
+    def gpu_state(self, uuid: str) -> GpuState:
+        """NVLink link states, fabric info and recovery action of one GPU. GpuLostError, NvmlUnavailableError;
+        another failure of one part is reported in `GpuState.errors`, not raised."""
 
 
 def _code(exc: BaseException) -> int | None:

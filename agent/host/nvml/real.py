@@ -2,25 +2,31 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
-import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
+from agent.clock import SYSTEM_CLOCK, Clock
 from agent.host.busid import BusIdError, normalize_bus_id
 from agent.host.nvml.api import (
+    _ARGUMENT_VERSION_MISMATCH,
     _DBE,
     _FUNCTION_NOT_FOUND,
     _GPU_IS_LOST,
+    _INVALID_ARGUMENT,
     _NO_INSTANCE,
     _NOT_SUPPORTED,
     _RESET_REQUIRED,
     _SBE,
     _TIMEOUT,
     _XID,
+    FABRIC_NOT_SUPPORTED,
+    GpuFabric,
     GpuLostError,
+    GpuState,
     MemoryHealth,
     NvmlError,
     NvmlEvent,
@@ -31,13 +37,19 @@ from agent.host.nvml.api import (
 
 log = logging.getLogger(__name__)
 _RETRY_INIT_SECONDS = 60.0  # a failed nvmlInit is tried again this long after (health recovers with the driver)
+_MAX_LINKS = 36  # NVML_NVLINK_MAX_LINKS in nvidia-ml-py 13.615.71 (used when the library does not say)
+_RECOVERY_FIELD = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (replaces the deprecated fields 226 and 227)
+_NO_SUCH_LINK = (_NOT_SUPPORTED, _INVALID_ARGUMENT, _FUNCTION_NOT_FOUND)
+# nvmlValueType_t -> member of the c_nvmlValue_t union holding a field value
+_VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
 
 class RealNvml:
     """NVML through nvidia-ml-py. Initialises lazily; a missing library or driver makes it unavailable."""
 
-    def __init__(self, library: ModuleType | None = None) -> None:
+    def __init__(self, library: ModuleType | None = None, *, clock: Clock = SYSTEM_CLOCK) -> None:
         self._library = library
+        self._clock = clock
         self._lock = threading.Lock()
         self._initialised: bool | None = None
         self._failed_at = 0.0
@@ -47,7 +59,7 @@ class RealNvml:
 
     def _init(self) -> ModuleType | None:
         with self._lock:
-            if self._initialised is False and time.monotonic() - self._failed_at >= _RETRY_INIT_SECONDS:
+            if self._initialised is False and self._clock.monotonic() - self._failed_at >= _RETRY_INIT_SECONDS:
                 self._initialised = None  # the driver may be loaded by now: try again, so health can recover
             if self._initialised is None:
                 try:
@@ -62,7 +74,7 @@ class RealNvml:
                     self.unavailable_reason = ""
                 except Exception as exc:  # pynvml raises NVMLError subclasses, or OSError for the library
                     self._initialised = False
-                    self._failed_at = time.monotonic()
+                    self._failed_at = self._clock.monotonic()
                     reason, self.unavailable_reason = self.unavailable_reason, f"{type(exc).__name__}: {exc}"
                     if reason != self.unavailable_reason:
                         log.warning("NVML unavailable (%s); GPU identity and NVML health checks are off "
@@ -153,9 +165,7 @@ class RealNvml:
             return call(*args)
         except nvml.NVMLError as exc:
             if _code(exc) in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND):
-                if (uuid, what) not in self._unsupported_logged:
-                    self._unsupported_logged.add((uuid, what))
-                    log.info("NVML %s not supported on %s; that check is skipped", what, uuid)
+                self._unsupported(uuid, what)
                 return None
             raise self._translate(nvml, uuid, exc) from exc
 
@@ -178,6 +188,92 @@ class RealNvml:
             uuid, ecc(0, 0), ecc(1, 0), ecc(0, 1), ecc(1, 1), retired(0), retired(1),
             None if pending is None else bool(pending), corr, unc,
             None if remap_pending is None else bool(remap_pending), None if failure is None else bool(failure))
+
+    def gpu_state(self, uuid: str) -> GpuState:
+        """NVLink states, fabric info and the recovery-action field of one GPU; each part fails on its own."""
+        nvml = self._lib()
+        h = self._handle(nvml, uuid)
+        errors: dict[str, str] = {}
+        links = self._part(nvml, uuid, errors, "nvlink", lambda: self._nvlinks(nvml, uuid, h)) or {}
+        fabric = self._part(nvml, uuid, errors, "fabric", lambda: self._fabric(nvml, uuid, h))
+        action = self._part(nvml, uuid, errors, "recovery_action", lambda: self._recovery_action(nvml, uuid, h))
+        return GpuState(uuid, links, fabric, action, errors)
+
+    def _part(self, nvml: ModuleType, uuid: str, errors: dict[str, str], part: str, read: Callable[[], Any]) -> Any:
+        """One part of `gpu_state`: a lost GPU raises; any other failure is that part's error."""
+        try:
+            return read()
+        except GpuLostError:
+            raise
+        except nvml.NVMLError as exc:
+            translated = self._translate(nvml, uuid, exc)
+            if isinstance(translated, GpuLostError):
+                raise translated from exc
+            errors[part] = str(exc)
+        except NvmlError as exc:
+            errors[part] = str(exc)
+        except (AttributeError, TypeError, ValueError, ctypes.ArgumentError) as exc:  # a library too old or too
+            # new for these calls: that part cannot be read (the check shows it), the others still can
+            errors[part] = f"{type(exc).__name__}: {exc}"
+        return None
+
+    def _nvlinks(self, nvml: ModuleType, uuid: str, h: Any) -> dict[int, bool]:
+        """nvmlDeviceGetNvLinkState for links 0..NVML_NVLINK_MAX_LINKS-1; a link the GPU lacks answers
+        NOT_SUPPORTED or INVALID_ARGUMENT (a PCIe board: every link)."""
+        links: dict[int, bool] = {}
+        for link in range(int(getattr(nvml, "NVML_NVLINK_MAX_LINKS", _MAX_LINKS))):
+            try:
+                links[link] = nvml.nvmlDeviceGetNvLinkState(h, link) == 1  # NVML_FEATURE_ENABLED
+            except nvml.NVMLError as exc:
+                if _code(exc) not in _NO_SUCH_LINK:
+                    raise
+        return links
+
+    def _fabric(self, nvml: ModuleType, uuid: str, h: Any) -> GpuFabric | None:
+        """nvmlDeviceGetGpuFabricInfoV with the v3 struct; v2 for a driver that rejects v3's version, the
+        deprecated v1 call for one without the versioned call. None when the GPU has no fabric."""
+        attempts: list[tuple[str, str]] = [("nvmlDeviceGetGpuFabricInfoV", "c_nvmlGpuFabricInfo_v3_t"),
+                                           ("nvmlDeviceGetGpuFabricInfoV", "c_nvmlGpuFabricInfo_v2_t"),
+                                           ("nvmlDeviceGetGpuFabricInfo", "c_nvmlGpuFabricInfo_t")]
+        for call, struct in attempts:
+            if not hasattr(nvml, call) or not hasattr(nvml, struct):
+                continue
+            info = getattr(nvml, struct)()
+            try:
+                getattr(nvml, call)(h, ctypes.byref(info))  # the wrapper hands its argument to C as is
+            except nvml.NVMLError as exc:
+                if _code(exc) in (_ARGUMENT_VERSION_MISMATCH, _FUNCTION_NOT_FOUND):
+                    continue  # an older driver: try the older struct or call
+                if _code(exc) == _NOT_SUPPORTED:
+                    self._unsupported(uuid, "GPU fabric info")
+                    return None
+                raise
+            if int(info.state) == FABRIC_NOT_SUPPORTED:
+                return None
+            return GpuFabric(int(info.state), int(info.status), int(getattr(info, "healthMask", 0)),
+                             int(getattr(info, "healthSummary", 0)))
+        self._unsupported(uuid, "GPU fabric info")
+        return None
+
+    def _recovery_action(self, nvml: ModuleType, uuid: str, h: Any) -> int | None:
+        """Field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION; each field value carries its own return code."""
+        field_id = int(getattr(nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", _RECOVERY_FIELD))
+        value = nvml.nvmlDeviceGetFieldValues(h, [field_id])[0]
+        code = int(value.nvmlReturn)
+        if code in (_GPU_IS_LOST, _RESET_REQUIRED):
+            self._handles.pop(uuid, None)
+            raise GpuLostError(uuid, f"recovery-action field: NVML return code {code}")
+        if code in _NO_SUCH_LINK:  # an older driver does not know the field
+            self._unsupported(uuid, "GPU recovery-action field")
+            return None
+        if code != 0:
+            raise NvmlError(f"{uuid}: recovery-action field: NVML return code {code}")
+        return int(getattr(value.value, _VALUE_MEMBERS.get(int(value.valueType), "uiVal")))
+
+    def _unsupported(self, uuid: str, what: str) -> None:
+        if (uuid, what) not in self._unsupported_logged:
+            self._unsupported_logged.add((uuid, what))
+            log.info("NVML %s not supported on %s; that check is skipped", what, uuid)
 
     def open_events(self, uuids: Iterable[str]) -> NvmlEventSet:
         """Register Xid and ECC events (masked by what each GPU supports) on one event set."""

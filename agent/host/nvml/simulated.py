@@ -1,16 +1,31 @@
-"""NVML for simulated nodes, with fault injection (Xids, ECC, remaps, lost GPUs, unsupported calls)."""
+"""NVML for simulated nodes, with fault injection (Xids, ECC, remaps, lost GPUs, unsupported calls, NVLink and
+fabric state, the driver's recovery action).
+
+NVLink, fabric and recovery-action faults can also be injected from outside the process (`run --simulate`): a
+JSON file `<overrides_dir>/<GPU UUID>.json` is read on every `gpu_state` call, e.g.
+`{"nvlink_inactive": [3, 7], "fabric": {"state": "in_progress"}, "recovery_action": "gpu_reset"}`; deleting it
+clears them.
+"""
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 from agent.host.busid import normalize_bus_id
 from agent.host.nvml.api import (
+    FABRIC_COMPLETED,
+    FABRIC_NOT_SUPPORTED,
+    FABRIC_STATES,
+    RECOVERY_ACTIONS,
+    GpuFabric,
     GpuLostError,
+    GpuState,
     MemoryHealth,
     NvmlError,
     NvmlEvent,
@@ -23,7 +38,14 @@ from agent.host.nvml.api import (
 class _SimGpu:
     health: MemoryHealth
     lost: bool = False
-    unsupported: set[str] = field(default_factory=set)  # "ecc", "retired_pages", "remapped_rows", "events"
+    unsupported: set[str] = field(default_factory=set)  # ecc, retired_pages, remapped_rows, events, STATE_PARTS
+    nvlinks: dict[int, bool] = field(default_factory=dict)
+    fabric: GpuFabric | None = None
+    recovery_action: int = 0
+    failing: dict[str, str] = field(default_factory=dict)  # gpu_state part -> error
+
+
+STATE_PARTS = ("nvlink", "fabric", "recovery_action")
 
 
 _ZERO: dict[str, Any] = {f.name: 0 for f in fields(MemoryHealth) if f.name != "uuid"} | {
@@ -35,13 +57,19 @@ class SimulatedNvml:
     """NVML for a simulated node: the profile's UUIDs, healthy GPUs, and methods that inject faults."""
 
     def __init__(self, uuids: Mapping[str, str], *, available: bool = True,
-                 unavailable_reason: str = "NVMLError_LibraryNotFound: simulated", mig: Iterable[str] = ()) -> None:
+                 unavailable_reason: str = "NVMLError_LibraryNotFound: simulated", mig: Iterable[str] = (),
+                 nvlinks: int = 0, fabric: bool = False, overrides_dir: Path | None = None) -> None:
+        """`nvlinks` active links per GPU (0: a PCIe board); `fabric`: an NVSwitch system whose fabric probe has
+        completed; `overrides_dir`: where `<uuid>.json` override files are read (module docstring)."""
         self._uuids = {normalize_bus_id(k): v for k, v in uuids.items()}
         self._mig = {normalize_bus_id(bus_id) for bus_id in mig}
         self._available = available
         self._reason = "" if available else unavailable_reason
         self._lock = threading.Lock()
-        self._gpus = {u: _SimGpu(MemoryHealth(u, **_ZERO)) for u in self._uuids.values()}
+        self.overrides_dir = overrides_dir
+        self._gpus = {u: _SimGpu(MemoryHealth(u, **_ZERO), nvlinks=dict.fromkeys(range(nvlinks), True),
+                                 fabric=GpuFabric(FABRIC_COMPLETED) if fabric else None)
+                      for u in self._uuids.values()}
         self._listeners: list[tuple[frozenset[str], queue.SimpleQueue[NvmlEvent]]] = []
 
     @property
@@ -102,6 +130,74 @@ class SimulatedNvml:
                       for prefix in _FIELD_GROUPS.get(group, ()) if f.name.startswith(prefix)}
             return replace(gpu.health, **hidden)  # type: ignore[arg-type]  # only the Optional fields are named
 
+    def gpu_state(self, uuid: str) -> GpuState:
+        """NVLink, fabric and recovery action as set (and as an override file says); unsupported parts empty."""
+        if not self._available:
+            raise NvmlUnavailableError(self._reason)
+        with self._lock:
+            gpu = self._gpus.get(uuid)
+            if gpu is None:
+                raise NvmlError(f"{uuid}: no such GPU")
+            if gpu.lost:
+                raise GpuLostError(uuid, "GPU is lost")
+            links, fabric, action = dict(gpu.nvlinks), gpu.fabric, gpu.recovery_action
+            errors, unsupported = dict(gpu.failing), set(gpu.unsupported)
+        links, fabric, action, errors = self._overridden(uuid, links, fabric, action, errors)
+        return GpuState(uuid, {} if "nvlink" in unsupported or "nvlink" in errors else links,
+                        None if "fabric" in unsupported or "fabric" in errors else fabric,
+                        None if "recovery_action" in unsupported or "recovery_action" in errors else action, errors)
+
+    def _overridden(self, uuid: str, links: dict[int, bool], fabric: GpuFabric | None, action: int,
+                    errors: dict[str, str]) -> tuple[dict[int, bool], GpuFabric | None, int, dict[str, str]]:
+        path = self.overrides_dir / f"{uuid}.json" if self.overrides_dir is not None else None
+        if path is None or not path.is_file():
+            return links, fabric, action, errors
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            for link in data.get("nvlink_inactive", []):
+                links[int(link)] = False
+            if "fabric" in data:
+                raw = data["fabric"]
+                state = raw["state"]
+                names = {v: k for k, v in FABRIC_STATES.items()}
+                fabric = GpuFabric(names[state] if isinstance(state, str) else int(state), int(raw.get("status", 0)),
+                                   int(raw.get("health_mask", 0)), int(raw.get("health_summary", 0)))
+                fabric = fabric if fabric.state != FABRIC_NOT_SUPPORTED else None
+            if "recovery_action" in data:
+                value = data["recovery_action"]
+                action = {v: k for k, v in RECOVERY_ACTIONS.items()}[value] if isinstance(value, str) else int(value)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            why = f"simulated override {path} unreadable: {type(exc).__name__}: {exc}"
+            return links, fabric, action, {**errors, **dict.fromkeys(STATE_PARTS, why)}
+        return links, fabric, action, errors
+
+    def set_nvlink(self, uuid: str, link: int, active: bool) -> None:
+        """One NVLink of this GPU goes inactive or active (a link the GPU did not have is added)."""
+        with self._lock:
+            self._gpus[uuid].nvlinks[link] = active
+
+    def set_fabric(self, uuid: str, state: int, status: int = 0, health_mask: int = 0,
+                   health_summary: int = 0) -> None:
+        """The GPU's fabric probe state (api.FABRIC_*), its status (an NVML return code), mask and summary."""
+        with self._lock:  # like the real port, a state of NOT_SUPPORTED reads as no fabric at all
+            self._gpus[uuid].fabric = GpuFabric(state, status, health_mask, health_summary) \
+                if state != FABRIC_NOT_SUPPORTED else None
+
+    def set_recovery_action(self, uuid: str, action: int) -> None:
+        """The driver's recovery action for this GPU (an NVML value, api.RECOVERY_ACTIONS; 0 = none)."""
+        with self._lock:
+            self._gpus[uuid].recovery_action = action
+
+    def fail_state(self, uuid: str, part: str, why: str = "NVMLError_Unknown: simulated") -> None:
+        """Make one `gpu_state` part (nvlink, fabric, recovery_action) fail; an empty `why` heals it."""
+        if part not in STATE_PARTS:
+            raise ValueError(f"part must be one of {', '.join(STATE_PARTS)}")
+        with self._lock:
+            if why:
+                self._gpus[uuid].failing[part] = why
+            else:
+                self._gpus[uuid].failing.pop(part, None)
+
     def _emit(self, event: NvmlEvent) -> None:
         for watched, events in self._listeners:
             if event.uuid in watched:
@@ -131,7 +227,8 @@ class SimulatedNvml:
             self._gpus[uuid].health = replace(self._gpus[uuid].health, **values)  # type: ignore[arg-type]
 
     def set_unsupported(self, uuid: str, *groups: str) -> None:
-        """Make call groups unsupported on this GPU: ecc, retired_pages, remapped_rows, events."""
+        """Make call groups unsupported on this GPU: ecc, retired_pages, remapped_rows, events, nvlink, fabric,
+        recovery_action."""
         with self._lock:
             self._gpus[uuid].unsupported = set(groups)
 
@@ -147,6 +244,7 @@ class SimulatedNvml:
         with self._lock:
             gpu = self._gpus[uuid]
             gpu.lost = False
+            gpu.recovery_action = 0  # the reset the driver asked for is done
             gpu.health = replace(gpu.health, ecc_corrected_volatile=0, ecc_uncorrected_volatile=0,
                                   retired_pages_pending=False, remap_pending=False)
 

@@ -114,11 +114,13 @@ async def test_link_down_is_seen_from_the_event_not_the_poll(netns, writable_nod
 
 
 async def test_safety_poll_catches_an_rdma_port_change(netns, writable_node, kmsg_file, start_service) -> None:
-    """RDMA port state lives in sysfs and sends no netlink event: the poll (on the fake clock) finds it."""
+    """RDMA port state lives in sysfs and sends no netlink event: the poll (on the fake clock) finds it. The NIC
+    counter pass, which would notice it too (test_links.py), is off here."""
     node, clock = writable_node, FakeClock()
     nic = _pf(node)
     await until(lambda: operstate(netns, PF_NETDEV) == "UP", "veth up")
-    running = await start_service(node, fast_config(kmsg_file, link_check_interval_seconds=SAFETY_POLL),
+    running = await start_service(node, fast_config(kmsg_file, link_check_interval_seconds=SAFETY_POLL,
+                                                    nic_counter_interval_seconds=0),
                                   link_port=NetlinkLinkPort(node.sysfs_root, netns=netns), clock=clock)
     await _up_and_healthy(running, nic)
     state = node.sysfs_root / "class" / "infiniband" / (nic.rdma or "") / "ports" / "1" / "state"

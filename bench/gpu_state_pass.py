@@ -1,10 +1,10 @@
 """One NVLink / fabric / recovery-action pass over 8 GPUs: what the agent spends per `--gpu-state-interval`.
 
-`RealNvml.gpu_state` for 8 H100-like GPUs (18 NVLinks each, NVML_NVLINK_MAX_LINKS = 36 links asked, fabric v3
-struct, one field-value read) plus `GpuStateJudge.judge`, through the real `pynvml` wrappers over a stand-in
-libnvidia-ml (tests/fakes/libnvml.py: ctypes callbacks in Python). So the figure is the agent's own cost
-(wrappers, ctypes, translation, judging) plus Python stand-ins for the C calls, not the driver's time: on a node
-each call enters the kernel driver instead.
+`RealNvml.gpu_state` for 8 H100-like GPUs (18 NVLinks each; 36 link-state fields in one read, or on an older
+driver 36 nvmlDeviceGetNvLinkState calls; the fabric v3 struct; the recovery-action field) plus
+`GpuStateJudge.judge`, through the real `pynvml` wrappers over a stand-in libnvidia-ml (tests/fakes/libnvml.py:
+ctypes callbacks in Python). So the figure is the agent's own cost (wrappers, ctypes, translation, judging) plus
+Python stand-ins for the C calls, not the driver's time: on a node each call enters the kernel driver instead.
 
     python bench/gpu_state_pass.py --trials 2000
 """
@@ -34,16 +34,15 @@ def _percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
-def run(trials: int) -> None:
-    gpus = [StandInGpu(f"GPU-{i}") for i in range(8)]
+def run(trials: int, link_state_field: bool) -> None:
+    gpus = [StandInGpu(f"GPU-{i}", link_state_field=link_state_field) for i in range(8)]
     gpus[3].links[5] = False  # one finding to judge
     refs = [GpuRef(str(i), g.uuid, f"0000:{0x1b + i:02x}:00.0") for i, g in enumerate(gpus)]
     judge = GpuStateJudge({k: Severity.parse(v) for k, v in CHECK_ACTIONS.items()}, 600.0)
     library = StandInLibNvml(gpus)
     with library.install():
         nvml = RealNvml(pynvml)
-        nvml.gpu_state(gpus[0].uuid)  # init and handle lookups happen once
-        for gpu in gpus:
+        for gpu in gpus:  # init and handle lookups happen once
             nvml.gpu_state(gpu.uuid)
         library.calls = 0
         times: list[float] = []
@@ -54,15 +53,19 @@ def run(trials: int) -> None:
             times.append((time.perf_counter() - start) * 1000)
         calls = library.calls / trials
     assert len(findings) == 1
-    print(f"{len(gpus)} GPUs, {calls:.0f} NVML C calls per pass (36 link states, 1 fabric, 1 field read per GPU)")
-    print(f"pass read + judge: p50 {statistics.median(times):.2f} ms, p99 {_percentile(times, 0.99):.2f} ms, "
+    how = "link-state field (one read for 36 links)" if link_state_field else \
+        "older driver: nvmlDeviceGetNvLinkState per link (36)"
+    print(f"{len(gpus)} GPUs, {how}, fabric, recovery-action field: {calls:.0f} NVML C calls per pass")
+    print(f"  pass read + judge: p50 {statistics.median(times):.2f} ms, p99 {_percentile(times, 0.99):.2f} ms, "
           f"max {max(times):.2f} ms over {trials} trials")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=2000)
-    run(parser.parse_args().trials)
+    trials = parser.parse_args().trials
+    run(trials, link_state_field=True)
+    run(trials, link_state_field=False)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from agent.topology.model import Nic, Topology
 log = logging.getLogger(__name__)
 
 _LOST_XID = 79
+_RECOVERY_ACTION_XID = 154  # GPU_RECOVERY_ACTION_CHANGED: NVML's recovery-action field has a new value
 _PAIR_WINDOW = 5.0  # kernel log and NVML report one Xid within milliseconds of each other
 
 # Findings any source can raise about a GPU's memory, so one fault seen by NVML and DCGM is one finding.
@@ -69,6 +70,7 @@ class HealthAssessor:
         self.awaiting_reset_changed = False  # persist the RESET findings when set
         self._nvml_lost: set[str] = set()
         self._reporters = StateReporters()
+        self.recovery_action_changed: Callable[[], None] | None = None  # told on Xid 154 (read the field now)
 
     @property
     def topology(self) -> Topology:
@@ -94,6 +96,8 @@ class HealthAssessor:
     def on_xid(self, gpu: GpuRef, code: int, source: str, detail: str = "", *,
                gpu_instance: int | None = None, count: int = 1) -> None:
         """`count` Xids from the kernel log ("kmsg"), NVML ("nvml") or DCGM ("dcgm")."""
+        if code == _RECOVERY_ACTION_XID and self.recovery_action_changed is not None:
+            self.recovery_action_changed()  # every report, repeats too: each may carry a new action
         now = self.clock()
         record = self.xids.record(gpu, code, source, now, count)
         if not record.counted:

@@ -99,7 +99,8 @@ class GpuStateJudge:
                                     statistics.median_low(sum(p.values()) for p in peers))
             self.nvlink[gpu.uuid] = verdict
             if verdict.down:
-                where = f"NVLink {', '.join(map(str, missing))} inactive (its peers have them active)" if missing \
+                them = "it" if len(missing) == 1 else "them"
+                where = f"NVLink {', '.join(map(str, missing))} inactive (its peers have {them} active)" if missing \
                     else f"{verdict.active} NVLinks active, its peers have {verdict.peers_active}"
                 found.append(self._finding("nvlink_inactive", gpu, f"{gpu.name}: {where}", "GpuNvlinkInactive",
                                            hardware=True))

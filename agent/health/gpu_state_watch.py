@@ -3,7 +3,7 @@
 Every `gpu_state_interval_seconds` one pass (in a worker thread: NVML calls block, and a lost GPU makes them
 slow) reads each GPU's NVLink link states, fabric info and recovery-action field, and hands the whole set of
 findings to the assessor (`on_findings`, keys under `nvml:`). NVLink and fabric state change rarely; the recovery
-action changes with an Xid 154, which the kernel log and NVML events already report at once.
+action changes with an Xid 154 (GPU_RECOVERY_ACTION_CHANGED), which `nudge`s a pass at once.
 
 Never a false Healthy: a part that cannot be read (an NVML error other than "not supported") sets its
 `health_check_up{check}` (nvlink, gpu_fabric, gpu_recovery_action) to 0, keeps the findings it had for that GPU,
@@ -52,6 +52,11 @@ class GpuStateWatcher:
         self.passes = 0
         self._findings: dict[str, Finding] = {}  # what the last pass published, by key
         self._failing: dict[tuple[str, str], str] = {}  # (uuid, part) -> error, logged once per streak
+        self._wake = asyncio.Event()
+
+    def nudge(self) -> None:
+        """Read again now (an Xid 154 says a recovery action changed), not only at the next interval."""
+        self._wake.set()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Pass after pass until `stop`; interval 0 turns the checks off."""
@@ -61,9 +66,10 @@ class GpuStateWatcher:
             self.first_pass.set()
             return
         while not stop.is_set():
+            self._wake.clear()
             await self.check_once()
             self.first_pass.set()
-            await aio.sleep_or_stop(stop, self.config.gpu_state_interval_seconds)
+            await aio.wait_any(stop, self._wake, timeout=self.config.gpu_state_interval_seconds)
 
     async def check_once(self) -> None:
         """One pass over every GPU of the topology with a UUID."""

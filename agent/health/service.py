@@ -86,6 +86,7 @@ class HealthService:
                                             checks=self._checks)
         self.nvml_poll = NvmlPoller(nvml, self.assessor, config.nvml_poll_interval_seconds, checks=self._checks)
         self.gpu_state = GpuStateWatcher(nvml, self.assessor, config, clock=clock, checks=self._checks)
+        self.assessor.recovery_action_changed = self.gpu_state.nudge
         self.links = LinkWatcher(link_port or NetlinkLinkPort("/sys"), self.assessor,
                                  config.link_check_interval_seconds, clock=clock, checks=self._checks)
         if dcgm_port is None and config.dcgm_exporter_url:

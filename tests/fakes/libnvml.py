@@ -5,8 +5,8 @@ library. `StandInLibNvml` puts ctypes callbacks with the C signatures (from NVML
 13.615.71 calls them) into that cache and marks the library loaded, so `RealNvml` runs unchanged over the real
 wrappers: struct versions, `byref` arguments, per-field return codes and error classes are the real ones. The
 answers follow NVML's documented behaviour: a link the GPU does not have is NVML_ERROR_NOT_SUPPORTED or
-NVML_ERROR_INVALID_ARGUMENT, `nvmlDeviceGetFieldValues` succeeds and reports per field, a lost GPU is
-NVML_ERROR_GPU_IS_LOST. Not modelled: anything the agent does not call here.
+NVML_ERROR_INVALID_ARGUMENT, `nvmlDeviceGetFieldValues` succeeds and reports per field (link-state fields scoped
+by link in `scopeId`), a lost GPU is NVML_ERROR_GPU_IS_LOST. Not modelled: anything the agent does not call here.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ class StandInGpu:
     recovery_action: int = pynvml.NVML_GPU_RECOVERY_ACTION_NONE
     recovery_return: int = pynvml.NVML_SUCCESS
     lost: bool = False
+    link_state_field: bool = True  # False: a driver without NVML_FI_DEV_NVLINK_GET_STATE (per-field NOT_SUPPORTED)
+    sleeping: set[int] = field(default_factory=set)  # links in NVML_NVLINK_STATE_SLEEP (the field tells; the call
+    # nvmlDeviceGetNvLinkState is assumed to say DISABLED for them [unconfirmed])
 
 
 class StandInLibNvml:
@@ -75,7 +78,8 @@ class StandInLibNvml:
             return pynvml.NVML_ERROR_GPU_IS_LOST
         if link not in gpu.links:
             return pynvml.NVML_ERROR_INVALID_ARGUMENT if gpu.links else pynvml.NVML_ERROR_NOT_SUPPORTED
-        active[0] = pynvml.NVML_FEATURE_ENABLED if gpu.links[link] else pynvml.NVML_FEATURE_DISABLED
+        up = gpu.links[link] and link not in gpu.sleeping
+        active[0] = pynvml.NVML_FEATURE_ENABLED if up else pynvml.NVML_FEATURE_DISABLED
         return pynvml.NVML_SUCCESS
 
     def _fabric(self, handle: int | None, info: Any) -> int:
@@ -100,12 +104,22 @@ class StandInLibNvml:
             return pynvml.NVML_ERROR_INVALID_ARGUMENT
         for i in range(count):
             value = values[i]
-            if value.fieldId != pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION:
-                value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
-                continue
-            value.nvmlReturn = pynvml.NVML_ERROR_GPU_IS_LOST if gpu.lost else gpu.recovery_return
             value.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
-            value.value.uiVal = gpu.recovery_action
+            if gpu.lost:
+                value.nvmlReturn = pynvml.NVML_ERROR_GPU_IS_LOST
+            elif value.fieldId == pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION:
+                value.nvmlReturn, value.value.uiVal = gpu.recovery_return, gpu.recovery_action
+            elif value.fieldId == pynvml.NVML_FI_DEV_NVLINK_GET_STATE and gpu.link_state_field:
+                link = value.scopeId
+                if link not in gpu.links:
+                    value.nvmlReturn = pynvml.NVML_ERROR_INVALID_ARGUMENT if gpu.links \
+                        else pynvml.NVML_ERROR_NOT_SUPPORTED
+                    continue
+                value.nvmlReturn = pynvml.NVML_SUCCESS
+                value.value.uiVal = pynvml.NVML_NVLINK_STATE_SLEEP if link in gpu.sleeping else \
+                    pynvml.NVML_NVLINK_STATE_ACTIVE if gpu.links[link] else pynvml.NVML_NVLINK_STATE_INACTIVE
+            else:
+                value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
         return pynvml.NVML_SUCCESS
 
     @contextmanager

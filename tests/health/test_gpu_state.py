@@ -198,6 +198,17 @@ async def test_recovery_action_reaches_the_verdict_for_remediation(node, kmsg_fi
     assert running.service.verdict.recovery == () and running.health().get(a["uuid"]) is True
 
 
+async def test_xid_154_reads_the_recovery_action_at_once(node, kmsg_file, start_service) -> None:
+    running = await start_service(node, fast_config(kmsg_file, gpu_state_interval_seconds=3600))
+    uuid = _labels(node, 3)["uuid"]
+    passes = running.service.gpu_state.passes
+    node.nvml.set_recovery_action(uuid, 4)  # DRAIN_AND_RESET; the next interval is an hour away
+    node.nvml.inject_xid(uuid, 154)  # GPU_RECOVERY_ACTION_CHANGED, as the driver reports it with the change
+    await until(lambda: running.service.verdict.recovery == (RecoveryRequest(uuid,
+                                                                             GpuRecoveryAction.DRAIN_AND_RESET),))
+    assert running.service.verdict.verdict == "drain" and running.service.gpu_state.passes == passes + 1
+
+
 async def test_a_part_that_cannot_be_read_is_never_healthy(node, kmsg_file, start_service) -> None:
     running = await start_service(node, fast_config(kmsg_file, gpu_state_interval_seconds=0.05))
     get = running.registry.get_sample_value

@@ -40,12 +40,14 @@ def _fabric_call(state: int, status: int = 0, mask: int = 0, summary: int = 0, *
 
 
 def _fields(code: int = pynvml.NVML_SUCCESS, value: int = 0) -> Callable[[Any, list[Any]], Any]:
-    """nvmlDeviceGetFieldValues: an array of c_nvmlFieldValue_t with a per-field return code."""
+    """nvmlDeviceGetFieldValues: an array of c_nvmlFieldValue_t with a per-field return code; only the
+    recovery-action field is known (a driver without the NVLink state field: links by the per-link call)."""
     def call(handle: Any, ids: list[Any]) -> Any:
         values = (pynvml.c_nvmlFieldValue_t * len(ids))()
         for i, field_id in enumerate(ids):
-            values[i].fieldId = field_id
-            values[i].nvmlReturn = code
+            known = field_id == pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+            values[i].fieldId = field_id if known else field_id[0]
+            values[i].nvmlReturn = code if known else pynvml.NVML_ERROR_NOT_SUPPORTED
             values[i].valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
             values[i].value.uiVal = value
         return values
@@ -55,7 +57,8 @@ def _fields(code: int = pynvml.NVML_SUCCESS, value: int = 0) -> Callable[[Any, l
 def _library(links: int = 18, **overrides: Any) -> types.ModuleType:
     lib = types.ModuleType("pynvml")
     for name in ("NVMLError", "NVML_NVLINK_MAX_LINKS", "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION",
-                 "c_nvmlGpuFabricInfo_v3_t", "c_nvmlGpuFabricInfo_v2_t", "c_nvmlGpuFabricInfo_t"):
+                 "NVML_FI_DEV_NVLINK_GET_STATE", "c_nvmlGpuFabricInfo_v3_t", "c_nvmlGpuFabricInfo_v2_t",
+                 "c_nvmlGpuFabricInfo_t"):
         setattr(lib, name, getattr(pynvml, name))
     lib.nvmlInit = lambda: None
     lib.nvmlDeviceGetHandleByUUID = lambda uuid: f"h-{uuid}"
@@ -176,3 +179,21 @@ def test_through_the_real_pynvml_wrappers() -> None:
     assert list(failing.errors) == ["recovery_action"] and failing.recovery_action is None
     assert failing.fabric == GpuFabric(3)
     assert pynvml.nvmlLib is None  # the stand-in is gone again
+
+
+def test_link_state_field_first_per_link_call_on_older_drivers() -> None:
+    """The field tells a sleeping link (power saving, wakes on traffic) from an inactive one; a driver without it
+    gets the per-link call."""
+    gpus = [StandInGpu("GPU-0", sleeping={4}), StandInGpu("GPU-1", links={**dict.fromkeys(range(18), True), 6: False},
+                                                          link_state_field=False)]
+    library = StandInLibNvml(gpus)
+    with library.install():
+        nvml = RealNvml(pynvml)
+        nvml.gpu_state("GPU-0")
+        library.calls = 0
+        asleep = nvml.gpu_state("GPU-0")
+        by_field_calls = library.calls
+        older = nvml.gpu_state("GPU-1")
+    assert asleep.nvlinks == dict.fromkeys(range(18), True)
+    assert by_field_calls == 3  # link states in one field read, the fabric, the recovery-action field
+    assert older.nvlinks == {**dict.fromkeys(range(18), True), 6: False}

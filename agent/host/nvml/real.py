@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 _RETRY_INIT_SECONDS = 60.0  # a failed nvmlInit is tried again this long after (health recovers with the driver)
 _MAX_LINKS = 36  # NVML_NVLINK_MAX_LINKS in nvidia-ml-py 13.615.71 (used when the library does not say)
 _RECOVERY_FIELD = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (replaces the deprecated fields 226 and 227)
+_LINK_STATE_FIELD = 165  # NVML_FI_DEV_NVLINK_GET_STATE, scoped per link: INACTIVE 0, ACTIVE 1, SLEEP 2,
+_LINK_UP = (1, 2)  # ACTIVE_TRAFFIC_DISABLED 3. A link asleep to save power wakes on traffic: not a fault.
 _NO_SUCH_LINK = (_NOT_SUPPORTED, _INVALID_ARGUMENT, _FUNCTION_NOT_FOUND)
 # nvmlValueType_t -> member of the c_nvmlValue_t union holding a field value
 _VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
@@ -218,15 +220,39 @@ class RealNvml:
         return None
 
     def _nvlinks(self, nvml: ModuleType, uuid: str, h: Any) -> dict[int, bool]:
-        """nvmlDeviceGetNvLinkState for links 0..NVML_NVLINK_MAX_LINKS-1; a link the GPU lacks answers
-        NOT_SUPPORTED or INVALID_ARGUMENT (a PCIe board: every link)."""
-        links: dict[int, bool] = {}
-        for link in range(int(getattr(nvml, "NVML_NVLINK_MAX_LINKS", _MAX_LINKS))):
+        """Link states of links 0..NVML_NVLINK_MAX_LINKS-1: field NVML_FI_DEV_NVLINK_GET_STATE for all of them in
+        one call where the driver has it (it tells a sleeping link from an inactive one), else
+        nvmlDeviceGetNvLinkState per link. A link the GPU lacks answers NOT_SUPPORTED or INVALID_ARGUMENT (a PCIe
+        board: every link)."""
+        count = int(getattr(nvml, "NVML_NVLINK_MAX_LINKS", _MAX_LINKS))
+        links = self._nvlinks_by_field(nvml, uuid, h, count)
+        if links:
+            return links
+        for link in range(count):
             try:
                 links[link] = nvml.nvmlDeviceGetNvLinkState(h, link) == 1  # NVML_FEATURE_ENABLED
             except nvml.NVMLError as exc:
                 if _code(exc) not in _NO_SUCH_LINK:
                     raise
+        return links
+
+    def _nvlinks_by_field(self, nvml: ModuleType, uuid: str, h: Any, count: int) -> dict[int, bool]:
+        """The link-state field, scoped per link; {} when the driver reports none (then the per-link call)."""
+        field_id = int(getattr(nvml, "NVML_FI_DEV_NVLINK_GET_STATE", _LINK_STATE_FIELD))
+        try:
+            values = nvml.nvmlDeviceGetFieldValues(h, [(field_id, link) for link in range(count)])
+        except nvml.NVMLError as exc:
+            if _code(exc) in (_GPU_IS_LOST, _RESET_REQUIRED):
+                raise
+            return {}
+        links: dict[int, bool] = {}
+        for link, value in enumerate(values):
+            code = int(value.nvmlReturn)
+            if code in (_GPU_IS_LOST, _RESET_REQUIRED):
+                self._handles.pop(uuid, None)
+                raise GpuLostError(uuid, f"NVLink state field: NVML return code {code}")
+            if code == 0:
+                links[link] = _field_value(value) in _LINK_UP
         return links
 
     def _fabric(self, nvml: ModuleType, uuid: str, h: Any) -> GpuFabric | None:
@@ -268,7 +294,7 @@ class RealNvml:
             return None
         if code != 0:
             raise NvmlError(f"{uuid}: recovery-action field: NVML return code {code}")
-        return int(getattr(value.value, _VALUE_MEMBERS.get(int(value.valueType), "uiVal")))
+        return _field_value(value)
 
     def _unsupported(self, uuid: str, what: str) -> None:
         if (uuid, what) not in self._unsupported_logged:
@@ -349,6 +375,11 @@ class _RealEventSet:
             self._nvml.nvmlEventSetFree(self._set)
         except self._nvml.NVMLError as exc:
             log.debug("NVML event set free failed: %s", exc)
+
+
+def _field_value(value: Any) -> int:
+    """An integer field value from the union member its `valueType` names."""
+    return int(getattr(value.value, _VALUE_MEMBERS.get(int(value.valueType), "uiVal")))
 
 
 def _text(value: str | bytes) -> str:

@@ -3,7 +3,8 @@
 Health publishes, consumers read; neither imports the other, both import this module (which imports nothing of
 the agent):
 
-- `Severity`: what a finding or the node deserves, an ordered enum (healthy < degraded < cordon < drain).
+- `Severity`: what a finding or the node deserves, an ordered enum (healthy < degraded < isolate < cordon <
+  drain).
   Compare severities with each other, never with numbers; a new action slots in by its place in the class.
 - `NodeVerdict`: the health subsystem's one conclusion about the node, the value remediation acts on.
 - `GpuRecoveryAction`, `RecoveryRequest`: what the NVIDIA driver itself asks for a GPU (reset, reboot, drain),
@@ -38,6 +39,7 @@ class Severity(enum.Enum):
 
     HEALTHY = "healthy"  # all clear; an Xid with this action is counted only ("none" in Xid overrides)
     DEGRADED = "degraded"  # report only: metric, condition, Event
+    ISOLATE = "isolate"  # one device out of service: only the pods holding it are drained, the node stays open
     CORDON = "cordon"  # no new pods
     DRAIN = "drain"  # no new pods, and evict the ones there
 

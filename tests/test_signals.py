@@ -21,11 +21,11 @@ def test_severity_is_ordered_and_never_a_bare_number() -> None:
 
 
 def test_one_vocabulary_for_config_metrics_and_xid_overrides() -> None:
-    assert VERDICTS == tuple(s.value for s in Severity) == ("healthy", "degraded", "cordon", "drain")
-    assert XID_ACTIONS == ("none", "degraded", "cordon", "drain")
+    assert VERDICTS == tuple(s.value for s in Severity) == ("healthy", "degraded", "isolate", "cordon", "drain")
+    assert XID_ACTIONS == ("none", "degraded", "isolate", "cordon", "drain")
     assert [Severity.parse(word) for word in XID_ACTIONS] == list(Severity)
     assert Severity.parse(" Drain ") is Severity.DRAIN
-    with pytest.raises(ValueError, match="expected one of none, degraded, cordon, drain"):
+    with pytest.raises(ValueError, match="expected one of none, degraded, isolate, cordon, drain"):
         Severity.parse("reboot")
 
 

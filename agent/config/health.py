@@ -91,7 +91,7 @@ class HealthConfig:
              "report 'unavailable' and the rest runs")
     xid_actions: list[str] = setting(
         factory=list, flag="--xid-action", env="GPU_NODE_AGENT_XID_ACTIONS", repeat=True,
-        help="override the action for an Xid code as CODE=ACTION (none, degraded, cordon, drain), "
+        help="override the action for an Xid code as CODE=ACTION (none, degraded, isolate, cordon, drain), "
              "e.g. 109=none or 63=cordon")
     xid_burst_window_seconds: float = setting(
         180.0, flag="--xid-burst-window", env="GPU_NODE_AGENT_XID_BURST_WINDOW",

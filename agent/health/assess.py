@@ -115,7 +115,7 @@ class HealthAssessor:
         key, reason = f"xid:{code}:{gpu.uuid or gpu.bus_id}", f"{describe} on {gpu.name}"
         if code == _LOST_XID:
             self._add(self._lost_finding(gpu, f"{gpu.name} fell off the bus: {describe}", action, kind))
-        elif action >= Severity.CORDON:
+        elif action >= Severity.ISOLATE:  # the device stays out until a reset (or reboot) is observed
             self._add(Finding(key, action, reason, Clears.RESET, (gpu.uuid,) if gpu.uuid else (), gpu.uuid,
                               code=kind, hardware=hardware))
         else:

@@ -3,8 +3,11 @@
 A pure, synchronous value (no I/O, no clock of its own) so every rule is testable on plain data:
 
 - a device is Unhealthy while any active finding names it, Healthy again when the last one ends;
-- the node verdict is the worst active severity (healthy < degraded < cordon < drain), with the reasons at
-  that severity first;
+- the node verdict is the worst active severity (healthy < degraded < isolate < cordon < drain), with the
+  reasons at that severity first;
+- `isolate` holds for one device only: isolate findings on two devices (or one that names no device) make the
+  node verdict a drain, reason `MultipleDevicesIsolated` — a node losing several GPUs is a node fault, and the
+  device plugin alone no longer keeps jobs whole on it;
 - findings end by their own rule: RESET ones when the GPU's reset (or a reboot) is observed, STATE ones when
   the producer says the condition is gone, HOLD ones a while after their last occurrence.
 """
@@ -92,6 +95,20 @@ class VerdictBook:
         recovery = tuple(sorted({RecoveryRequest(f.gpu_uuid, f.recovery) for f in active
                                  if f.recovery is not None and f.gpu_uuid},
                                 key=lambda r: (r.gpu_uuid, r.action.value)))
-        return NodeVerdict(active[0].severity, top[0].code, "; ".join(reasons),
+        severity, code = active[0].severity, top[0].code
+        units = {isolated_unit(f) for f in top}
+        if severity is Severity.ISOLATE and (len(units) != 1 or None in units):
+            severity, code = Severity.DRAIN, ESCALATED
+        return NodeVerdict(severity, code, "; ".join(reasons),
                            tuple(dict.fromkeys(d for f in top for d in f.devices)), any(f.hardware for f in top),
                            reasons, recovery)
+
+
+#: The verdict reason when isolate findings name more than one device.
+ESCALATED = "MultipleDevicesIsolated"
+
+
+def isolated_unit(finding: Finding) -> str | None:
+    """The one device an isolate finding takes out: its GPU, else the first device it names (a NIC's PF);
+    None for a finding that names no device: it cannot be contained to one."""
+    return finding.gpu_uuid or (finding.devices[0] if finding.devices else None)

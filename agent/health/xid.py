@@ -2,7 +2,8 @@
 
 The buckets are NVIDIA's "immediate action" column (mirrored in NVIDIA/NVSentinel's xiderrorsmapping.csv); the
 default action follows from the bucket: reset/reboot/ECC/NVLink workflows drain, physical checks and vendor
-cases cordon, application-level codes are only counted. Operators override any code (`--xid-action 109=none`).
+cases cordon, application-level codes are only counted; one GPU's memory faults (48, 63, 64, 94, 95) isolate
+that GPU. Operators override any code (`--xid-action 109=none`).
 
 `XidCounter` is what makes a 10 000-strong Xid 45 flood harmless: every occurrence is counted for the metric,
 but only the first of a burst (repeats closer than the burst window) is logged and acted on. It also merges the
@@ -91,6 +92,11 @@ BUCKET_ACTIONS: Mapping[str, Severity] = {
 }
 HARDWARE_BUCKETS = frozenset({"RESTART_BM", "WORKFLOW_XID_48", "WORKFLOW_NVLINK_ERR", "WORKFLOW_NVLINK5_ERR",
                               "CHECK_MECHANICALS", "CONTACT_SUPPORT"})  # a reset alone is not expected to cure
+#: Faults of one GPU's memory that the device plugin can contain: the GPU stays Unhealthy until a reset and only
+#: the pods holding it are drained, while the other GPUs keep working (a second
+#: device isolated at the same time drains the node, see agent.health.verdict). DBE (48), row-remap event and
+#: failure (63, 64), contained and uncontained ECC errors (94, 95).
+DEVICE_SCOPED_XIDS = frozenset({48, 63, 64, 94, 95})
 UNKNOWN_XID_ACTION = Severity.DEGRADED  # visible, never disruptive: override it once you know the code
 
 
@@ -106,9 +112,12 @@ class XidPolicy:
         self._overrides = {code: Severity.parse(action) for code, action in (overrides or {}).items()}
 
     def action(self, code: int) -> Severity:
-        """The action for an Xid code: override, else the bucket's, else UNKNOWN_XID_ACTION."""
+        """The action for an Xid code: override, else isolate for a device-scoped code, else the bucket's, else
+        UNKNOWN_XID_ACTION."""
         if code in self._overrides:
             return self._overrides[code]
+        if code in DEVICE_SCOPED_XIDS:
+            return Severity.ISOLATE
         info = CATALOG.get(code)
         return UNKNOWN_XID_ACTION if info is None else BUCKET_ACTIONS.get(info.bucket, UNKNOWN_XID_ACTION)
 
@@ -117,7 +126,8 @@ class XidPolicy:
         rows: list[dict[str, str | int]] = []
         for code in sorted(set(CATALOG) | set(self._overrides)):
             info = CATALOG.get(code)
-            source = "override" if code in self._overrides else f"catalog {info.bucket}" if info else "default"
+            source = ("override" if code in self._overrides else "device-scoped" if code in DEVICE_SCOPED_XIDS
+                      else f"catalog {info.bucket}" if info else "default")
             action = self.action(code)
             rows.append({"xid": code, "name": info.mnemonic if info else "", "action": action_word(action),
                          "source": source})

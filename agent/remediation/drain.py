@@ -69,8 +69,14 @@ class Drainer:
         self._dry_run = dry_run
 
     async def run(self, stop: asyncio.Event, deadline: float, wanted: Callable[[], bool],
-                  fault_at: float | None = None) -> DrainResult:
-        """Evict until no evictable pod is left; drain-mode times count from `fault_at` (default: now)."""
+                  fault_at: float | None = None, *, select: Callable[[PodView], bool] | None = None,
+                  scope: str = "") -> DrainResult:
+        """Evict until no evictable pod is left; drain-mode times count from `fault_at` (default: now).
+
+        `select` narrows the drain to some pods (an isolated device's holders), asked afresh every round;
+        `scope` names them in the Events ("the pods holding GPU-..."), empty for the whole node.
+        """
+        what = f" ({scope})" if scope else ""
         backoff = Backoff(self._backoff_initial, self._backoff_max)
         fault = self._clock.now() if fault_at is None else fault_at
         plans: dict[str, PodPlan] = {}  # by pod uid (or namespace/name): announced once per drain
@@ -81,12 +87,13 @@ class Drainer:
                 return DrainResult("stopped", remaining)
             now = self._clock.now()
             if now >= deadline:
-                await self._events.emit("DrainDeadlineExceeded", f"drain stopped at its deadline with "
+                await self._events.emit("DrainDeadlineExceeded", f"drain{what} stopped at its deadline with "
                                         f"{len(remaining)} pods left: {_names(remaining)}", WARNING)
                 self._actions.count("drain", "deadline")
                 return DrainResult("deadline", remaining)
             try:
-                todo = evictable(await self._api.list_pods(), self._own_pod)
+                todo = [p for p in evictable(await self._api.list_pods(), self._own_pod)
+                        if select is None or select(p)]
             except ApiError as exc:
                 wait = backoff.next()
                 log.warning("drain: cannot list pods: %s; retrying in %.0fs", exc, wait)
@@ -94,12 +101,12 @@ class Drainer:
                 continue
             remaining = tuple(f"{p.namespace}/{p.name}" for p in todo)
             if not todo:
-                await self._events.emit("DrainComplete", "all evictable pods are gone")
+                await self._events.emit("DrainComplete", f"all evictable pods{what} are gone")
                 self._actions.count("drain", "complete")
                 return DrainResult("complete")
             if not announced:
                 announced = True
-                await self._events.emit("Draining", f"evicting {len(todo)} pods: {_names(remaining)}")
+                await self._events.emit("Draining", f"evicting {len(todo)} pods{what}: {_names(remaining)}")
             due = []
             for pod in todo:
                 plan = await self._plan(plans, pod, fault, deadline)

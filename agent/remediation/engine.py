@@ -10,6 +10,8 @@ again, or in a restarted agent, repeats nothing. The rules, from the failures of
 - uncordon only our own cordon, after `healthy_window_seconds` of health, when the policy allows the reason
   (hardware faults stay by default); never touch an admin's `spec.unschedulable` (drainsafe#1);
 - a drain stops as soon as the verdict no longer asks for it (draino#50);
+- an `isolate` verdict drains only the pods holding that one device and leaves the node schedulable
+  (`isolate`); the condition stays False and names the device;
 - every cordon is stamped into the remediation history; the `latchCount`-th within the window latches the node
   `NeedsHumanAttention` (`latch`): no automatic uncordon until a person removes the latch annotation.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agent.clock import Clock
@@ -28,6 +30,7 @@ from agent.remediation import latch, state
 from agent.remediation.actions import NodeActions
 from agent.remediation.drain import Drainer, DrainResult
 from agent.remediation.events import WARNING, EventRecorder
+from agent.remediation.isolate import Isolation, PodsOf
 from agent.remediation.metrics import ActionCounter
 from agent.remediation.preflight import PreflightState
 from agent.remediation.slots import Slots
@@ -70,8 +73,8 @@ class Engine:
                  drainer: Drainer, clock: Clock, counter: ActionCounter, inputs: Inputs, wake: Callable[[], None],
                  jitter: Callable[[], float] = lambda: 1.0) -> None:
         self.config = config
-        # device IDs -> the pods holding them ("namespace/name"), named in the condition message (agent.ownership)
-        self.pods_of: Callable[[Sequence[str]], list[str]] | None = None
+        self.isolation = Isolation(config, actions=actions, events=events, drainer=drainer, clock=clock,
+                                   counter=counter, wake=wake)
         self.keys = Keys.for_prefix(config.prefix)
         self.latch_keys = latch.LatchKeys.for_prefix(config.prefix)
         self.actions = actions
@@ -88,6 +91,16 @@ class Engine:
         self._drain_stop = asyncio.Event()
         self._had_verdict = False  # a verdict was seen in this process (None after one means every source cleared)
         self._said: set[tuple[str, str]] = set()  # (what, reason) already announced, to avoid repeating Events
+
+    @property
+    def pods_of(self) -> PodsOf | None:
+        """Device IDs -> the pods holding them ("namespace/name"), from agent.ownership: named in the condition
+        message, and the pods an isolation drains."""
+        return self.isolation.pods_of
+
+    @pods_of.setter
+    def pods_of(self, lookup: PodsOf | None) -> None:
+        self.isolation.pods_of = lookup
 
     def recorded(self) -> Recorded:
         """The decisions recorded on the node."""
@@ -109,6 +122,7 @@ class Engine:
             await self._fault(verdict)
         elif verdict is not None and not latched:  # latched: no uncordon, whatever the checks say
             await self._not_faulty(verdict)
+        await self.isolation.reconcile(verdict)
         await self._condition(verdict)
         if self.recorded().cordoned:
             await self.slots.renew()
@@ -267,6 +281,9 @@ class Engine:
                 # every source that had a verdict withdrew it (a maintenance notice ended, with no health
                 # subsystem running): a condition left True would start NHC/Karpenter repair clocks
                 await self.actions.ensure_condition(False, "Cleared", "no source reports a problem any more")
+        elif verdict.severity is Severity.ISOLATE:  # not a node problem: NHC/Karpenter must not act on it
+            await self.actions.ensure_condition(False, verdict.reason, "device isolated, node schedulable: "
+                                                + verdict.describe() + self._pods(verdict))
         elif verdict.severity >= Severity.DEGRADED:
             deferred = "RemediationDeferred (no free slot): " if self.deferred_until is not None else ""
             message = deferred + verdict.describe() + self._pods(verdict)
@@ -330,6 +347,7 @@ class Engine:
 
     async def close(self) -> None:
         """Stop a running drain and wait for it."""
+        await self.isolation.close()
         self._stop_drain()
         if self._drain_task is not None:
             self._drain_task.cancel()

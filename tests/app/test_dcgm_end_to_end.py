@@ -38,17 +38,17 @@ async def test_an_xid_from_dcgm_withdraws_the_gpu_and_is_counted_once():
             await kubelet.wait_for(lambda: 'gpu_node_agent_dcgm_scrapes_total{result="ok"}' in agent.metrics(),
                                    timeout=30)
             base = server.url.rsplit("/", 1)[0]
-            assert await asyncio.to_thread(_post, f"{base}/inject?gpu=3&xid=48") == 204
+            assert await asyncio.to_thread(_post, f"{base}/inject?gpu=3&xid=119") == 204
             await kubelet.wait_for(lambda: kubelet.plugins[GPU_RESOURCE].health().get(gpu.uuid) == "Unhealthy",
                                    timeout=30)
             others = {k: v for k, v in kubelet.plugins[GPU_RESOURCE].health().items() if k != gpu.uuid}
             assert set(others.values()) == {"Healthy"}
             await asyncio.sleep(1.0)  # several more scrapes of the same total: still one Xid
             text = await asyncio.to_thread(agent.metrics)
-            assert f'uuid="{gpu.uuid}",xid="48"}} 1.0' in text
+            assert f'uuid="{gpu.uuid}",xid="119"}} 1.0' in text  # GSP RPC timeout: a node drain
             assert 'gpu_node_agent_node_verdict{verdict="drain"} 1.0' in text
             assert 'gpu_node_agent_health_check_up{check="dcgm"} 1.0' in text
-            await kubelet.wait_for(lambda: any("would cordon" in m and "GpuXid48" in m
+            await kubelet.wait_for(lambda: any("would cordon" in m and "GpuXid119" in m
                                                for m in agent.dry_run_decisions()), timeout=30)
         finally:
             code = agent.stop()

@@ -71,14 +71,14 @@ def topology(node: SimulatedNode) -> Topology:
     return node.topology()
 
 
-async def test_an_xid_total_from_dcgm_withdraws_the_gpu_and_drains(exporter, topology: Topology) -> None:
+async def test_an_xid_total_from_dcgm_withdraws_the_gpu_and_isolates_it(exporter, topology: Topology) -> None:
     sim, url = exporter
     rig = Rig(topology, url)
     assert await rig.scrape() and rig.watcher.checks["dcgm"] == "ok"
     gpu = topology.gpus[3]
-    sim.inject_xid(gpu.uuid, 48)  # a double-bit ECC error: RESET_GPU-class, drain
+    sim.inject_xid(gpu.uuid, 48)  # a double-bit ECC error: this GPU is out until a reset
     assert await rig.scrape()
-    assert rig.assessor.verdict.verdict == "drain"
+    assert rig.assessor.verdict.verdict == "isolate"
     assert rig.assessor.verdict.reason == "GpuXid48"
     assert rig.assessor.book.unhealthy_devices().keys() == {gpu.uuid}
     assert rig.flips() == [DeviceHealthEvent(gpu.uuid, False, rig.assessor.book.unhealthy_devices()[gpu.uuid])]

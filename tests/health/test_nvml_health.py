@@ -178,7 +178,7 @@ async def test_without_nvml_the_nvml_checks_are_unavailable_and_the_rest_runs(no
     gpu = node.topology().gpus[2]
     with kmsg_file.open("a") as log:
         log.write(xid_record(1, "0000:52:00", 95))
-    await until(lambda: running.service.verdict.verdict == "drain")
+    await until(lambda: running.service.verdict.verdict == "isolate")
     assert running.health().get(gpu.uuid) is False  # (unknownHealthAction marks every GPU Unhealthy already)
 
 

@@ -40,7 +40,7 @@ async def test_restart_does_not_replay_old_xids(node: SimulatedNode, kmsg_file: 
     assert _xid_total(second, gpus[0], 13) is None  # the old lines were not counted again
     assert _xid_total(second, gpus[1], 48) is None
     assert second.health() == {gpus[1].uuid: False}  # the fault still waits for a reset
-    assert second.service.verdict.verdict == "drain"
+    assert second.service.verdict.verdict == "isolate"
     with kmsg_file.open("a") as log:
         log.write(xid_record(3, "0000:1b:00", 13))
     await until(lambda: _xid_total(second, gpus[0], 13) == 1)
@@ -51,7 +51,7 @@ async def test_reboot_starts_fresh(node: SimulatedNode, kmsg_file: Path, boot_id
     gpus = node.topology().gpus
     kmsg_file.write_text(xid_record(1, "0000:43:00", 48))
     first = await start_service(node, fast_config(kmsg_file))
-    assert first.service.verdict.verdict == "drain"
+    assert first.service.verdict.verdict == "isolate"
     await first.halt()
     boot_id_file.write_text("99999999-2222-3333-4444-555555555555\n")
     kmsg_file.write_text(xid_record(1, "0000:1b:00", 13))  # the new boot's kernel log

@@ -92,3 +92,31 @@ def test_every_code_the_assessor_uses_is_a_valid_verdict_reason(dgx_root: Path) 
     assert assessor.verdict == assessor.book.verdict()  # the book's verdict is the published type itself
     assert assessor.verdict.verdict == "drain" and assessor.verdict.hardware
     assert set(assessor.verdict.devices) == {a, b, c}  # the drain-level findings' devices
+
+
+def _isolate(key: str, gpu: str, devices: tuple[str, ...] | None = None) -> Finding:
+    return Finding(key, Severity.ISOLATE, f"{key} on {gpu}", Clears.RESET, (gpu,) if devices is None else devices,
+                   gpu, code="GpuXid48", hardware=True)
+
+
+def test_isolate_holds_for_one_device_and_a_second_one_drains_the_node() -> None:
+    book = VerdictBook([_isolate("xid:48:a", "GPU-a"), _isolate("xid:64:a", "GPU-a")])
+    book.add(Finding("sbe", Severity.DEGRADED, "ECC growing on b", Clears.HOLD, ("GPU-b",), expires_at=10,
+                     code="GpuEccSbe"))
+    verdict = book.verdict()
+    assert verdict.severity is Severity.ISOLATE and verdict.devices == ("GPU-a",) and verdict.reason == "GpuXid48"
+    book.add(_isolate("xid:48:b", "GPU-b"))
+    verdict = book.verdict()
+    assert verdict.severity is Severity.DRAIN and verdict.reason == "MultipleDevicesIsolated"
+    assert set(verdict.devices) == {"GPU-a", "GPU-b"}
+    book.remove("xid:48:b")
+    assert book.verdict().severity is Severity.ISOLATE
+
+
+def test_a_nic_isolates_with_its_vfs_and_a_finding_without_a_device_cannot_be_contained() -> None:
+    nic = Finding("link:pf", Severity.ISOLATE, "ibp24s0 down", Clears.STATE, ("0000:18:00.0", "0000:18:00.2",
+                                                                             "0000:18:00.3"), code="NicLinkDown")
+    verdict = VerdictBook([nic]).verdict()
+    assert verdict.severity is Severity.ISOLATE and verdict.devices == nic.devices
+    nowhere = Finding("gpudirect", Severity.ISOLATE, "nvidia_peermem missing", Clears.STATE, code="GpuDirectMissing")
+    assert VerdictBook([nowhere]).verdict().severity is Severity.DRAIN

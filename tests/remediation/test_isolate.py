@@ -1,0 +1,200 @@
+"""Isolating one device: the health assessor's verdict for a real Xid, the stand-in kubelet serving PodResources
+over its unix socket (which pod holds which GPU, read by the real gRPC client), the HTTP API double for the
+node, pods and evictions, and the fake clock for drain-mode times.
+
+Done when (issue "remediation that fits training jobs"): Xid 48 on GPU 3 evicts only the pod holding GPU 3 and
+leaves the node schedulable; a second GPU fault escalates to cordon + drain; drain modes hold for the isolated
+device's pods; a reset ends the isolation; a restarted agent neither re-counts nor re-announces it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from agent.config.health import HealthConfig
+from agent.config.remediation import DrainRule
+from agent.health.assess import HealthAssessor
+from agent.host.nvml import SimulatedNvml
+from agent.host.podresources import Reachability
+from agent.host.podresources.client import KubeletPodResources
+from agent.ownership.service import OwnershipService
+from agent.signals import DeviceHealth, NodeVerdict, Severity
+from agent.simulate import profiles
+from agent.simulate.kubelet import LocalKubelet
+from agent.simulate.node import build_simulated_node
+from agent.topology.load import load_topology
+from tests.fakes.standin_plugin import StandInPlugin
+from tests.remediation.conftest import Harness, make_config
+from tests.remediation.test_drain import P, evictions
+
+GPU = "nvidia.com/gpu"
+
+
+class Rig:
+    """Health (assessor on a dgx-h100 topology), a stand-in kubelet whose pods hold GPUs, and ownership."""
+
+    def __init__(self, directory: Path) -> None:
+        root = directory / "sys"
+        build_simulated_node("dgx-h100", root)
+        uuids = SimulatedNvml(profiles.load_profile("dgx-h100").gpu_uuids).gpu_uuids()
+        self.topology = load_topology(root, uuids)
+        self.gpus = [gpu.uuid or "" for gpu in self.topology.gpus]
+        self.assessor = HealthAssessor(HealthConfig(), self.topology, DeviceHealth(), clock=lambda: 0.0)
+        self.kubelet = LocalKubelet(directory / "dp", pod_resources_socket=directory / "pr" / "kubelet.sock")
+        self.plugin = StandInPlugin(directory / "dp", GPU, self.gpus)  # no rng: the lowest free IDs
+        assert self.kubelet.pod_resources is not None
+        self.ownership = OwnershipService(
+            KubeletPodResources(self.kubelet.pod_resources.socket_path,
+                                reachability=Reachability(CollectorRegistry(), "test")),
+            registry=CollectorRegistry(), lookup_timeout=1.0)
+
+    async def start(self) -> None:
+        await self.kubelet.start()
+        await self.plugin.start()
+        await self.kubelet.wait_for(lambda: GPU in self.kubelet.plugins
+                                    and len(self.kubelet.plugins[GPU].devices) == len(self.gpus))
+
+    async def stop(self) -> None:
+        await self.ownership.port.aclose()
+        await self.plugin.stop()
+        await self.kubelet.stop()
+
+    async def run_pods(self, harness: Harness, names: list[str], namespace: str = "ml",
+                       labels: dict[str, str] | None = None) -> dict[str, int]:
+        """One single-GPU pod per name, admitted by the stand-in kubelet; the pods also exist in the API double.
+        Returns pod name -> the index of the GPU it holds."""
+        held = {}
+        for name in names:
+            harness.api.add_pod(namespace, name, labels=labels)
+            got = await self.kubelet.admit({GPU: 1}, pod=(namespace, name))
+            held[name] = self.gpus.index(got[GPU][0])
+        await self.ownership.refresh()
+        return held
+
+    def xid(self, index: int, code: int) -> NodeVerdict:
+        """The kernel log reports Xid `code` on GPU `index`: the assessor's verdict."""
+        self.assessor.on_xid(self.assessor.names.by_uuid(self.gpus[index]), code, "kmsg")
+        return self.assessor.verdict
+
+    def reset(self, index: int) -> NodeVerdict:
+        self.assessor.on_gpu_reset(self.gpus[index], "test: reset observed")
+        return self.assessor.verdict
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    directory = Path(tempfile.mkdtemp(prefix="gnaiso"))  # short: the kubelet's unix sockets live here
+    rig = Rig(directory)
+    await rig.start()
+    try:
+        yield rig
+    finally:
+        await rig.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+async def start(harness: Harness, rig: Rig, **config: object) -> None:
+    service = await harness.start(make_config(**config))
+    service.engine.pods_of = rig.ownership.pods_holding
+
+
+async def test_xid48_on_gpu3_evicts_only_the_pod_holding_it_and_the_node_stays_schedulable(harness: Harness,
+                                                                                        rig: Rig) -> None:
+    held = await rig.run_pods(harness, [f"trainer-{i}" for i in range(5)])
+    gpu3 = held["trainer-3"]
+    await start(harness, rig)
+    verdict = rig.xid(gpu3, 48)
+    assert verdict.severity is Severity.ISOLATE and verdict.devices == (rig.gpus[gpu3],)
+    assert rig.assessor.book.unhealthy_devices().keys() == {rig.gpus[gpu3]}  # out of ListAndWatch
+    await harness.verdict(verdict)
+
+    assert evictions(harness) == ["trainer-3"]
+    node = harness.api.node
+    assert not node["spec"].get("unschedulable") and not node["spec"].get("taints")
+    assert harness.actions("isolate", "ok") == 1 and harness.actions("cordon", "ok") == 0
+    assert harness.api.annotations[f"{P}/isolated-devices"] == rig.gpus[gpu3]
+    condition = harness.api.condition("GpuUnhealthy")
+    assert condition["status"] == "False" and condition["reason"] == "GpuXid48"
+    assert rig.gpus[gpu3] in condition["message"] and "ml/trainer-3" in condition["message"]
+    assert "DeviceIsolated" in harness.event_reasons()
+
+    rig.kubelet.end_pod("ml", "trainer-3")  # the evicted pod (gone from the API double) ends on the kubelet too
+    await rig.ownership.refresh()
+    await harness.advance(11)
+    assert harness.api.annotations[f"{P}/isolate-drain"] == "complete"
+    assert evictions(harness) == ["trainer-3"]
+
+
+async def test_a_second_gpu_fault_escalates_to_cordon_and_drain(harness: Harness, rig: Rig) -> None:
+    held = await rig.run_pods(harness, [f"trainer-{i}" for i in range(5)])
+    await start(harness, rig)
+    await harness.verdict(rig.xid(held["trainer-3"], 48))
+    assert evictions(harness) == ["trainer-3"]
+
+    verdict = rig.xid(held["trainer-1"], 94)  # another GPU: the node is no longer whole
+    assert verdict.severity is Severity.DRAIN and verdict.reason == "MultipleDevicesIsolated"
+    await harness.verdict(verdict)
+    assert harness.api.node["spec"]["unschedulable"] is True
+    assert harness.actions("cordon", "ok") == 1
+    assert sorted(evictions(harness)) == [f"trainer-{i}" for i in range(5)]  # trainer-3 was already gone
+    assert f"{P}/isolated-devices" not in harness.api.annotations  # the node path took over
+    assert "DeviceIsolationEnded" in harness.event_reasons()
+    assert harness.api.condition("GpuUnhealthy")["status"] == "True"
+
+
+async def test_drain_modes_hold_for_the_isolated_devices_pods(harness: Harness, rig: Rig) -> None:
+    rules = [DrainRule(namespaces=["ckpt"], mode="DeleteAfterTimeout", timeout_seconds=600),
+             DrainRule(namespaces=["long"], mode="AllowCompletion")]
+    held = await rig.run_pods(harness, ["a0", "a1"], namespace="ckpt")
+    held |= await rig.run_pods(harness, ["b2", "b3"], namespace="long")
+    await start(harness, rig, drain_modes=rules, drain_deadline_seconds=1800)
+
+    await harness.verdict(rig.xid(held["a1"], 64))
+    assert evictions(harness) == []
+    await harness.advance(590)
+    assert evictions(harness) == []
+    await harness.advance(11)  # 600 s after the fault
+    assert evictions(harness) == ["a1"]
+
+    await harness.verdict(rig.reset(held["a1"]))  # the reset cleared a1's GPU; then b3's (AllowCompletion)
+    await harness.verdict(rig.xid(held["b3"], 95))
+    await harness.advance(1900)
+    assert evictions(harness) == ["a1"]  # never evicted: the drain waits for it
+    assert harness.api.annotations[f"{P}/isolate-drain"] == "deadline"
+    assert harness.api.annotations[f"{P}/isolated-devices"] == rig.gpus[held["b3"]]
+
+
+async def test_a_reset_ends_the_isolation_and_a_restart_repeats_nothing(harness: Harness, rig: Rig) -> None:
+    held = await rig.run_pods(harness, [f"trainer-{i}" for i in range(4)])
+    await start(harness, rig)
+    verdict = rig.xid(held["trainer-2"], 48)
+    await harness.verdict(verdict)
+    assert evictions(harness) == ["trainer-2"] and harness.actions("isolate", "ok") == 1
+
+    service = await harness.restart()  # a new agent process on the same node: same isolation, nothing counted again
+    service.engine.pods_of = rig.ownership.pods_holding
+    await harness.verdict(verdict)
+    assert harness.actions("isolate", "ok") == 0
+    assert [r for r in harness.event_reasons() if r == "DeviceIsolated"] == ["DeviceIsolated"]
+
+    await harness.verdict(rig.reset(held["trainer-2"]))
+    assert f"{P}/isolated-devices" not in harness.api.annotations
+    assert "DeviceIsolationEnded" in harness.event_reasons()
+    assert harness.api.condition("GpuUnhealthy")["status"] == "False"
+    assert not harness.api.node["spec"].get("unschedulable")
+
+
+async def test_without_podresources_no_pod_is_evicted(harness: Harness, rig: Rig) -> None:
+    held = await rig.run_pods(harness, ["trainer-0", "trainer-1"])
+    await harness.start(make_config())  # ownership not wired: which pod holds the GPU is unknown
+    await harness.verdict(rig.xid(held["trainer-1"], 48))
+    assert evictions(harness) == []
+    assert harness.api.annotations[f"{P}/isolated-devices"] == rig.gpus[held["trainer-1"]]
+    event = next(e for e in harness.api.events.values() if e["reason"] == "DeviceIsolated")
+    assert "unknown" in event["message"]

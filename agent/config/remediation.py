@@ -7,6 +7,7 @@ values that would make a 7,500-node fleet hammer the API server (a condition hea
 
 from __future__ import annotations
 
+import posixpath
 import re
 from dataclasses import dataclass
 
@@ -111,6 +112,14 @@ class RemediationConfig:
     latch_window_seconds: float = setting(
         604800.0, flag="--latch-window", env="GPU_NODE_AGENT_LATCH_WINDOW",
         help="window in seconds over which remediations are counted for the latch (default 7 days)")
+    reboot_sentinel_path: str = setting(
+        "", flag="--reboot-sentinel", env="GPU_NODE_AGENT_REBOOT_SENTINEL",
+        help="file to create when a fault needs a reboot, after the cordon and the drain (kured's sentinel: the "
+             "host's /var/run/reboot-required, mounted into the agent's container; empty: off)")
+    reboot_condition_type: str = setting(
+        "", flag="--reboot-condition-type", env="GPU_NODE_AGENT_REBOOT_CONDITION_TYPE",
+        help="NodeCondition set True when a fault needs a reboot and False after it (for NodeHealthCheck or "
+             "Karpenter node repair), e.g. GpuNodeRebootRequired; empty: off")
     eviction_backoff_seconds: float = setting(
         5.0, flag="--eviction-backoff", env="GPU_NODE_AGENT_EVICTION_BACKOFF",
         help="first wait after a 429 (PodDisruptionBudget) eviction refusal; doubles up to the maximum")
@@ -179,9 +188,31 @@ class RemediationConfig:
                                  f"before the eviction: raise drainDeadlineSeconds or lower the timeout")
         if self.latch_count < 0:
             raise ValueError(f"latchCount: {self.latch_count} must be 0 (off) or more")
+        check_sentinel_path(self.reboot_sentinel_path)
+        if self.reboot_condition_type and (not _CONDITION_TYPE.match(self.reboot_condition_type)
+                                           or self.reboot_condition_type == self.condition_type):
+            raise ValueError(f"rebootConditionType: {self.reboot_condition_type!r} must be a CamelCase name other "
+                             f"than conditionType ({self.condition_type})")
         if self.uncordon_policy not in UNCORDON_POLICIES:
             raise ValueError(f"uncordonPolicy: {self.uncordon_policy!r} not one of {', '.join(UNCORDON_POLICIES)}")
+
+    @property
+    def reboot_requests(self) -> bool:
+        """Whether faults that need a reboot are handed on (a sentinel file, a NodeCondition or both)."""
+        return bool(self.reboot_sentinel_path or self.reboot_condition_type)
 
     def lease_namespace(self) -> str:
         """Where slot Leases live: the configured namespace, else the agent's own, else `default`."""
         return self.slot_namespace or self.pod_namespace or "default"
+
+
+_CONDITION_TYPE = re.compile(r"^[A-Z][A-Za-z0-9]{0,62}$")
+
+
+def check_sentinel_path(path: str) -> None:
+    """An absolute, normalised path with no `..` (empty: off); ValueError names the setting."""
+    if not path:
+        return
+    if not path.startswith("/") or posixpath.normpath(path) != path or ".." in path.split("/") or "\0" in path \
+            or path == "/":
+        raise ValueError(f"rebootSentinelPath: {path!r} must be an absolute, normalised file path without '..'")

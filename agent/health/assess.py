@@ -20,7 +20,7 @@ from agent.health.reporters import StateReporters
 from agent.health.verdict import VerdictBook
 from agent.health.xid import XidCounter, XidPolicy
 from agent.host.nvml import MemoryHealth, NvmlEvent
-from agent.signals import DeviceHealth, Latest, NodeVerdict, Severity
+from agent.signals import DeviceHealth, GpuRecoveryAction, Latest, NodeVerdict, Severity
 from agent.topology.model import Nic, Topology
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class HealthAssessor:
             self._add(self._lost_finding(gpu, f"{gpu.name} fell off the bus: {describe}", action, kind))
         elif action >= Severity.ISOLATE:  # the device stays out until a reset (or reboot) is observed
             self._add(Finding(key, action, reason, Clears.RESET, (gpu.uuid,) if gpu.uuid else (), gpu.uuid,
-                              code=kind, hardware=hardware))
+                              code=kind, hardware=hardware, recovery=self.policy.recovery(code)))
         else:
             self._add(self._hold(key, action, reason, kind, hardware))
         self._publish()
@@ -255,7 +255,8 @@ class HealthAssessor:
 
     def _lost_finding(self, gpu: GpuRef, reason: str, severity: Severity, code: str) -> Finding:
         return Finding(f"lost:{gpu.uuid or gpu.bus_id}", severity, reason, Clears.RESET,
-                       (gpu.uuid,) if gpu.uuid else (), gpu.uuid, code=code, hardware=True)
+                       (gpu.uuid,) if gpu.uuid else (), gpu.uuid, code=code, hardware=True,
+                       recovery=GpuRecoveryAction.NODE_REBOOT)  # off the bus: only a reboot brings it back
 
     def _state(self, active: bool, finding: Finding, source: str) -> None:
         """A STATE finding: raised while any source reports the condition, ended when the last says it is gone."""

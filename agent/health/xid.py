@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from agent.health.findings import GpuRef
-from agent.signals import XID_NONE, Severity
+from agent.signals import XID_NONE, GpuRecoveryAction, Severity
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,9 @@ HARDWARE_BUCKETS = frozenset({"RESTART_BM", "WORKFLOW_XID_48", "WORKFLOW_NVLINK_
 #: device isolated at the same time drains the node, see agent.health.verdict). DBE (48), row-remap event and
 #: failure (63, 64), contained and uncontained ECC errors (94, 95).
 DEVICE_SCOPED_XIDS = frozenset({48, 63, 64, 94, 95})
+_BUCKET_RECOVERY: Mapping[str, GpuRecoveryAction] = {
+    "RESTART_BM": GpuRecoveryAction.NODE_REBOOT, "RESTART_VM": GpuRecoveryAction.NODE_REBOOT,
+    "RESET_GPU": GpuRecoveryAction.GPU_RESET}
 UNKNOWN_XID_ACTION = Severity.DEGRADED  # visible, never disruptive: override it once you know the code
 
 
@@ -132,6 +135,13 @@ class XidPolicy:
             rows.append({"xid": code, "name": info.mnemonic if info else "", "action": action_word(action),
                          "source": source})
         return rows
+
+    @staticmethod
+    def recovery(code: int) -> GpuRecoveryAction | None:
+        """The recovery NVIDIA's bucket prescribes when it is more than the application's: a reboot for
+        RESTART_BM / RESTART_VM, a GPU reset for RESET_GPU; None otherwise (or for an unknown code)."""
+        info = CATALOG.get(code)
+        return None if info is None else _BUCKET_RECOVERY.get(info.bucket)
 
     @staticmethod
     def is_hardware(code: int) -> bool:

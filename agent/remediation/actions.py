@@ -38,7 +38,7 @@ class NodeActions:
         self._heartbeat = heartbeat_seconds
         self.dry_run = dry_run
         self._overlay: dict[str, Any] = {}
-        self._overlay_condition: Condition | None = None
+        self._overlay_conditions: dict[str, Condition] = {}
         self._node: NodeView | None = None
 
     @property
@@ -57,8 +57,8 @@ class NodeActions:
         """Take a newer view of the node (from the watch or a response)."""
         if self.dry_run:
             node = apply_patch(node, self._overlay)
-            if self._overlay_condition is not None:
-                node = with_condition(node, self._overlay_condition)
+            for overlay in self._overlay_conditions.values():
+                node = with_condition(node, overlay)
         self._node = node
 
     async def refresh(self) -> NodeView:
@@ -95,39 +95,41 @@ class NodeActions:
         log.info("%s node %s", action, node.name, extra={"action": action})
         return True
 
-    def condition(self) -> Condition | None:
-        """The agent's condition as it is on the node."""
-        return self.node.conditions.get(self.condition_type)
+    def condition(self, condition_type: str = "") -> Condition | None:
+        """The agent's condition (or its other one, `condition_type`) as it is on the node."""
+        return self.node.conditions.get(condition_type or self.condition_type)
 
-    def heartbeat_due_at(self) -> float | None:
+    def heartbeat_due_at(self, condition_type: str = "") -> float | None:
         """When the condition's heartbeat is next due; None if there is no condition yet."""
-        current = self.condition()
+        current = self.condition(condition_type)
         if current is None or current.last_heartbeat is None:
             return None
         return current.last_heartbeat + self._heartbeat
 
-    async def ensure_condition(self, problem: bool, reason: str, message: str) -> bool:
-        """Set the condition if it differs or its heartbeat is due; True when a patch was (or would be) made."""
+    async def ensure_condition(self, problem: bool, reason: str, message: str, condition_type: str = "") -> bool:
+        """Set the condition (default: the agent's main one) if it differs or its heartbeat is due; True when a
+        patch was (or would be) made. `lastTransitionTime` moves only when the status flips."""
+        kind = condition_type or self.condition_type
         now = self._clock.now()
         status = "True" if problem else "False"
-        current = self.condition()
+        current = self.condition(kind)
         changed = current is None or (current.status, current.reason, current.message) != (status, reason, message)
-        due = self.heartbeat_due_at()
+        due = self.heartbeat_due_at(kind)
         if not changed and due is not None and now < due:
             return False
         flipped = current is None or current.status != status
         transition = now if flipped or current is None or current.last_transition is None \
             else current.last_transition
-        condition = Condition(self.condition_type, status, reason, message, now, transition)
+        condition = Condition(kind, status, reason, message, now, transition)
         action = "condition" if changed else "heartbeat"
         if self.dry_run:
             if changed:
-                self._overlay_condition = condition
+                self._overlay_conditions[kind] = condition
                 self._node = with_condition(self.node, condition)
                 self._actions.count(action, "dry_run")
-                log.info("dry-run: would set condition %s=%s (%s: %s)", self.condition_type, status, reason, message)
+                log.info("dry-run: would set condition %s=%s (%s: %s)", kind, status, reason, message)
             else:  # nothing is sent in dry-run; just move the local heartbeat on
-                self._overlay_condition = condition
+                self._overlay_conditions[kind] = condition
                 self._node = with_condition(self.node, condition)
             return changed
         try:
@@ -137,5 +139,5 @@ class NodeActions:
             raise
         self._actions.count(action, "ok")
         if changed:
-            log.info("condition %s=%s (%s: %s)", self.condition_type, status, reason, message)
+            log.info("condition %s=%s (%s: %s)", kind, status, reason, message)
         return True

@@ -10,6 +10,8 @@ again, or in a restarted agent, repeats nothing. The rules, from the failures of
 - uncordon only our own cordon, after `healthy_window_seconds` of health, when the policy allows the reason
   (hardware faults stay by default); never touch an admin's `spec.unschedulable` (drainsafe#1);
 - a drain stops as soon as the verdict no longer asks for it (draino#50);
+- a fault that needs a reboot is handed to kured (sentinel file) and/or NHC/Karpenter (a NodeCondition) after
+  the cordon and the drain, once per boot (`reboot`);
 - an `isolate` verdict drains only the pods holding that one device and leaves the node schedulable
   (`isolate`); the condition stays False and names the device;
 - every cordon is stamped into the remediation history; the `latchCount`-th within the window latches the node
@@ -33,6 +35,7 @@ from agent.remediation.events import WARNING, EventRecorder
 from agent.remediation.isolate import Isolation, PodsOf
 from agent.remediation.metrics import ActionCounter
 from agent.remediation.preflight import PreflightState
+from agent.remediation.reboot import RebootRequests
 from agent.remediation.slots import Slots
 from agent.remediation.state import Keys, Recorded
 from agent.signals import NodeVerdict, Severity, worst
@@ -71,10 +74,12 @@ class Engine:
 
     def __init__(self, config: RemediationConfig, *, actions: NodeActions, slots: Slots, events: EventRecorder,
                  drainer: Drainer, clock: Clock, counter: ActionCounter, inputs: Inputs, wake: Callable[[], None],
-                 jitter: Callable[[], float] = lambda: 1.0) -> None:
+                 jitter: Callable[[], float] = lambda: 1.0, boot_id: str = "") -> None:
         self.config = config
         self.isolation = Isolation(config, actions=actions, events=events, drainer=drainer, clock=clock,
                                    counter=counter, wake=wake)
+        self.reboot = RebootRequests(config, actions=actions, events=events, clock=clock, counter=counter,
+                                     boot_id=lambda: boot_id, remediated=self.remediated)
         self.keys = Keys.for_prefix(config.prefix)
         self.latch_keys = latch.LatchKeys.for_prefix(config.prefix)
         self.actions = actions
@@ -123,6 +128,7 @@ class Engine:
         elif verdict is not None and not latched:  # latched: no uncordon, whatever the checks say
             await self._not_faulty(verdict)
         await self.isolation.reconcile(verdict)
+        await self.reboot.reconcile(verdict, self.recorded(), latched)
         await self._condition(verdict)
         if self.recorded().cordoned:
             await self.slots.renew()

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from agent.clock import Clock, SystemClock
 from agent.config.remediation import RemediationConfig
+from agent.host.kmsg import read_boot_id
 from agent.kube.errors import ApiConflict, ApiError
 from agent.kube.model import NodeView, WatchEvent
 from agent.kube.port import Cluster
@@ -36,6 +37,8 @@ from agent.signals import Latest, NodeVerdict
 from agent.supervisor import Backoff, RunFn, Supervisor
 
 log = logging.getLogger(__name__)
+
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
 MAX_IDLE = 3600.0
 POD_EVENT_BURST = 110  # one DrainScheduled Event per pod: the kubelet admits at most 110 pods per node by default
@@ -62,7 +65,8 @@ class RemediationService:
     def __init__(self, config: RemediationConfig, node_name: str, cluster: Cluster,
                  verdicts: Latest[NodeVerdict], registry: CollectorRegistry, *, pod_name: str = "",
                  pod_namespace: str = "", clock: Clock | None = None, rng: random.Random | None = None,
-                 preflight_checks: Sequence[PreflightCheck] = (), metadata_fetch: Fetch = urllib_fetch) -> None:
+                 preflight_checks: Sequence[PreflightCheck] = (), metadata_fetch: Fetch = urllib_fetch,
+                 boot_id_path: str = BOOT_ID_PATH) -> None:
         if not node_name:
             raise ValueError("remediation needs the node name: set --node-name or NODE_NAME (downward API)")
         self.config = config
@@ -92,7 +96,9 @@ class RemediationService:
                           blocked_retry_seconds=config.eviction_blocked_retry_seconds, dry_run=dry)
         self.engine = Engine(config, actions=self.actions, slots=self.slots, events=self.events, drainer=drainer,
                              clock=self.clock, counter=self.counter, inputs=self.inputs, wake=self.wake,
-                             jitter=self._jitter)
+                             jitter=self._jitter,
+                             # read once: a reboot ends this process, so the next one reads the new id
+                             boot_id=read_boot_id(boot_id_path) if config.reboot_requests else "")
         self.maintenance = (MaintenanceWatcher(list(config.maintenance_clouds), config.maintenance_base_url,
                                                self.clock, poll_seconds=config.maintenance_poll_seconds,
                                                drain_before=config.maintenance_drain_before_seconds,

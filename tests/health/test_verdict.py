@@ -120,3 +120,14 @@ def test_a_nic_isolates_with_its_vfs_and_a_finding_without_a_device_cannot_be_co
     assert verdict.severity is Severity.ISOLATE and verdict.devices == nic.devices
     nowhere = Finding("gpudirect", Severity.ISOLATE, "nvidia_peermem missing", Clears.STATE, code="GpuDirectMissing")
     assert VerdictBook([nowhere]).verdict().severity is Severity.DRAIN
+
+
+def test_a_gpu_off_the_bus_asks_for_a_reboot_and_a_reset_class_xid_for_a_reset(dgx_root: Path) -> None:
+    from agent.signals import GpuRecoveryAction, RecoveryRequest
+    topology = load_topology(dgx_root, SimulatedNvml(profiles.load_profile("dgx-h100").gpu_uuids).gpu_uuids())
+    assessor = HealthAssessor(HealthConfig(), topology, DeviceHealth(), clock=lambda: 0.0)
+    a, b = (gpu.uuid or "" for gpu in topology.gpus[:2])
+    assessor.on_xid(assessor.names.by_uuid(a), 79, "kmsg")  # RESTART_BM
+    assessor.on_xid(assessor.names.by_uuid(b), 119, "kmsg")  # RESET_GPU
+    assert set(assessor.verdict.recovery) == {RecoveryRequest(a, GpuRecoveryAction.NODE_REBOOT),
+                                              RecoveryRequest(b, GpuRecoveryAction.GPU_RESET)}

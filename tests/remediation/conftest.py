@@ -80,12 +80,12 @@ class Harness:
             await self.cluster.aclose()
             self.cluster = None
 
-    async def restart(self, config: RemediationConfig | None = None) -> RemediationService:
+    async def restart(self, config: RemediationConfig | None = None, **kwargs: Any) -> RemediationService:
         """A new agent process: fresh service, metrics and client; the cluster keeps its state."""
         await self.stop()
         self.registry = CollectorRegistry()
         self.requests = ApiRequestCounter(self.registry)
-        return await self.start(config)
+        return await self.start(config, **kwargs)
 
     async def verdict(self, verdict: NodeVerdict) -> None:
         self.queue.set(verdict)

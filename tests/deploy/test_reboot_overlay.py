@@ -1,0 +1,49 @@
+"""The kured overlay (overlays/reboot-kured): renders, validates strictly, mounts only the agent's own host
+directory, and sets a sentinel path and condition the agent's config accepts (README, "Reboot requests")."""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from agent import config as agent_config
+from tests.deploy.manifests import CRD_GROUPS, ROOT, all_documents
+from tests.deploy.test_dropin_overlay import _merge
+
+OVERLAY = ROOT / "overlays" / "reboot-kured"
+
+
+def render() -> list[dict[str, Any]]:
+    kustomization = yaml.safe_load((OVERLAY / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["../../deploy"]
+    docs = [doc for _name, doc in all_documents()]
+    for entry in kustomization["patches"]:
+        patch = yaml.safe_load((OVERLAY / entry["path"]).read_text())
+        docs = [_merge(doc, patch) if (doc["kind"], doc["metadata"]["name"]) == (patch["kind"], patch["metadata"]
+                                                                                 ["name"]) else doc for doc in docs]
+    return docs
+
+
+@pytest.mark.parametrize("version", ("1.30", kubernetes_validate.latest_version()))
+def test_every_object_validates_strictly(version: str) -> None:
+    for doc in render():
+        if not doc["apiVersion"].startswith(CRD_GROUPS):
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_agent_writes_only_into_its_own_host_directory() -> None:
+    (daemonset,) = [d for d in render() if d["kind"] == "DaemonSet"]
+    spec = daemonset["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    cfg = agent_config.load(None, {k: v for k, v in env.items() if v is not None})
+    sentinel = cfg.remediation.reboot_sentinel_path
+    assert cfg.remediation.reboot_condition_type == "GpuNodeRebootRequired" and cfg.remediation.reboot_requests
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == posixpath.dirname(sentinel))
+    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    assert volume["hostPath"] == {"path": "/var/run/gpu-node-agent", "type": "DirectoryOrCreate"}
+    assert not mount.get("readOnly")

@@ -175,13 +175,23 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _action_table(cfg: config.AgentConfig) -> dict[str, object]:
     """What each check does on this node once config is applied (what `xidActions` and the *Action settings
     change), so an operator sees the result of the overrides rather than reading the catalog."""
+    from agent.config.load import camel_case
     from agent.health.xid import UNKNOWN_XID_ACTION, XidPolicy, action_word
 
     health = cfg.health
+    # every `*_action` setting, read from the dataclass so that a new one cannot be left out of the table
+    settings = {camel_case(f.name): getattr(health, f.name) for f in dataclasses.fields(health)
+                if f.name.endswith("_action")}
+    from agent.config.health import parse_check_action
+
+    checks = health.check_action_map()
+    overridden = {parse_check_action(item)[0] for item in health.check_actions}
     return {"xidActions": XidPolicy(health.xid_action_overrides()).table(),
             "unknownXid": action_word(UNKNOWN_XID_ACTION),
-            "checks": {"linkDownAction": health.link_down_action,
-                       "dcgmLinkErrorAction": health.dcgm_link_error_action}}
+            "checks": settings,
+            "checkActions": [{"check": name, "action": action,
+                              "source": "override" if name in overridden else "default"}
+                             for name, action in sorted(checks.items())]}
 
 
 def _cmd_netacct(args: argparse.Namespace) -> int:

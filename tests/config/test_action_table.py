@@ -31,3 +31,19 @@ def test_checks_and_unknown_codes(capsys, monkeypatch):
 
 def test_a_bad_override_is_a_usage_error(capsys):
     assert cli.main(["config", "--actions", "--xid-action", "48=explode"]) == 2
+
+
+def test_every_action_setting_and_every_check_is_listed(capsys, monkeypatch):
+    from agent.config.health import CHECK_ACTIONS, HealthConfig
+
+    for name in ("GPU_NODE_AGENT_UNKNOWN_HEALTH_ACTION", "GPU_NODE_AGENT_CHECK_ACTIONS"):
+        monkeypatch.delenv(name, raising=False)
+    out = table(capsys, "--check-action", "gpu_missing=drain")
+    settings = {name for name in HealthConfig.__dataclass_fields__ if name.endswith("_action")}
+    assert len(out["checks"]) == len(settings) >= 3
+    assert out["checks"]["unknownHealthAction"] == "unhealthy"
+    rows = {row["check"]: row for row in out["checkActions"]}
+    assert rows.keys() == CHECK_ACTIONS.keys()
+    assert rows["gpu_missing"] == {"check": "gpu_missing", "action": "drain", "source": "override"}
+    assert all(row["source"] == "default" for name, row in rows.items() if name != "gpu_missing")
+    assert {row["xid"]: row["action"] for row in out["xidActions"]}[48] == "isolate"

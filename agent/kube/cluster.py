@@ -131,6 +131,13 @@ class LightkubeCluster:
                                                          patch_type=PatchType.STRATEGIC))
         return NodeView.from_dict(node.to_dict())
 
+    async def remove_node_condition(self, condition_type: str) -> NodeView:
+        """Strategic merge on nodes/status: the `$patch: delete` directive removes the entry with this type."""
+        body = {"status": {"conditions": [{"type": condition_type, "$patch": "delete"}]}}
+        node = await self._do(lambda: self._client.patch(Node.Status, self._node, body,
+                                                         patch_type=PatchType.STRATEGIC))
+        return NodeView.from_dict(node.to_dict())
+
     def watch_node(self, resource_version: str, timeout_seconds: int) -> AsyncIterator[WatchEvent[NodeView]]:
         """One watch request by name with bookmarks; ERROR lines become exceptions (410: ApiGone)."""
         return self._watch(Node, None, f"metadata.name={self.node_name}", resource_version,

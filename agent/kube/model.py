@@ -306,6 +306,11 @@ def apply_patch(node: NodeView, patch: Mapping[str, Any]) -> NodeView:
     return dataclasses.replace(node, **changes)
 
 
+def without_condition(node: NodeView, condition_type: str) -> NodeView:
+    """The node without the condition of this type (a strategic merge `$patch: delete` on nodes/status)."""
+    return dataclasses.replace(node, conditions={k: v for k, v in node.conditions.items() if k != condition_type})
+
+
 def with_condition(node: NodeView, condition: Condition) -> NodeView:
     """The node with one condition replaced by type (what a strategic merge of nodes/status does)."""
     return dataclasses.replace(node, conditions={**node.conditions, condition.type: condition})

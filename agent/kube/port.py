@@ -34,6 +34,9 @@ class NodeApi(Protocol):
     async def patch_node_condition(self, condition: Condition) -> NodeView:
         """Strategic-merge patch of one condition on nodes/status (merged by type, others untouched)."""
 
+    async def remove_node_condition(self, condition_type: str) -> NodeView:
+        """Strategic-merge `$patch: delete` of the condition of this type on nodes/status (others untouched)."""
+
 
 class PodApi(Protocol):
     """Pods bound to the agent's node, for drain."""

@@ -30,6 +30,7 @@ from agent.kube.model import (
     WatchEvent,
     apply_patch,
     with_condition,
+    without_condition,
 )
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,10 @@ class InMemoryCluster:
     async def patch_node_condition(self, condition: Condition) -> NodeView:
         """Replace one condition by type."""
         return await self._bump(with_condition(self.node, condition))
+
+    async def remove_node_condition(self, condition_type: str) -> NodeView:
+        """Remove one condition by type."""
+        return await self._bump(without_condition(self.node, condition_type))
 
     # --- pods ---------------------------------------------------------------------------------------------------
 

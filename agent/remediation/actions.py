@@ -16,7 +16,7 @@ from typing import Any
 
 from agent.clock import Clock
 from agent.kube.errors import ApiConflict, ApiError
-from agent.kube.model import Condition, NodeView, apply_patch, with_condition
+from agent.kube.model import Condition, NodeView, apply_patch, with_condition, without_condition
 from agent.kube.port import NodeApi
 from agent.remediation.metrics import ActionCounter
 from agent.remediation.state import compose
@@ -93,6 +93,25 @@ class NodeActions:
         self.observe(updated)
         self._actions.count(action, "ok")
         log.info("%s node %s", action, node.name, extra={"action": action})
+        return True
+
+    async def remove_condition(self, condition_type: str) -> bool:
+        """Remove a condition the agent no longer manages; True when there was one to remove."""
+        if condition_type not in self.node.conditions:
+            return False
+        if self.dry_run:
+            self._overlay_conditions.pop(condition_type, None)
+            self._node = without_condition(self.node, condition_type)
+            self._actions.count("condition_removed", "dry_run")
+            log.info("dry-run: would remove condition %s", condition_type)
+            return True
+        try:
+            self.observe(await self._api.remove_node_condition(condition_type))
+        except ApiError:
+            self._actions.count("condition_removed", "failed")
+            raise
+        self._actions.count("condition_removed", "ok")
+        log.info("removed condition %s, which this configuration no longer sets", condition_type)
         return True
 
     def condition(self, condition_type: str = "") -> Condition | None:

@@ -12,6 +12,7 @@ again, or in a restarted agent, repeats nothing. The rules, from the failures of
 - a drain stops as soon as the verdict no longer asks for it (draino#50);
 - a fault that needs a reboot is handed to kured (sentinel file) and/or NHC/Karpenter (a NodeCondition) after
   the cordon and the drain, once per boot (`reboot`);
+- a condition type the agent set once but no longer sets is removed at start (`conditions`);
 - an `isolate` verdict drains only the pods holding that one device and leaves the node schedulable
   (`isolate`); the condition stays False and names the device;
 - every cordon is stamped into the remediation history; the `latchCount`-th within the window latches the node
@@ -30,6 +31,7 @@ from agent.config.remediation import RemediationConfig
 from agent.kube.model import format_time
 from agent.remediation import latch, state
 from agent.remediation.actions import NodeActions
+from agent.remediation.conditions import forget_stale_conditions, owned_types
 from agent.remediation.drain import Drainer, DrainResult
 from agent.remediation.events import WARNING, EventRecorder
 from agent.remediation.isolate import Isolation, PodsOf
@@ -96,6 +98,7 @@ class Engine:
         self._drain_stop = asyncio.Event()
         self._had_verdict = False  # a verdict was seen in this process (None after one means every source cleared)
         self._said: set[tuple[str, str]] = set()  # (what, reason) already announced, to avoid repeating Events
+        self._conditions_checked = False  # stale condition types removed (once per process)
 
     @property
     def pods_of(self) -> PodsOf | None:
@@ -114,6 +117,11 @@ class Engine:
     async def reconcile(self) -> None:
         """Make the node match the decisions; raises ApiError (the caller backs off and calls again)."""
         await self._collect_drain()
+        if not self._conditions_checked and (self.inputs.effective() is not None or self.inputs.preflight.active):
+            # before this process first writes a condition (nothing at all is written before the first verdict)
+            await forget_stale_conditions(self.actions, self.events, f"{self.config.prefix}/condition-types",
+                                          owned_types(self.config.condition_type, self.config.reboot_condition_type))
+            self._conditions_checked = True
         rec = self.recorded()
         node = self.actions.node
         if rec.cordoned and (not node.unschedulable or node.taint(self.keys.taint) is None):

@@ -215,7 +215,9 @@ class ApiServerDouble(EventsAndLeases, ResourceApi, HttpDouble):
         merged = [dict(c) for c in node["status"].get("conditions") or []]
         for condition in conditions:  # strategic merge: patchMergeKey "type"
             existing = next((c for c in merged if c["type"] == condition["type"]), None)
-            if existing is None:
+            if condition.get("$patch") == "delete":  # the directive removes the entry with that key
+                merged = [c for c in merged if c["type"] != condition["type"]]
+            elif existing is None:
                 merged.append(dict(condition))
             else:
                 existing.update(condition)

@@ -138,3 +138,28 @@ def test_the_catalog_and_the_lost_gpu_carry_a_reboot() -> None:
     assert policy.recovery(79) is GpuRecoveryAction.NODE_REBOOT
     assert policy.recovery(119) is GpuRecoveryAction.GPU_RESET
     assert policy.recovery(13) is None and policy.recovery(999) is None
+
+
+async def test_a_condition_type_no_longer_set_is_removed_at_start(harness: Harness, host: Path) -> None:
+    await harness.start(config_for(host), boot_id_path=boot_file(host))
+    await harness.verdict(REBOOT)
+    assert harness.api.condition(KIND)["status"] == "True"  # type: ignore[index]
+    assert harness.api.annotations[f"{P}/condition-types"] == f"{KIND},GpuUnhealthy"
+
+    # the operator turns the reboot condition off: left as it is, the True would make NHC/Karpenter act at once
+    await harness.restart(make_config(reboot_sentinel_path=str(host / "reboot-required")),
+                          boot_id_path=boot_file(host))
+    assert harness.api.condition(KIND) is None
+    assert harness.api.condition("GpuUnhealthy") is not None and harness.api.condition("Ready") is not None
+    assert harness.actions("condition_removed", "ok") == 1 and "StaleConditionRemoved" in harness.event_reasons()
+    assert harness.api.annotations[f"{P}/condition-types"] == "GpuUnhealthy"
+
+
+async def test_an_older_versions_condition_goes_when_the_type_is_renamed(harness: Harness) -> None:
+    await harness.start()
+    await harness.verdict(NodeVerdict(Severity.HEALTHY, "GpuHealthy", "all checks pass"))
+    assert harness.api.condition("GpuUnhealthy") is not None
+    assert f"{P}/condition-types" not in harness.api.annotations  # the default needs no record: no extra write
+    await harness.restart(make_config(condition_type="AcmeGpuProblem"))
+    assert harness.api.condition("GpuUnhealthy") is None
+    assert harness.api.condition("AcmeGpuProblem") is not None

@@ -58,6 +58,9 @@ class _Answering(httpx2.AsyncBaseTransport):
         body: dict[str, Any] = json.loads(request.content) if request.content else {}
         if not isinstance(body, dict):
             body = {}
+        status = body.get("status")
+        if isinstance(status, dict) and isinstance(status.get("conditions"), list):  # the server applies `$patch`
+            status["conditions"] = [c for c in status["conditions"] if "$patch" not in c]
         metadata = {"name": kind_path[1] if len(kind_path) > 1 else "created-1", "resourceVersion": "2",
                     "uid": "u-1", **(body.get("metadata") or {})}
         metadata.pop("generateName", None)
@@ -78,6 +81,7 @@ async def _exercise(port: LightkubeCluster) -> None:
         "patch_node": lambda: port.patch_node({"spec": {"unschedulable": True}}, "1"),
         "patch_node_condition": lambda: port.patch_node_condition(Condition("GpuUnhealthy", "True", "r", "m", 1.0,
                                                                             1.0)),
+        "remove_node_condition": lambda: port.remove_node_condition("GpuNodeRebootRequired"),
         "watch_node": lambda: _drain(port.watch_node("1", 300)),
         "watch_pods": lambda: _drain(port.watch_pods("1", 300)),
         "list_pods": port.list_pods,

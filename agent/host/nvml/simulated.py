@@ -116,30 +116,29 @@ class SimulatedNvml:
         with self._lock:
             self._listeners = [(w, q) for w, q in self._listeners if q is not events]
 
-    def memory_health(self, uuid: str) -> MemoryHealth:
-        """The GPU's simulated counters; None for groups marked unsupported."""
+    def _answering(self, uuid: str) -> _SimGpu:
+        """The GPU a query reads, with the lock held; raises as NVML would (unavailable, no such GPU, lost)."""
         if not self._available:
             raise NvmlUnavailableError(self._reason)
+        gpu = self._gpus.get(uuid)
+        if gpu is None:
+            raise NvmlError(f"{uuid}: no such GPU")
+        if gpu.lost:
+            raise GpuLostError(uuid, "GPU is lost")
+        return gpu
+
+    def memory_health(self, uuid: str) -> MemoryHealth:
+        """The GPU's simulated counters; None for groups marked unsupported."""
         with self._lock:
-            gpu = self._gpus.get(uuid)
-            if gpu is None:
-                raise NvmlError(f"{uuid}: no such GPU")
-            if gpu.lost:
-                raise GpuLostError(uuid, "GPU is lost")
+            gpu = self._answering(uuid)
             hidden = {f.name: None for f in fields(MemoryHealth) for group in gpu.unsupported
                       for prefix in _FIELD_GROUPS.get(group, ()) if f.name.startswith(prefix)}
             return replace(gpu.health, **hidden)  # type: ignore[arg-type]  # only the Optional fields are named
 
     def gpu_state(self, uuid: str) -> GpuState:
         """NVLink, fabric and recovery action as set (and as an override file says); unsupported parts empty."""
-        if not self._available:
-            raise NvmlUnavailableError(self._reason)
         with self._lock:
-            gpu = self._gpus.get(uuid)
-            if gpu is None:
-                raise NvmlError(f"{uuid}: no such GPU")
-            if gpu.lost:
-                raise GpuLostError(uuid, "GPU is lost")
+            gpu = self._answering(uuid)
             links, fabric, action = dict(gpu.nvlinks), gpu.fabric, gpu.recovery_action
             errors, unsupported = dict(gpu.failing), set(gpu.unsupported)
         links, fabric, action, errors = self._overridden(uuid, links, fabric, action, errors)

@@ -120,6 +120,17 @@ class RemediationConfig:
         "", flag="--reboot-condition-type", env="GPU_NODE_AGENT_REBOOT_CONDITION_TYPE",
         help="NodeCondition set True when a fault needs a reboot and False after it (for NodeHealthCheck or "
              "Karpenter node repair), e.g. GpuNodeRebootRequired; empty: off")
+    gpu_reset_command: list[str] = setting(
+        factory=list, flag="--gpu-reset-command-arg", env="GPU_NODE_AGENT_GPU_RESET_COMMAND", repeat=True,
+        help="command as argv (no shell) that resets one GPU once no process uses it, for faults whose catalog "
+             "recovery is a GPU reset; {busId}, {index} and {uuid} in an argument are replaced, e.g. "
+             "nvidia-smi --gpu-reset -i {uuid} (needs a privileged container; empty: off)")
+    gpu_reset_timeout_seconds: float = setting(
+        120.0, flag="--gpu-reset-timeout", env="GPU_NODE_AGENT_GPU_RESET_TIMEOUT",
+        help="seconds before the GPU reset command is killed and the reset counted as failed")
+    gpu_reset_verify_seconds: float = setting(
+        300.0, flag="--gpu-reset-verify", env="GPU_NODE_AGENT_GPU_RESET_VERIFY",
+        help="seconds after a reset within which the GPU's checks must pass again, else the reset failed")
     eviction_backoff_seconds: float = setting(
         5.0, flag="--eviction-backoff", env="GPU_NODE_AGENT_EVICTION_BACKOFF",
         help="first wait after a 429 (PodDisruptionBudget) eviction refusal; doubles up to the maximum")
@@ -174,7 +185,8 @@ class RemediationConfig:
         if unknown:
             raise ValueError(f"maintenanceClouds: {', '.join(unknown)} not one of {', '.join(CLOUDS)}")
         for name in ("slot_lease_seconds", "slot_retry_seconds", "maintenance_poll_seconds",
-                     "eviction_backoff_seconds", "preflight_command_timeout_seconds"):
+                     "eviction_backoff_seconds", "preflight_command_timeout_seconds", "gpu_reset_timeout_seconds",
+                     "gpu_reset_verify_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         timeouts = [(f"drainModes[{i}].timeoutSeconds", r.timeout_seconds) for i, r in enumerate(self.drain_modes)
@@ -189,6 +201,7 @@ class RemediationConfig:
         if self.latch_count < 0:
             raise ValueError(f"latchCount: {self.latch_count} must be 0 (off) or more")
         check_sentinel_path(self.reboot_sentinel_path)
+        check_reset_command(self.gpu_reset_command)
         if self.reboot_condition_type and (not _CONDITION_TYPE.match(self.reboot_condition_type)
                                            or self.reboot_condition_type == self.condition_type):
             raise ValueError(f"rebootConditionType: {self.reboot_condition_type!r} must be a CamelCase name other "
@@ -200,6 +213,11 @@ class RemediationConfig:
     def reboot_requests(self) -> bool:
         """Whether faults that need a reboot are handed on (a sentinel file, a NodeCondition or both)."""
         return bool(self.reboot_sentinel_path or self.reboot_condition_type)
+
+    @property
+    def gpu_resets(self) -> bool:
+        """Whether GPUs whose fault a reset cures are reset (a reset command is configured)."""
+        return bool(self.gpu_reset_command)
 
     def lease_namespace(self) -> str:
         """Where slot Leases live: the configured namespace, else the agent's own, else `default`."""
@@ -216,3 +234,21 @@ def check_sentinel_path(path: str) -> None:
     if not path.startswith("/") or posixpath.normpath(path) != path or ".." in path.split("/") or "\0" in path \
             or path == "/":
         raise ValueError(f"rebootSentinelPath: {path!r} must be an absolute, normalised file path without '..'")
+
+
+#: The placeholders a GPU reset argument may hold; each is replaced by a value the agent checked itself.
+RESET_PLACEHOLDERS = ("{busId}", "{index}", "{uuid}")
+RESET_PLACEHOLDER = re.compile(r"\{busId\}|\{index\}|\{uuid\}")
+
+
+def check_reset_command(argv: list[str]) -> None:
+    """A fixed program (no placeholder in argv[0]) and no brace but the known placeholders; ValueError says which."""
+    if not argv:
+        return
+    if not argv[0] or RESET_PLACEHOLDER.search(argv[0]):
+        raise ValueError(f"gpuResetCommand: the program {argv[0]!r} must be a fixed, non-empty path or name")
+    for arg in argv:
+        rest = RESET_PLACEHOLDER.sub("", arg)
+        if "{" in rest or "}" in rest or "\0" in arg:
+            raise ValueError(f"gpuResetCommand: {arg!r} holds a brace that is not one of "
+                             f"{', '.join(RESET_PLACEHOLDERS)}")

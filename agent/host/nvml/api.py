@@ -144,8 +144,25 @@ class NvmlHealth(Nvml, Protocol):
         another failure of one part is reported in `GpuState.errors`, not raised."""
 
 
+class NvmlSession(Nvml, Protocol):
+    """What a GPU reset asks of NVML: who uses a GPU, and the session closed while the reset runs."""
+
+    def running_processes(self, uuid: str) -> list[int]:
+        """PIDs of the compute, graphics and MPS processes on the GPU. GpuLostError, NvmlUnavailableError,
+        NvmlError."""
+
+    def suspend(self, timeout_s: float) -> bool:
+        """Close the NVML session (nvidia-smi refuses a reset while any process holds it): wait up to `timeout_s`
+        for running calls; later calls wait until `resume`. False when the calls did not finish in time."""
+
+    def resume(self) -> None:
+        """Let calls run again on a fresh session."""
+
+
 def _code(exc: BaseException) -> int | None:
     value = getattr(exc, "value", None)
     return value if isinstance(value, int) else None
 
 
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

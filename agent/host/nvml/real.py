@@ -5,35 +5,33 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from types import ModuleType
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from agent.clock import SYSTEM_CLOCK, Clock
 from agent.host.busid import BusIdError, normalize_bus_id
 from agent.host.nvml.api import (
     _ARGUMENT_VERSION_MISMATCH,
-    _DBE,
     _FUNCTION_NOT_FOUND,
     _GPU_IS_LOST,
     _INVALID_ARGUMENT,
-    _NO_INSTANCE,
     _NOT_SUPPORTED,
     _RESET_REQUIRED,
-    _SBE,
-    _TIMEOUT,
-    _XID,
     FABRIC_NOT_SUPPORTED,
     GpuFabric,
     GpuLostError,
     GpuState,
     MemoryHealth,
     NvmlError,
-    NvmlEvent,
     NvmlEventSet,
     NvmlUnavailableError,
     _code,
+    _text,
 )
+from agent.host.nvml.gate import SessionGate
+from agent.host.nvml.real_events import RealEventSet
 
 log = logging.getLogger(__name__)
 _RETRY_INIT_SECONDS = 60.0  # a failed nvmlInit is tried again this long after (health recovers with the driver)
@@ -44,6 +42,22 @@ _LINK_UP = (1, 2)  # ACTIVE_TRAFFIC_DISABLED 3. A link asleep to save power wake
 _NO_SUCH_LINK = (_NOT_SUPPORTED, _INVALID_ARGUMENT, _FUNCTION_NOT_FOUND)
 # nvmlValueType_t -> member of the c_nvmlValue_t union holding a field value
 _VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+# The process lists a reset must wait for: the unversioned call is the newest struct (v3 in nvidia-ml-py 13),
+# the _v2 one is for drivers older than that struct (NVML_ERROR_FUNCTION_NOT_FOUND).
+_PROCESS_CALLS = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses",
+                  "nvmlDeviceGetMPSComputeRunningProcesses")
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _gated(method: Callable[Concatenate[RealNvml, _P], _R]) -> Callable[Concatenate[RealNvml, _P], _R]:
+    """Run a public call with the shared session held (it waits while a GPU reset has the session closed)."""
+    def call(nvml: RealNvml, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with nvml._gate.call():
+            return method(nvml, *args, **kwargs)
+    call.__doc__, call.__name__ = method.__doc__, method.__name__
+    return call
 
 
 class RealNvml:
@@ -58,6 +72,8 @@ class RealNvml:
         self.unavailable_reason = ""
         self._handles: dict[str, Any] = {}
         self._unsupported_logged: set[tuple[str, str]] = set()
+        self._gate = SessionGate()
+        self._event_sets: list[RealEventSet] = []
 
     def _init(self) -> ModuleType | None:
         with self._lock:
@@ -87,8 +103,10 @@ class RealNvml:
     @property
     def available(self) -> bool:
         """True once NVML initialised."""
-        return self._init() is not None
+        with self._gate.call():
+            return self._init() is not None
 
+    @_gated
     def gpu_uuids(self) -> dict[str, str]:
         """UUID per canonical bus id; a GPU that errors (lost, not supported) is skipped with a warning."""
         nvml = self._init()
@@ -111,6 +129,7 @@ class RealNvml:
                 log.warning("NVML GPU %d skipped: %s", index, exc)
         return found
 
+    @_gated
     def _per_gpu(self, what: str, read: Any) -> dict[str, Any]:
         """`read(nvml, handle)` for every GPU by canonical bus id; a GPU that errors is skipped with a warning."""
         nvml = self._init()
@@ -171,6 +190,7 @@ class RealNvml:
                 return None
             raise self._translate(nvml, uuid, exc) from exc
 
+    @_gated
     def memory_health(self, uuid: str) -> MemoryHealth:
         """ECC counts, retired pages and remapped rows of one GPU."""
         nvml = self._lib()
@@ -191,6 +211,7 @@ class RealNvml:
             None if pending is None else bool(pending), corr, unc,
             None if remap_pending is None else bool(remap_pending), None if failure is None else bool(failure))
 
+    @_gated
     def gpu_state(self, uuid: str) -> GpuState:
         """NVLink states, fabric info and the recovery-action field of one GPU; each part fails on its own."""
         nvml = self._lib()
@@ -301,86 +322,77 @@ class RealNvml:
             self._unsupported_logged.add((uuid, what))
             log.info("NVML %s not supported on %s; that check is skipped", what, uuid)
 
+    @_gated
     def open_events(self, uuids: Iterable[str]) -> NvmlEventSet:
         """Register Xid and ECC events (masked by what each GPU supports) on one event set."""
-        nvml = self._lib()
-        try:
-            event_set = nvml.nvmlEventSetCreate()
-        except nvml.NVMLError as exc:
-            raise NvmlError(f"cannot create an NVML event set: {exc}") from exc
-        events = _RealEventSet(self, nvml, event_set)
-        for uuid in uuids:
-            try:
-                handle = self._handle(nvml, uuid)
-                mask = (_XID | _SBE | _DBE) & nvml.nvmlDeviceGetSupportedEventTypes(handle)
-                if mask:
-                    nvml.nvmlDeviceRegisterEvents(handle, mask, event_set)
-                events.handles[uuid] = handle
-            except GpuLostError:
-                events.pending.append(NvmlEvent("lost", uuid))
-            except nvml.NVMLError as exc:
-                if _code(exc) in (_GPU_IS_LOST, _RESET_REQUIRED):
-                    events.pending.append(NvmlEvent("lost", uuid))
-                else:
-                    log.warning("NVML events not available for %s (%s); polling still covers it", uuid, exc)
+        events = RealEventSet(self, list(uuids))
+        events.open()
+        self._event_sets.append(events)
         return events
 
+    @_gated
+    def running_processes(self, uuid: str) -> list[int]:
+        """PIDs of the compute, graphics and MPS processes on the GPU; a list the GPU does not support is empty."""
+        nvml = self._lib()
+        h = self._handle(nvml, uuid)
+        pids: set[int] = set()
+        for name in _PROCESS_CALLS:
+            for call in (name, f"{name}_v2"):
+                if not hasattr(nvml, call):
+                    continue
+                try:
+                    pids.update(int(p.pid) for p in getattr(nvml, call)(h))
+                except nvml.NVMLError as exc:
+                    if _code(exc) == _FUNCTION_NOT_FOUND:
+                        continue  # a driver older than this struct version: the older call
+                    if _code(exc) != _NOT_SUPPORTED:
+                        raise self._translate(nvml, uuid, exc) from exc
+                break
+        return sorted(pids)
 
-class _RealEventSet:
-    def __init__(self, owner: RealNvml, nvml: ModuleType, event_set: Any) -> None:
-        self._owner, self._nvml, self._set = owner, nvml, event_set
-        self.handles: dict[str, Any] = {}
-        self.pending: list[NvmlEvent] = []
-        self._lost: set[str] = set()
+    def suspend(self, timeout_s: float) -> bool:
+        """Close the session for a GPU reset: wait up to `timeout_s` for running calls, free the event sets, shut
+        NVML down. Calls wait until `resume`. False (nothing closed) when the calls did not finish in time."""
+        return self._gate.suspend(timeout_s, self._shutdown)
 
-    def wait(self, timeout_s: float) -> list[NvmlEvent]:
-        nvml = self._nvml
-        if self.pending:
-            found, self.pending = self.pending, []
-            return found
-        try:
-            data = nvml.nvmlEventSetWait_v2(self._set, max(1, int(timeout_s * 1000)))
-        except nvml.NVMLError as exc:
-            if _code(exc) == _TIMEOUT:
-                return []
-            if _code(exc) == _GPU_IS_LOST:
-                return self._find_lost(exc)
-            raise NvmlError(f"NVML event wait failed: {exc}") from exc
-        try:
-            uuid = _text(nvml.nvmlDeviceGetUUID(data.device))
-        except nvml.NVMLError as exc:
-            raise NvmlError(f"NVML event for an unknown GPU: {exc}") from exc
-        instance = getattr(data, "gpuInstanceId", _NO_INSTANCE)
-        if data.eventType & _XID:
-            return [NvmlEvent("xid", uuid, int(data.eventData), None if instance == _NO_INSTANCE else instance)]
-        return [NvmlEvent("dbe" if data.eventType & _DBE else "sbe", uuid)] if data.eventType & (_SBE | _DBE) \
-            else []
+    def resume(self) -> None:
+        """Open the session again (lazily, at the next call): handles and event sets are made afresh."""
+        self._gate.resume()
 
-    def _find_lost(self, exc: BaseException) -> list[NvmlEvent]:
-        """The wait says a GPU is lost but not which: ask each one."""
-        nvml, found = self._nvml, []
-        for uuid, handle in self.handles.items():
-            try:
-                nvml.nvmlDeviceGetTemperature(handle, 0)
-            except nvml.NVMLError as probe:
-                if _code(probe) in (_GPU_IS_LOST, _RESET_REQUIRED) and uuid not in self._lost:
-                    self._lost.add(uuid)
-                    found.append(NvmlEvent("lost", uuid))
-        if not found:
-            raise NvmlError(f"NVML event wait: {exc}") from exc
-        return found
+    def _shutdown(self) -> None:
+        with self._lock:
+            for events in list(self._event_sets):
+                events.release()
+            self._handles.clear()
+            if self._initialised and self._library is not None:
+                try:
+                    self._library.nvmlShutdown()
+                except Exception as exc:  # the session is dropped either way: the next call initialises again
+                    log.warning("NVML shutdown for a GPU reset failed: %s", exc)
+            self._initialised = None
 
-    def close(self) -> None:
-        try:
-            self._nvml.nvmlEventSetFree(self._set)
-        except self._nvml.NVMLError as exc:
-            log.debug("NVML event set free failed: %s", exc)
+    # --- what an event set needs of its session (agent.host.nvml.real_events.SessionOwner) ---------------------
+
+    @contextmanager
+    def session_call(self) -> Iterator[None]:
+        """Hold the shared session for one call."""
+        with self._gate.call():
+            yield
+
+    def session_library(self) -> ModuleType:
+        """The initialised library; NvmlUnavailableError otherwise."""
+        return self._lib()
+
+    def device_handle(self, nvml: ModuleType, uuid: str) -> Any:
+        """The GPU's (cached) handle."""
+        return self._handle(nvml, uuid)
+
+    def forget_events(self, events: RealEventSet) -> None:
+        """A closed event set is not freed again at a suspension."""
+        with self._lock:
+            self._event_sets = [e for e in self._event_sets if e is not events]
 
 
 def _field_value(value: Any) -> int:
     """An integer field value from the union member its `valueType` names."""
     return int(getattr(value.value, _VALUE_MEMBERS.get(int(value.valueType), "uiVal")))
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.host.busid import normalize_bus_id
+from agent.host.nvml.gate import SessionGate
 from agent.host.nvml.api import (
     FABRIC_COMPLETED,
     FABRIC_NOT_SUPPORTED,
@@ -43,6 +44,7 @@ class _SimGpu:
     fabric: GpuFabric | None = None
     recovery_action: int = 0
     failing: dict[str, str] = field(default_factory=dict)  # gpu_state part -> error
+    processes: list[int] = field(default_factory=list)  # PIDs using the GPU
 
 
 STATE_PARTS = ("nvlink", "fabric", "recovery_action")
@@ -71,6 +73,8 @@ class SimulatedNvml:
                                  fabric=GpuFabric(FABRIC_COMPLETED) if fabric else None)
                       for u in self._uuids.values()}
         self._listeners: list[tuple[frozenset[str], queue.SimpleQueue[NvmlEvent]]] = []
+        self._gate = SessionGate()
+        self.suspensions = 0  # sessions closed for a GPU reset
 
     @property
     def available(self) -> bool:
@@ -129,7 +133,7 @@ class SimulatedNvml:
 
     def memory_health(self, uuid: str) -> MemoryHealth:
         """The GPU's simulated counters; None for groups marked unsupported."""
-        with self._lock:
+        with self._gate.call(), self._lock:
             gpu = self._answering(uuid)
             hidden = {f.name: None for f in fields(MemoryHealth) for group in gpu.unsupported
                       for prefix in _FIELD_GROUPS.get(group, ()) if f.name.startswith(prefix)}
@@ -137,7 +141,7 @@ class SimulatedNvml:
 
     def gpu_state(self, uuid: str) -> GpuState:
         """NVLink, fabric and recovery action as set (and as an override file says); unsupported parts empty."""
-        with self._lock:
+        with self._gate.call(), self._lock:
             gpu = self._answering(uuid)
             links, fabric, action = dict(gpu.nvlinks), gpu.fabric, gpu.recovery_action
             errors, unsupported = dict(gpu.failing), set(gpu.unsupported)
@@ -169,6 +173,31 @@ class SimulatedNvml:
             why = f"simulated override {path} unreadable: {type(exc).__name__}: {exc}"
             return links, fabric, action, {**errors, **dict.fromkeys(STATE_PARTS, why)}
         return links, fabric, action, errors
+
+    def running_processes(self, uuid: str) -> list[int]:
+        """The PIDs set with `set_processes` (a reset ends them)."""
+        with self._gate.call(), self._lock:
+            return sorted(self._answering(uuid).processes)
+
+    def set_processes(self, uuid: str, pids: Iterable[int]) -> None:
+        """Processes start or stop using the GPU."""
+        with self._lock:
+            self._gpus[uuid].processes = list(pids)
+
+    def suspend(self, timeout_s: float) -> bool:
+        """Close the session as RealNvml does for a reset: queries wait until `resume`."""
+        def closed() -> None:
+            self.suspensions += 1
+        return self._gate.suspend(timeout_s, closed)
+
+    def resume(self) -> None:
+        """Queries run again."""
+        self._gate.resume()
+
+    @property
+    def suspended(self) -> bool:
+        """True while a reset has the session closed."""
+        return self._gate.suspended
 
     def set_nvlink(self, uuid: str, link: int, active: bool) -> None:
         """One NVLink of this GPU goes inactive or active (a link the GPU did not have is added)."""
@@ -244,6 +273,7 @@ class SimulatedNvml:
             gpu = self._gpus[uuid]
             gpu.lost = False
             gpu.recovery_action = 0  # the reset the driver asked for is done
+            gpu.processes = []  # a reset ends every context on the GPU
             gpu.health = replace(gpu.health, ecc_corrected_volatile=0, ecc_uncorrected_volatile=0,
                                   retired_pages_pending=False, remap_pending=False)
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from agent.host.busid import normalize_bus_id
-from agent.host.nvml.gate import SessionGate
 from agent.host.nvml.api import (
     FABRIC_COMPLETED,
     FABRIC_NOT_SUPPORTED,
@@ -33,6 +32,7 @@ from agent.host.nvml.api import (
     NvmlEventSet,
     NvmlUnavailableError,
 )
+from agent.host.nvml.gate import SessionGate
 
 
 @dataclass

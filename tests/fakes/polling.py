@@ -7,6 +7,7 @@ clock, each poll also moves fake time by `step`, so loops that sleep on the cloc
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 from tests.fakes.clock import FakeClock
@@ -23,3 +24,13 @@ async def until(predicate: Callable[[], object], what: str = "condition", timeou
         if clock is not None and step > 0:
             await clock.advance(step)
         await asyncio.sleep(interval)
+
+
+def until_blocking(predicate: Callable[[], object], what: str = "condition", timeout: float = 20.0,
+                   interval: float = 0.005) -> None:
+    """`until` for tests that drive threads, outside an event loop."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        time.sleep(interval)

@@ -42,8 +42,9 @@ _LINK_UP = (1, 2)  # ACTIVE_TRAFFIC_DISABLED 3. A link asleep to save power wake
 _NO_SUCH_LINK = (_NOT_SUPPORTED, _INVALID_ARGUMENT, _FUNCTION_NOT_FOUND)
 # nvmlValueType_t -> member of the c_nvmlValue_t union holding a field value
 _VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
-# The process lists a reset must wait for: the unversioned call is the newest struct (v3 in nvidia-ml-py 13),
-# the _v2 one is for drivers older than that struct (NVML_ERROR_FUNCTION_NOT_FOUND).
+# The process lists a reset must wait for, by versioned name: _v3 first, _v2 for a driver older than that call
+# (NVML_ERROR_FUNCTION_NOT_FOUND). Not the unversioned wrappers: on such a driver they raise
+# NVMLLibraryMismatchError instead of falling back.
 _PROCESS_CALLS = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses",
                   "nvmlDeviceGetMPSComputeRunningProcesses")
 
@@ -337,7 +338,7 @@ class RealNvml:
         h = self._handle(nvml, uuid)
         pids: set[int] = set()
         for name in _PROCESS_CALLS:
-            for call in (name, f"{name}_v2"):
+            for call in (f"{name}_v3", f"{name}_v2"):
                 if not hasattr(nvml, call):
                     continue
                 try:

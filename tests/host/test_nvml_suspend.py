@@ -1,0 +1,110 @@
+"""The real NVML port's GPU-reset support over the real `pynvml` wrappers and a stand-in libnvidia-ml
+(tests/fakes/libnvml.py: sessions, event sets and process lists as NVML documents them): who runs on a GPU, and
+the session closed while a reset runs, with no call in flight, every event set freed, and everything reopened
+after it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pynvml
+
+from agent.host.nvml import NvmlEvent, RealNvml
+from agent.host.nvml.gate import SessionGate
+from tests.fakes.libnvml import StandInGpu, StandInLibNvml
+from tests.fakes.polling import until_blocking
+
+
+def test_running_processes_merge_compute_graphics_and_mps_and_older_drivers_use_the_v2_calls() -> None:
+    gpus = [StandInGpu("GPU-0", processes=[4242, 17], graphics=[17], mps=[99]), StandInGpu("GPU-1")]
+    with StandInLibNvml(gpus).install():
+        nvml = RealNvml(pynvml)
+        assert nvml.running_processes("GPU-0") == [17, 99, 4242]
+        assert nvml.running_processes("GPU-1") == []
+    with StandInLibNvml([StandInGpu("GPU-0", processes=[5])], old_driver=True).install():
+        assert RealNvml(pynvml).running_processes("GPU-0") == [5]
+
+
+def test_suspend_frees_the_event_set_and_closes_the_session_then_everything_reopens() -> None:
+    library = StandInLibNvml([StandInGpu("GPU-0"), StandInGpu("GPU-1")])
+    with library.install():
+        nvml = RealNvml(pynvml)
+        events = nvml.open_events(["GPU-0", "GPU-1"])
+        seen: list[NvmlEvent] = []
+        halt = threading.Event()
+
+        def watch() -> None:  # the health watch's thread
+            while not halt.is_set():
+                seen.extend(events.wait(0.05))
+            events.close()
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        library.inject_xid("GPU-1", 31)
+        until_blocking(lambda: len(seen) == 1, "the first Xid")
+        assert nvml.suspend(5.0)
+        assert library.holders() == []  # what nvidia-smi --gpu-reset needs: nothing holds the GPUs
+        answered: list[list[int]] = []
+        poll = threading.Thread(target=lambda: answered.append(nvml.running_processes("GPU-0")))
+        poll.start()
+        time.sleep(0.2)
+        assert answered == [] and library.holders() == []  # a poll during the reset waits, it does not fail
+        nvml.resume()
+        poll.join(5)
+        assert answered == [[]]
+        until_blocking(lambda: len(library.holders()) == 2, "the session and the event set reopened")
+        library.inject_xid("GPU-0", 79)
+        until_blocking(lambda: len(seen) == 2, "the Xid after the reset")
+        halt.set()
+        watcher.join(5)
+    assert seen == [NvmlEvent("xid", "GPU-1", 31), NvmlEvent("xid", "GPU-0", 79)]
+    assert library.event_sets == {}  # closed for good: nothing left behind
+
+
+def test_suspend_gives_up_when_a_call_does_not_finish_and_leaves_the_session_open() -> None:
+    library = StandInLibNvml([StandInGpu("GPU-0")])
+    release = threading.Event()
+    with library.install():
+        nvml = RealNvml(pynvml)
+        assert nvml.running_processes("GPU-0") == []
+        library.in_call = lambda: release.wait(5)  # a call stuck in the driver (a GPU falling off the bus)
+        stuck = threading.Thread(target=lambda: nvml.running_processes("GPU-0"))
+        stuck.start()
+        time.sleep(0.1)
+        assert not nvml.suspend(0.2)
+        assert library.sessions == 1
+        release.set()
+        stuck.join(5)
+        library.in_call = lambda: None
+        assert nvml.running_processes("GPU-0") == []  # calls go on in the same session
+
+
+def test_gate_lets_a_waiting_suspension_in_before_new_calls() -> None:
+    gate = SessionGate()
+    order: list[str] = []
+    entered = threading.Event()
+
+    def long_call() -> None:
+        with gate.call():
+            entered.set()
+            time.sleep(0.2)
+            order.append("first call")
+
+    def late_call() -> None:
+        time.sleep(0.1)  # after the suspension started waiting
+        with gate.call():
+            order.append("late call")
+
+    threads = [threading.Thread(target=long_call), threading.Thread(target=late_call)]
+    for thread in threads:
+        thread.start()
+    entered.wait(5)
+    assert gate.suspend(5.0, lambda: order.append("shutdown"))
+    time.sleep(0.1)
+    assert order == ["first call", "shutdown"] and gate.suspended
+    gate.resume()
+    for thread in threads:
+        thread.join(5)
+    assert order == ["first call", "shutdown", "late call"] and gate.generation == 1
+

@@ -18,7 +18,7 @@ from agent.config import TopologyConfig
 from agent.host import probes
 from agent.host.links import LinkPort, NetlinkLinkPort, SysfsLinkPort
 from agent.host.nic_sysfs import NicSysfs
-from agent.host.nvml import NvmlHealth, RealNvml
+from agent.host.nvml import NvmlPort, RealNvml
 from agent.simulate.node import SimulatedNode, build_simulated_node
 from agent.topology.load import load_topology
 from agent.topology.model import Topology
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 class Hardware:
     """Where the topology comes from, and the latest topology read from there."""
 
-    nvml: NvmlHealth
+    nvml: NvmlPort
     sysfs_root: Path
     topology_file: Path | None
     topology: Topology

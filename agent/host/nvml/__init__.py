@@ -23,6 +23,7 @@ from agent.host.nvml.api import (
     NvmlEvent,
     NvmlEventSet,
     NvmlHealth,
+    NvmlPort,
     NvmlSession,
     NvmlUnavailableError,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "NvmlEvent",
     "NvmlEventSet",
     "NvmlHealth",
+    "NvmlPort",
     "NvmlSession",
     "NvmlUnavailableError",
     "RealNvml",

@@ -159,6 +159,10 @@ class NvmlSession(Nvml, Protocol):
         """Let calls run again on a fresh session."""
 
 
+class NvmlPort(NvmlHealth, NvmlSession, Protocol):
+    """The whole port, as the hardware owner holds it: health reads and GPU-reset support."""
+
+
 def _code(exc: BaseException) -> int | None:
     value = getattr(exc, "value", None)
     return value if isinstance(value, int) else None

@@ -32,6 +32,7 @@ from agent.topology.model import Topology
 if TYPE_CHECKING:
     from agent.deviceplugin.manager import DevicePluginManager
     from agent.dra.service import DraService
+    from agent.health.service import HealthService
     from agent.kube.port import Cluster
     from agent.netacct.service import NetacctService
     from agent.ownership.subsystem import OwnershipSubsystem
@@ -206,10 +207,10 @@ def device_plugin_beside_dra(cfg: AgentConfig) -> AgentConfig:
 def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, readiness: Readiness,
            manager: DevicePluginManager | None, device_health: DeviceHealth, verdicts: Latest[NodeVerdict],
            scratch: Path, dra: DraService | None = None,
-           device_health_copies: Sequence[asyncio.Queue[DeviceHealthEvent]] = ()) -> Subsystem:
+           device_health_copies: Sequence[asyncio.Queue[DeviceHealthEvent]] = ()) -> tuple[Subsystem, HealthService]:
     """GPU and NIC health: device health into its one owner (the device plugin reads it; the DRA driver and each
     of `device_health_copies`, pod Events, are told each flip), the node verdict into `verdicts` for remediation
-    once every check has looked once."""
+    once every check has looked once. The service too: remediation tells it about the GPUs it reset."""
     from agent.config.model import AgentConfig as _Defaults
     from agent.health.service import HealthService
 
@@ -245,7 +246,7 @@ def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *,
     async def on_topology(topology: Topology) -> None:
         service.update_topology(topology)
 
-    return Subsystem("health", run, on_topology)
+    return Subsystem("health", run, on_topology), service
 
 
 async def _relay_flips(device_health: DeviceHealth, dra: DraService | None,
@@ -313,9 +314,14 @@ def remediation(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistr
     checks = build_checks(expected_gpus=rc.preflight_gpu_count, gpu_count=lambda: len(hardware.topology.gpus),
                           command=rc.preflight_command, command_timeout=rc.preflight_command_timeout_seconds,
                           extra=_preflight_probes(hardware))
+    resetter = None
+    if rc.gpu_resets:
+        from agent.host.gpu_reset import GpuResetter
+
+        resetter = GpuResetter(hardware.nvml, rc.gpu_reset_command, rc.gpu_reset_timeout_seconds)
     try:
         return build_service(rc, cluster.node_name, verdicts, registry, cluster=cluster.get(),
-                             preflight_checks=checks)
+                             preflight_checks=checks, resetter=resetter)
     except (ValueError, ClusterConfigError) as exc:
         raise StartupError(f"remediation: {exc}") from exc
 
@@ -414,13 +420,15 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
             manager.use_ownership(OwnershipFacts(wiring.ownership.service, manager.pools,
                                                  cfg.device_plugin.gpu_resource_name))
     copies = [wiring.ownership.health_changes] if wiring.ownership is not None else []
-    wiring.subsystems.append(health(cfg, hardware, registry, readiness=readiness, manager=wiring.device_plugin,
-                                    device_health=device_health, verdicts=verdicts, scratch=scratch, dra=wiring.dra,
-                                    device_health_copies=copies))
+    watched, health_service = health(cfg, hardware, registry, readiness=readiness, manager=wiring.device_plugin,
+                                     device_health=device_health, verdicts=verdicts, scratch=scratch, dra=wiring.dra,
+                                     device_health_copies=copies)
+    wiring.subsystems.append(watched)
     if cfg.remediation.enabled or wiring.cluster.in_memory:  # the in-memory node: remediation is part of the demo
         wiring.remediation = remediation(cfg, hardware, registry, verdicts=verdicts, cluster=wiring.cluster)
         if wiring.ownership is not None:  # the node condition names the pods holding the affected devices
             wiring.remediation.engine.pods_of = wiring.ownership.service.pods_holding
+        wiring.remediation.engine.gpu_resets.reset_done = health_service.gpu_reset_done
         wiring.subsystems.append(Subsystem("remediation", wiring.remediation.run))
     if cfg.netacct.enabled:
         wiring.netacct = netacct(cfg, registry, wiring.cluster)

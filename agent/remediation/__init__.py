@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from agent.config.remediation import RemediationConfig
     from agent.kube.port import Cluster
     from agent.kube.simulated import InMemoryCluster
+    from agent.remediation.gpu_reset import Resetter
     from agent.remediation.preflight import PreflightCheck
 
 __all__ = ["HEALTHY", "NodeVerdict", "RemediationService", "build_service", "connect_cluster", "simulated_cluster"]
@@ -45,7 +46,8 @@ def simulated_cluster(node_name: str, preflight_taint: str = "") -> InMemoryClus
 
 def build_service(config: RemediationConfig, node_name: str, verdicts: Latest[NodeVerdict],
                   registry: CollectorRegistry, *, simulate: bool = False, cluster: Cluster | None = None,
-                  preflight_checks: Sequence[PreflightCheck] = ()) -> RemediationService:
+                  preflight_checks: Sequence[PreflightCheck] = (),
+                  resetter: Resetter | None = None) -> RemediationService:
     """The service on `cluster`, else on the real cluster or (`simulate`) an in-memory node.
 
     Whoever made the cluster closes it (`service.cluster.aclose()`) after `run`.
@@ -55,4 +57,5 @@ def build_service(config: RemediationConfig, node_name: str, verdicts: Latest[No
     if cluster is None:
         cluster = simulated_cluster(node_name) if simulate else connect_cluster(node_name, registry)
     return RemediationService(config, node_name, cluster, verdicts, registry, pod_name=config.pod_name,
-                              pod_namespace=config.pod_namespace, preflight_checks=preflight_checks)
+                              pod_namespace=config.pod_namespace, preflight_checks=preflight_checks,
+                              resetter=resetter)

@@ -15,6 +15,8 @@ again, or in a restarted agent, repeats nothing. The rules, from the failures of
 - a condition type the agent set once but no longer sets is removed at start (`conditions`);
 - an `isolate` verdict drains only the pods holding that one device and leaves the node schedulable
   (`isolate`); the condition stays False and names the device;
+- a GPU whose fault a reset cures is reset once idle (`gpu_reset`); a failed reset is an escalation verdict
+  (`GpuResetFailed`, recovery a reboot) that the node path acts on like any other;
 - every cordon is stamped into the remediation history; the `latchCount`-th within the window latches the node
   `NeedsHumanAttention` (`latch`): no automatic uncordon until a person removes the latch annotation.
 """
@@ -34,6 +36,7 @@ from agent.remediation.actions import NodeActions
 from agent.remediation.conditions import forget_stale_conditions, owned_types
 from agent.remediation.drain import Drainer, DrainResult
 from agent.remediation.events import WARNING, EventRecorder
+from agent.remediation.gpu_reset import ESCALATION_REASON, GpuResets, Resetter
 from agent.remediation.isolate import Isolation, PodsOf
 from agent.remediation.metrics import ActionCounter
 from agent.remediation.preflight import PreflightState
@@ -64,11 +67,12 @@ class Inputs:
 
     health: NodeVerdict | None = None
     maintenance: NodeVerdict | None = None
+    escalation: NodeVerdict | None = None  # the ladder's own: a failed GPU reset
     preflight: PreflightState = field(default_factory=PreflightState)
 
     def effective(self) -> NodeVerdict | None:
-        """The most severe verdict (health wins a tie)."""
-        return worst(self.health, self.maintenance)
+        """The most severe verdict (an escalation wins a tie, then health)."""
+        return worst(self.escalation, self.health, self.maintenance)
 
 
 class Engine:
@@ -76,12 +80,16 @@ class Engine:
 
     def __init__(self, config: RemediationConfig, *, actions: NodeActions, slots: Slots, events: EventRecorder,
                  drainer: Drainer, clock: Clock, counter: ActionCounter, inputs: Inputs, wake: Callable[[], None],
-                 jitter: Callable[[], float] = lambda: 1.0, boot_id: str = "") -> None:
+                 jitter: Callable[[], float] = lambda: 1.0, boot_id: str = "",
+                 resetter: Resetter | None = None) -> None:
         self.config = config
         self.isolation = Isolation(config, actions=actions, events=events, drainer=drainer, clock=clock,
                                    counter=counter, wake=wake)
         self.reboot = RebootRequests(config, actions=actions, events=events, clock=clock, counter=counter,
                                      boot_id=lambda: boot_id, remediated=self.remediated)
+        self.gpu_resets = GpuResets(config, resetter=resetter, actions=actions, events=events, clock=clock,
+                                    counter=counter, boot_id=lambda: boot_id, remediated=self.remediated, wake=wake,
+                                    holders=self.isolation.holders, drained=self._drained_for_reset)
         self.keys = Keys.for_prefix(config.prefix)
         self.latch_keys = latch.LatchKeys.for_prefix(config.prefix)
         self.actions = actions
@@ -131,6 +139,9 @@ class Engine:
         await self._latch_cleared(verdict)
         latched = latch.latched(self.actions.node, self.latch_keys)
         self.counter.latched(latched)
+        await self.gpu_resets.reconcile(self.inputs.health, latched)
+        self.inputs.escalation = self.gpu_resets.escalation()
+        verdict = self.inputs.effective()
         if verdict is not None and verdict.severity >= Severity.CORDON:
             await self._fault(verdict)
         elif verdict is not None and not latched:  # latched: no uncordon, whatever the checks say
@@ -145,7 +156,7 @@ class Engine:
 
     def next_due(self) -> float | None:
         """The next time `reconcile` has timed work (heartbeat, healthy window, slot retry or renewal)."""
-        times = [self.slots.renew_due_at(), self.deferred_until]
+        times = [self.slots.renew_due_at(), self.deferred_until, self.gpu_resets.next_due()]
         if self.inputs.effective() is not None or self.inputs.preflight.failure:
             times.append(self.actions.heartbeat_due_at())
         rec = self.recorded()
@@ -201,7 +212,8 @@ class Engine:
             if await self.actions.apply("cordon", lambda n: state.cordon_patch(n, self.keys, verdict.reason,
                                                                                 verdict.hardware, now)):
                 await self.events.emit("Cordoned", f"{verdict.reason}: {verdict.describe()} (slot {slot})", WARNING)
-                await self.remediated(f"cordon for {verdict.reason}")
+                if verdict.reason != ESCALATION_REASON:  # the failed reset was counted when it was tried
+                    await self.remediated(f"cordon for {verdict.reason}")
         elif rec.reason != verdict.reason and await self.actions.apply(
                 "cordon", lambda n: state.reason_patch(n, self.keys, verdict.reason, verdict.hardware)):
             await self.events.emit("CordonReasonChanged", f"{rec.reason} -> {verdict.reason}: "
@@ -359,8 +371,20 @@ class Engine:
         if result.outcome in ("complete", "deadline") and self.recorded().cordoned:
             await self.actions.apply("annotate", lambda n: state.annotate({self.keys.drain: result.outcome}))
 
+    def _drained_for_reset(self, verdict: NodeVerdict) -> bool:
+        """Whether the drain the verdict asks for is over (finished or past its deadline), so a reset may run."""
+        over = ("complete", "deadline")
+        if not self.config.drain:
+            return True
+        if verdict.severity is Severity.ISOLATE:
+            return self.actions.node.annotations.get(self.isolation.keys.drain, "") in over
+        if verdict.severity is Severity.DRAIN:
+            return self.recorded().drain in over
+        return True
+
     async def close(self) -> None:
-        """Stop a running drain and wait for it."""
+        """Stop a running drain or GPU reset and wait for it."""
+        await self.gpu_resets.close()
         await self.isolation.close()
         self._stop_drain()
         if self._drain_task is not None:

@@ -99,7 +99,7 @@ class Isolation:
             if not await self._actions.apply("isolate", lambda n: state.annotate(
                     {self.keys.devices: devices, self.keys.since: format_time(now), self.keys.drain: "running"})):
                 return
-            pods = self._holders(target)
+            pods = self.holders(target)
             held = (f"; draining the pods holding it: {', '.join(pods)}" if pods
                     else "; no pod holds it" if pods is not None
                     else "; which pods hold it is unknown (no PodResources reading), none evicted")
@@ -109,7 +109,7 @@ class Isolation:
                 self._actions.node.annotations.get(self.keys.drain, "running") == "running":
             self._start_drain(target)
 
-    def _holders(self, devices: Sequence[str]) -> list[str] | None:
+    def holders(self, devices: Sequence[str]) -> list[str] | None:
         """The pods holding the devices; None when they cannot be known (PodResources not read)."""
         if self.pods_of is None:
             return None
@@ -125,7 +125,7 @@ class Isolation:
         deadline = since + self.config.drain_deadline_seconds
 
         def holds(pod: PodView) -> bool:
-            pods = self._holders(target)
+            pods = self.holders(target)
             return pods is not None and f"{pod.namespace}/{pod.name}" in pods
 
         self._stop = asyncio.Event()

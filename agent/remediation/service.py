@@ -29,6 +29,7 @@ from agent.remediation.drain import Drainer
 from agent.remediation.drainmodes import DrainPlanner
 from agent.remediation.engine import Engine, Inputs
 from agent.remediation.events import EventRecorder
+from agent.remediation.gpu_reset import Resetter
 from agent.remediation.maintenance import Fetch, MaintenanceWatcher, urllib_fetch
 from agent.remediation.metrics import ActionCounter
 from agent.remediation.preflight import PreflightCheck, run_preflight
@@ -66,7 +67,7 @@ class RemediationService:
                  verdicts: Latest[NodeVerdict], registry: CollectorRegistry, *, pod_name: str = "",
                  pod_namespace: str = "", clock: Clock | None = None, rng: random.Random | None = None,
                  preflight_checks: Sequence[PreflightCheck] = (), metadata_fetch: Fetch = urllib_fetch,
-                 boot_id_path: str = BOOT_ID_PATH) -> None:
+                 boot_id_path: str = BOOT_ID_PATH, resetter: Resetter | None = None) -> None:
         if not node_name:
             raise ValueError("remediation needs the node name: set --node-name or NODE_NAME (downward API)")
         self.config = config
@@ -98,7 +99,8 @@ class RemediationService:
                              clock=self.clock, counter=self.counter, inputs=self.inputs, wake=self.wake,
                              jitter=self._jitter,
                              # read once: a reboot ends this process, so the next one reads the new id
-                             boot_id=read_boot_id(boot_id_path) if config.reboot_requests else "")
+                             boot_id=read_boot_id(boot_id_path) if config.reboot_requests or resetter else "",
+                             resetter=resetter)
         self.maintenance = (MaintenanceWatcher(list(config.maintenance_clouds), config.maintenance_base_url,
                                                self.clock, poll_seconds=config.maintenance_poll_seconds,
                                                drain_before=config.maintenance_drain_before_seconds,

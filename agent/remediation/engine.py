@@ -87,9 +87,10 @@ class Engine:
                                    counter=counter, wake=wake)
         self.reboot = RebootRequests(config, actions=actions, events=events, clock=clock, counter=counter,
                                      boot_id=lambda: boot_id, remediated=self.remediated)
-        self.gpu_resets = GpuResets(config, resetter=resetter, actions=actions, events=events, clock=clock,
-                                    counter=counter, boot_id=lambda: boot_id, remediated=self.remediated, wake=wake,
-                                    holders=self.isolation.holders, drained=self._drained_for_reset)
+        self.gpu_resets = GpuResets(config, resetter=resetter if config.gpu_resets else None, actions=actions,
+                                    events=events, clock=clock, counter=counter, boot_id=lambda: boot_id,
+                                    remediated=self.remediated, wake=wake, holders=self.isolation.holders,
+                                    drained=self._drained_for_reset)
         self.keys = Keys.for_prefix(config.prefix)
         self.latch_keys = latch.LatchKeys.for_prefix(config.prefix)
         self.actions = actions
@@ -139,7 +140,6 @@ class Engine:
         await self._latch_cleared(verdict)
         latched = latch.latched(self.actions.node, self.latch_keys)
         self.counter.latched(latched)
-        await self.gpu_resets.reconcile(self.inputs.health, latched)
         self.inputs.escalation = self.gpu_resets.escalation()
         verdict = self.inputs.effective()
         if verdict is not None and verdict.severity >= Severity.CORDON:
@@ -148,6 +148,9 @@ class Engine:
             await self._not_faulty(verdict)
         await self.isolation.reconcile(verdict)
         await self.reboot.reconcile(verdict, self.recorded(), latched)
+        await self.gpu_resets.reconcile(self.inputs.health, latched)  # after the drains it waits for
+        if self.gpu_resets.escalation() != self.inputs.escalation:
+            self._wake()  # a reset failed: the node path acts on it in the next pass
         await self._condition(verdict)
         if self.recorded().cordoned:
             await self.slots.renew()

@@ -141,3 +141,6 @@ async def harness(api: ApiServerDouble, clock: FakeClock, tmp_path: Path):
     assert_only_allowed(api.requests)
     await api.stop()
     # every loop the service started has ended: the test-wide leak guard (tests/conftest.py) checks it
+
+
+from tests.remediation.rig import rig  # noqa: E402, F401 - the device-scoped node fixture (health, kubelet, ownership)

@@ -1,0 +1,72 @@
+"""The GPU reset end to end, in a real agent process on simulated hardware against the HTTP API double.
+
+`run --simulate pcie-pairs --kubeconfig K --node-name N --remediation --no-dry-run --gpu-reset-command-arg ...`:
+an Xid 95 (NVIDIA's catalog: RESET_GPU) in the kernel log isolates the GPU, the agent runs the configured reset
+command with the GPU's UUID and bus id (the placeholders filled by the agent), health hears of the reset, the
+device comes back and the node was never cordoned; `/metrics` counts the reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from agent.simulate.profiles import load_profile
+from tests.app.agentproc import AgentProcess
+from tests.fakes.allowed import assert_only_allowed
+from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
+from tests.fakes.clock import FakeClock
+from tests.fakes.polling import until
+
+NODE = "laptop-gpu-0"
+P = "gpunodeagent.io"
+_SCRIPT = "import json, pathlib, sys\npathlib.Path(sys.argv[1]).write_text(json.dumps(sys.argv[2:]))\n"
+
+
+def xid_record(bus_id: str, xid: int, seq: int) -> str:
+    """A /dev/kmsg record with the driver's Xid line for `bus_id` (the format of NVIDIA's open kernel modules)."""
+    domain, bus, rest = bus_id.split(":")
+    return (f"3,{seq},12345678,-;NVRM: Xid (PCI:{domain}:{bus}:{rest.split('.')[0]}): {xid}, pid=4242, "
+            "name=python3, Uncontained: FBHUB. RST: Yes, D-RST: No\n")
+
+
+async def test_an_xid95_runs_the_reset_command_and_the_gpu_returns() -> None:
+    directory = Path(tempfile.mkdtemp(prefix="gna"))
+    api = ApiServerDouble(FakeClock(), NODE)
+    await api.start()
+    kubeconfig = write_kubeconfig(directory / "kubeconfig", api.url)
+    kmsg = directory / "kmsg"
+    kmsg.write_text("")
+    script, ran = directory / "reset.py", directory / "reset-ran.json"
+    script.write_text(_SCRIPT)
+    command = [sys.executable, str(script), str(ran), "--gpu-reset", "-i", "{uuid}", "{busId}"]
+    profile = load_profile("pcie-pairs")
+    bus_id = sorted(profile.gpu_uuids)[1]
+    reset_args = [f"--gpu-reset-command-arg={part}" for part in command]  # `=`: an argument may start with "-"
+    agent = AgentProcess(directory, "--kubeconfig", str(kubeconfig), "--node-name", NODE, "--remediation",
+                         "--no-dry-run", "--kmsg", str(kmsg), "--preflight-taint", "", *reset_args,
+                         profile="pcie-pairs", dry_run=False)
+    try:
+        await until(lambda: api.condition("GpuUnhealthy") is not None or agent.process.poll() is not None,
+                    "the first verdict on the API server", timeout=60)
+        assert agent.process.poll() is None, agent.log_tail()
+        with kmsg.open("a") as handle:
+            handle.write(xid_record(bus_id, 95, 7001))
+        await until(ran.exists, "the reset command ran", timeout=60)
+        assert json.loads(ran.read_text()) == ["--gpu-reset", "-i", profile.gpu_uuids[bus_id], bus_id]
+        await until(lambda: "GpuResetVerified" in [e["reason"] for e in api.events.values()],
+                    "the reset verified", timeout=60)
+        text = await asyncio.to_thread(agent.metrics)
+        assert 'gpu_node_agent_remediation_actions_total{action="gpu_reset",result="ok"} 1.0' in text
+        assert 'gpu_node_agent_remediation_actions_total{action="gpu_reset",result="verified"} 1.0' in text
+        assert not api.node["spec"].get("unschedulable")
+        assert f"{P}/gpu-reset" not in api.annotations and f"{P}/isolated-devices" not in api.annotations
+        assert api.condition("GpuUnhealthy")["status"] == "False"
+    finally:
+        code = agent.stop()
+        await api.stop()
+    assert code == 0, agent.log_tail()
+    assert_only_allowed(api.requests, NODE, "default")

@@ -27,7 +27,7 @@ REQUIRED_ALERTS = {"GpuXidNeedsAction", "GpuDeviceUnhealthy", "GpuNodeCordonedBy
                    "GpuNodeNeedsHumanAttention", "GpuNodeAgentDown", "GpuNodeAgentSubsystemDown",
                    "GpuNodeAgentAccountingDown", "GpuNodeAgentDcgmUnreadable", "GpuMissing", "PcieLinkDowntrained",
                    "NicPortErrors", "NicLinkFlapping", "PodInternetBandwidthAtLimit", "NvlinkInactive",
-                   "GpuFabricUnhealthy", "GpuRecoveryActionRequested"}
+                   "GpuFabricUnhealthy", "GpuRecoveryActionRequested", "GpuResetFailed"}
 
 
 def _write_rules(path: Path, *, annotations: bool = True) -> Path:
@@ -140,6 +140,8 @@ UNIT_TESTS: list[dict[str, Any]] = [
             _series("gpu_node_agent_node_verdict", "0x4 1x10 0x5", verdict="drain"),
             _series("gpu_node_agent_node_verdict", "1x4 0x10 1x5", verdict="healthy"),
             _series("gpu_node_agent_remediation_latched", "0x9 1x5 0x5"),
+            _series("gpu_node_agent_remediation_actions_total", "_x10 1x80", action="gpu_reset", result="failed"),
+            _series("gpu_node_agent_remediation_actions_total", "1+1x90", action="gpu_reset", result="ok"),
         ],
         "alert_rule_test": [
             *_alerts("GpuNodeNeedsHumanAttention",
@@ -148,6 +150,9 @@ UNIT_TESTS: list[dict[str, Any]] = [
                      ("4m", []), ("6m", [{"node": "n1", "severity": "warning"}]), ("25m", [])),
             *_alerts("GpuNodeVerdictCordonOrDrain",
                      ("6m", []), ("7m", [{"node": "n1", "verdict": "drain", "severity": "warning"}]), ("17m", [])),
+            *_alerts("GpuResetFailed",  # the first failure, then no more: fires for an hour
+                     ("9m", []), ("11m", [{"node": "n1", "severity": "warning"}]),
+                     ("69m", [{"node": "n1", "severity": "warning"}]), ("72m", [])),
         ],
     },
     {

@@ -116,3 +116,18 @@ async def test_a_gpu_that_nvml_does_not_list_after_the_reset_failed_it(tmp_path:
     (tmp_path / "go").write_text("0")
     outcome = await running
     assert not outcome.ok and "does not list" in outcome.detail
+
+
+def test_the_config_file_and_the_environment_give_the_same_command_and_bad_ones_are_refused() -> None:
+    from agent import config as agent_config
+    from agent.config.load import ConfigError, from_mapping
+    from agent.config.remediation import RemediationConfig
+
+    argv = ["nvidia-smi", "--gpu-reset", "-i", "{uuid}"]
+    assert from_mapping(RemediationConfig, {"gpuResetCommand": argv}).gpu_reset_command == argv
+    env = agent_config.load(None, {"GPU_NODE_AGENT_GPU_RESET_COMMAND": ",".join(argv)})
+    assert env.remediation.gpu_reset_command == argv and env.remediation.gpu_resets
+    with pytest.raises(ConfigError, match="gpuResetCommand"):
+        from_mapping(RemediationConfig, {"gpuResetCommand": ["nvidia-smi", "-r", "-i", "{gpu}"]})
+    with pytest.raises(ConfigError, match="gpuResetTimeoutSeconds|gpu_reset_timeout_seconds"):
+        from_mapping(RemediationConfig, {"gpuResetCommand": argv, "gpuResetTimeoutSeconds": 0})

@@ -1,0 +1,48 @@
+"""The GPU reset overlay (overlays/gpu-reset): renders, validates strictly, runs privileged, and sets a reset
+command the agent's config accepts, which the agent expands to nvidia-smi's documented reset call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from agent import config as agent_config
+from agent.host.gpu_reset import ResetTarget, reset_argv
+from tests.deploy.manifests import CRD_GROUPS, ROOT, all_documents
+from tests.deploy.test_dropin_overlay import _merge
+
+OVERLAY = ROOT / "overlays" / "gpu-reset"
+
+
+def render() -> list[dict[str, Any]]:
+    kustomization = yaml.safe_load((OVERLAY / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["../../deploy"]
+    docs = [doc for _name, doc in all_documents()]
+    for entry in kustomization["patches"]:
+        patch = yaml.safe_load((OVERLAY / entry["path"]).read_text())
+        docs = [_merge(doc, patch) if (doc["kind"], doc["metadata"]["name"]) == (patch["kind"], patch["metadata"]
+                                                                                 ["name"]) else doc for doc in docs]
+    return docs
+
+
+@pytest.mark.parametrize("version", ("1.30", kubernetes_validate.latest_version()))
+def test_every_object_validates_strictly(version: str) -> None:
+    for doc in render():
+        if not doc["apiVersion"].startswith(CRD_GROUPS):
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_reset_command_is_accepted_and_expands_to_nvidia_smis_reset() -> None:
+    (daemonset,) = [d for d in render() if d["kind"] == "DaemonSet"]
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    assert container["securityContext"]["privileged"] is True
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"  # the toolkit mounts nvidia-smi
+    cfg = agent_config.load(None, {k: v for k, v in env.items() if v is not None})
+    assert cfg.remediation.gpu_resets
+    uuid = "GPU-6dcfcd8c-6683-51ff-867b-21d848804070"
+    assert reset_argv(cfg.remediation.gpu_reset_command, ResetTarget(uuid, "0000:9d:00.0", 4)) == \
+        ["nvidia-smi", "--gpu-reset", "-i", uuid]

@@ -129,5 +129,5 @@ def test_the_config_file_and_the_environment_give_the_same_command_and_bad_ones_
     assert env.remediation.gpu_reset_command == argv and env.remediation.gpu_resets
     with pytest.raises(ConfigError, match="gpuResetCommand"):
         from_mapping(RemediationConfig, {"gpuResetCommand": ["nvidia-smi", "-r", "-i", "{gpu}"]})
-    with pytest.raises(ConfigError, match="gpuResetTimeoutSeconds|gpu_reset_timeout_seconds"):
+    with pytest.raises(ConfigError, match="gpuResetTimeoutSeconds: must be positive"):
         from_mapping(RemediationConfig, {"gpuResetCommand": argv, "gpuResetTimeoutSeconds": 0})

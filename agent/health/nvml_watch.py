@@ -4,7 +4,8 @@ remapped rows).
 `nvmlEventSetWait` blocks, so the event watch runs in its own thread with a bounded wait (the config's event
 timeout) and hands each event to the event loop with `loop.call_soon_threadsafe`; the thread checks a stop flag
 between waits, so stopping takes at most one timeout. The event set is created, waited on and freed by that one
-thread, as NVML requires. Polls run one NVML call batch per GPU in a worker thread, since a lost GPU can make
+thread; only a GPU reset frees it from elsewhere, with no wait running (`agent.host.nvml.gate`), and the next wait
+opens it again. Polls run one NVML call batch per GPU in a worker thread, since a lost GPU can make
 NVML calls slow. Without NVML both report "unavailable" and return; the other producers are unaffected.
 """
 

@@ -19,18 +19,12 @@ from tests.app.agentproc import AgentProcess
 from tests.fakes.allowed import assert_only_allowed
 from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
 from tests.fakes.clock import FakeClock
+from tests.fakes.kmsg import xid_record
 from tests.fakes.polling import until
 
 NODE = "laptop-gpu-0"
 P = "gpunodeagent.io"
 _SCRIPT = "import json, pathlib, sys\npathlib.Path(sys.argv[1]).write_text(json.dumps(sys.argv[2:]))\n"
-
-
-def xid_record(bus_id: str, xid: int, seq: int) -> str:
-    """A /dev/kmsg record with the driver's Xid line for `bus_id` (the format of NVIDIA's open kernel modules)."""
-    domain, bus, rest = bus_id.split(":")
-    return (f"3,{seq},12345678,-;NVRM: Xid (PCI:{domain}:{bus}:{rest.split('.')[0]}): {xid}, pid=4242, "
-            "name=python3, Uncontained: FBHUB. RST: Yes, D-RST: No\n")
 
 
 async def test_an_xid95_runs_the_reset_command_and_the_gpu_returns() -> None:
@@ -54,7 +48,7 @@ async def test_an_xid95_runs_the_reset_command_and_the_gpu_returns() -> None:
                     "the first verdict on the API server", timeout=60)
         assert agent.process.poll() is None, agent.log_tail()
         with kmsg.open("a") as handle:
-            handle.write(xid_record(bus_id, 95, 7001))
+            handle.write(xid_record(7001, bus_id, 95, "pid=4242, name=python3, Uncontained: FBHUB. RST: Yes"))
         await until(ran.exists, "the reset command ran", timeout=60)
         assert json.loads(ran.read_text()) == ["--gpu-reset", "-i", profile.gpu_uuids[bus_id], bus_id]
         await until(lambda: "GpuResetVerified" in [e["reason"] for e in api.events.values()],

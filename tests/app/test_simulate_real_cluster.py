@@ -16,17 +16,11 @@ from tests.app.agentproc import AgentProcess
 from tests.fakes.allowed import assert_only_allowed
 from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
 from tests.fakes.clock import FakeClock
+from tests.fakes.kmsg import xid_record
 from tests.fakes.polling import until
 
 NODE = "laptop-gpu-0"
 P = "gpunodeagent.io"
-
-
-def xid_record(bus_id: str, xid: int, seq: int) -> str:
-    """A /dev/kmsg record (priority 3, sequence, timestamp, flags) with the driver's Xid line for `bus_id`."""
-    domain, bus, rest = bus_id.split(":")
-    return (f"3,{seq},12345678,-;NVRM: Xid (PCI:{domain}:{bus}:{rest.split('.')[0]}): {xid}, pid=4242, "
-            "name=python3, GPU has fallen off the bus.\n")
 
 
 async def test_simulated_hardware_with_a_kubeconfig_acts_on_that_api_server():
@@ -48,7 +42,7 @@ async def test_simulated_hardware_with_a_kubeconfig_acts_on_that_api_server():
         start = next(m for m in agent.messages() if m.startswith("gpu-node-agent "))
         assert f"kubeconfig {kubeconfig}" in start and "acting on the node" in start, start
         with kmsg.open("a") as handle:
-            handle.write(xid_record(bus_id, 79, 7001))
+            handle.write(xid_record(7001, bus_id, 79, "pid=4242, name=python3, GPU has fallen off the bus."))
         await until(lambda: api.node["spec"].get("unschedulable") is True, "the cordon on the API server",
                     timeout=60)
         assert api.annotations[f"{P}/cordon-reason"] == "GpuXid79"

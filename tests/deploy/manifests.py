@@ -203,3 +203,44 @@ def binary(name: str) -> str | None:
 
 
 PROMETHEUS_MISSING = "needs the prometheus/promtool binaries (Debian: apt-get install -y prometheus)"
+
+
+# Strategic-merge keys of the lists the overlay's patch touches (k8s.io/api core/v1 `patchMergeKey` tags).
+_MERGE_KEYS = {"containers": "name", "env": "name", "volumeMounts": "mountPath", "volumes": "name"}
+
+
+def _merge(base: Any, patch: Any, key: str = "") -> Any:
+    """Strategic merge as kustomize applies it, for maps and the keyed lists above (enough for this patch)."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        merged = dict(base)
+        for name, value in patch.items():
+            merged[name] = _merge(base[name], value, name) if name in base else value
+        return merged
+    if isinstance(base, list) and isinstance(patch, list) and key in _MERGE_KEYS:
+        field = _MERGE_KEYS[key]
+        merged_list = list(base)
+        for item in patch:
+            at = next((i for i, old in enumerate(merged_list) if old.get(field) == item.get(field)), None)
+            if at is None:
+                merged_list.append(item)
+            else:
+                merged_list[at] = _merge(merged_list[at], item)
+        return merged_list
+    return patch
+
+
+def apply_patch(docs: list[dict[str, Any]], patch: dict[str, Any]) -> list[dict[str, Any]]:
+    """A strategic-merge patch file applied to the object of the same kind and name."""
+    target = (patch["kind"], patch["metadata"]["name"])
+    return [_merge(doc, patch) if (doc["kind"], doc["metadata"]["name"]) == target else doc for doc in docs]
+
+
+def render_overlay(name: str) -> list[dict[str, Any]]:
+    """overlays/<name> (the base manifests plus its patches) rendered as kustomize would, without kubectl."""
+    overlay = ROOT / "overlays" / name
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["../../deploy"]
+    docs = [doc for _name, doc in all_documents()]
+    for entry in kustomization["patches"]:
+        docs = apply_patch(docs, yaml.safe_load((overlay / entry["path"]).read_text()))
+    return docs

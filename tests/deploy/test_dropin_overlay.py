@@ -14,35 +14,11 @@ import yaml
 from agent import config as agent_config
 from agent.config.model import AgentConfig
 from agent.deviceplugin.sriovdp import read_config
-from tests.deploy.manifests import CRD_GROUPS, ROOT, all_documents
+from tests.deploy.manifests import CRD_GROUPS, ROOT, all_documents, apply_patch
 
 OVERLAY = ROOT / "overlays" / "dropin"
 KUBECTL = shutil.which("kubectl")
 VERSIONS = ("1.30", kubernetes_validate.latest_version())
-
-
-# Strategic-merge keys of the lists the overlay's patch touches (k8s.io/api core/v1 `patchMergeKey` tags).
-_MERGE_KEYS = {"containers": "name", "env": "name", "volumeMounts": "mountPath", "volumes": "name"}
-
-
-def _merge(base: Any, patch: Any, key: str = "") -> Any:
-    """Strategic merge as kustomize applies it, for maps and the keyed lists above (enough for this patch)."""
-    if isinstance(base, dict) and isinstance(patch, dict):
-        merged = dict(base)
-        for name, value in patch.items():
-            merged[name] = _merge(base[name], value, name) if name in base else value
-        return merged
-    if isinstance(base, list) and isinstance(patch, list) and key in _MERGE_KEYS:
-        field = _MERGE_KEYS[key]
-        merged_list = list(base)
-        for item in patch:
-            at = next((i for i, old in enumerate(merged_list) if old.get(field) == item.get(field)), None)
-            if at is None:
-                merged_list.append(item)
-            else:
-                merged_list[at] = _merge(merged_list[at], item)
-        return merged_list
-    return patch
 
 
 def render_without_kubectl() -> list[dict[str, Any]]:
@@ -61,8 +37,7 @@ def render_without_kubectl() -> list[dict[str, Any]]:
                                   "labels": generator["options"]["labels"]}, "data": data})
     for entry in kustomization["patches"]:
         patch = yaml.safe_load((OVERLAY / entry["path"]).read_text())
-        docs = [_merge(doc, patch) if (doc["kind"], doc["metadata"]["name"]) == (patch["kind"], patch["metadata"]
-                                                                                 ["name"]) else doc for doc in docs]
+        docs = apply_patch(docs, patch)
     return docs
 
 

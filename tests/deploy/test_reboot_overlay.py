@@ -8,24 +8,13 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-import yaml
 
 from agent import config as agent_config
-from tests.deploy.manifests import CRD_GROUPS, ROOT, all_documents
-from tests.deploy.test_dropin_overlay import _merge
-
-OVERLAY = ROOT / "overlays" / "reboot-kured"
+from tests.deploy.manifests import CRD_GROUPS, render_overlay
 
 
 def render() -> list[dict[str, Any]]:
-    kustomization = yaml.safe_load((OVERLAY / "kustomization.yaml").read_text())
-    assert kustomization["resources"] == ["../../deploy"]
-    docs = [doc for _name, doc in all_documents()]
-    for entry in kustomization["patches"]:
-        patch = yaml.safe_load((OVERLAY / entry["path"]).read_text())
-        docs = [_merge(doc, patch) if (doc["kind"], doc["metadata"]["name"]) == (patch["kind"], patch["metadata"]
-                                                                                 ["name"]) else doc for doc in docs]
-    return docs
+    return render_overlay("reboot-kured")
 
 
 @pytest.mark.parametrize("version", ("1.30", kubernetes_validate.latest_version()))

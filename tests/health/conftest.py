@@ -30,11 +30,6 @@ def fast_config(kmsg: Path | str, **changes: Any) -> HealthConfig:
     return HealthConfig(**values)
 
 
-def xid_record(seq: int, bus: str, code: int, text: str = "pid=1, name=python3, test") -> str:
-    """One /dev/kmsg record line with a real-format Xid message (bus like `0000:1b:00`)."""
-    return f"3,{seq},{1000 + seq},-;NVRM: Xid (PCI:{bus}): {code}, {text}\n"
-
-
 @pytest.fixture(scope="session")
 def dgx_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One written dgx-h100 sysfs tree, shared read-only (tests that flip links get a copy through `node`)."""

@@ -23,9 +23,10 @@ from agent.signals import HEALTHY, DeviceHealth, DeviceHealthEvent
 from agent.simulate.dcgm_exporter import DcgmExporterServer, ExporterGpu, SimulatedDcgmExporter
 from agent.simulate.node import SimulatedNode
 from agent.topology.model import Topology
+from tests.fakes.kmsg import xid_record
 from tests.fakes.polling import until
 from tests.fakes.ports import free_port
-from tests.health.conftest import fast_config, xid_record
+from tests.health.conftest import fast_config
 
 REPLAY = "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL"
 

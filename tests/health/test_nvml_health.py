@@ -22,8 +22,9 @@ from agent.host.nvml import (
     SimulatedNvml,
 )
 from agent.simulate.node import SimulatedNode
+from tests.fakes.kmsg import xid_record
 from tests.fakes.polling import until
-from tests.health.conftest import fast_config, xid_record
+from tests.health.conftest import fast_config
 
 LOST, NOT_SUPPORTED, TIMEOUT_CODE, UNKNOWN = (pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_NOT_SUPPORTED,
                                               pynvml.NVML_ERROR_TIMEOUT, pynvml.NVML_ERROR_UNKNOWN)

@@ -13,8 +13,9 @@ from agent.health import kmsg_watch
 from agent.signals import HEALTHY
 from agent.simulate.node import SimulatedNode
 from tests.fakes.clock import FakeClock
+from tests.fakes.kmsg import xid_record
 from tests.fakes.polling import until
-from tests.health.conftest import fast_config, xid_record
+from tests.health.conftest import fast_config
 
 
 def _xid_total(running, gpu, code: int) -> float | None:

@@ -113,19 +113,18 @@ class NvmlPoller:
         self._failing: set[str] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Poll until `stop`; returns at once (check "unavailable") without NVML."""
-        if not await asyncio.to_thread(lambda: self.nvml.available):
-            self.checks.set("nvml_poll", CheckState.UNAVAILABLE, self.nvml.unavailable_reason)
-            self.first_pass.set()
-            return
+        """Poll until `stop`. Without NVML the check is "unavailable" and the poller keeps looking every interval
+        (the port retries nvmlInit itself): a driver loaded later, or NVML opened again after a GPU reset, is
+        picked up without a restart."""
         while not stop.is_set():
             try:
+                if not await asyncio.to_thread(lambda: self.nvml.available):
+                    raise NvmlUnavailableError(self.nvml.unavailable_reason or "NVML unavailable")
                 await self.poll_once()
             except NvmlUnavailableError as exc:
                 self.checks.set("nvml_poll", CheckState.UNAVAILABLE, str(exc))
-                self.first_pass.set()
-                return
-            self.checks.set("nvml_poll", CheckState.OK)
+            else:
+                self.checks.set("nvml_poll", CheckState.OK)
             self.first_pass.set()
             await aio.sleep_or_stop(stop, self.interval)
 

@@ -249,3 +249,16 @@ async def test_volatile_ecc_zeroed_is_a_reset(node: SimulatedNode, kmsg_file, st
     assert running.health()[uuid] is False  # a reset-class Xid stays until a reset is seen
     node.nvml.reset_gpu(uuid)
     await until(lambda: running.health().get(uuid) is True)
+
+
+async def test_the_poll_resumes_when_nvml_comes_back(node: SimulatedNode, kmsg_file, start_service) -> None:
+    """NVML can go away while the agent runs (a driver reload; a re-initialisation that fails right after a GPU
+    reset closed the session): the poll check says so, keeps looking, and polls again once NVML answers."""
+    running = await start_service(node, fast_config(kmsg_file))
+    checks, poller = running.service.checks, running.service.nvml_poll
+    node.nvml.set_available(False)
+    await until(lambda: checks["nvml_poll"].startswith("unavailable"), "the poll says NVML is gone")
+    node.nvml.set_available(True)
+    polls = poller.polls
+    await until(lambda: checks["nvml_poll"] == "ok" and poller.polls > polls, "the poll running again")
+    assert running.registry.get_sample_value("gpu_node_agent_health_check_up", {"check": "nvml_poll"}) == 1

@@ -24,7 +24,9 @@ from tests.fakes.polling import until
 
 NODE = "laptop-gpu-0"
 P = "gpunodeagent.io"
-_SCRIPT = "import json, pathlib, sys\npathlib.Path(sys.argv[1]).write_text(json.dumps(sys.argv[2:]))\n"
+# The reset command's stand-in: records its arguments (written aside, then renamed: the test sees all or nothing).
+_SCRIPT = ("import json, os, pathlib, sys\nout = pathlib.Path(sys.argv[1])\n"
+           "out.with_suffix('.tmp').write_text(json.dumps(sys.argv[2:]))\nos.replace(out.with_suffix('.tmp'), out)\n")
 
 
 async def test_an_xid95_runs_the_reset_command_and_the_gpu_returns() -> None:

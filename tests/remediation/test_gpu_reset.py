@@ -63,7 +63,8 @@ class Host:
 
     def runs(self) -> list[list[str]]:
         path = self.dir / "runs.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        complete = path.read_text().split("\n")[:-1] if path.exists() else []  # a line still being written: not yet
+        return [json.loads(line) for line in complete]
 
     async def start(self, harness: Harness, config: RemediationConfig, *, restart: bool = False) -> None:
         kwargs = {"boot_id_path": str(self.boot), "resetter": GpuResetter(self.nvml, config.gpu_reset_command, 10.0)}

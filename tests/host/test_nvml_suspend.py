@@ -68,10 +68,16 @@ def test_suspend_gives_up_when_a_call_does_not_finish_and_leaves_the_session_ope
     with library.install():
         nvml = RealNvml(pynvml)
         assert nvml.running_processes("GPU-0") == []
-        library.in_call = lambda: release.wait(5)  # a call stuck in the driver (a GPU falling off the bus)
+        entered = threading.Event()
+
+        def stuck_in_driver() -> None:  # a call stuck in the driver (a GPU falling off the bus)
+            entered.set()
+            release.wait(5)
+
+        library.in_call = stuck_in_driver
         stuck = threading.Thread(target=lambda: nvml.running_processes("GPU-0"))
         stuck.start()
-        time.sleep(0.1)
+        assert entered.wait(5)
         assert not nvml.suspend(0.2)
         assert library.sessions == 1
         release.set()
@@ -83,28 +89,32 @@ def test_suspend_gives_up_when_a_call_does_not_finish_and_leaves_the_session_ope
 def test_gate_lets_a_waiting_suspension_in_before_new_calls() -> None:
     gate = SessionGate()
     order: list[str] = []
-    entered = threading.Event()
+    entered, finish = threading.Event(), threading.Event()
+    suspended: list[bool] = []
 
     def long_call() -> None:
         with gate.call():
             entered.set()
-            time.sleep(0.2)
+            finish.wait(5)
             order.append("first call")
 
     def late_call() -> None:
-        time.sleep(0.1)  # after the suspension started waiting
         with gate.call():
             order.append("late call")
 
-    threads = [threading.Thread(target=long_call), threading.Thread(target=late_call)]
-    for thread in threads:
-        thread.start()
+    first = threading.Thread(target=long_call)
+    first.start()
     entered.wait(5)
-    assert gate.suspend(5.0, lambda: order.append("shutdown"))
-    time.sleep(0.1)
-    assert order == ["first call", "shutdown"] and gate.suspended
+    suspender = threading.Thread(target=lambda: suspended.append(gate.suspend(5.0, lambda: order.append("shutdown"))))
+    suspender.start()
+    until_blocking(lambda: gate.suspending, "the suspension waiting for the running call")
+    late = threading.Thread(target=late_call)
+    late.start()
+    time.sleep(0.05)  # room for a wrong gate to let the late call in ahead of the suspension
+    finish.set()
+    suspender.join(5)
+    assert suspended == [True] and order == ["first call", "shutdown"] and gate.suspended
     gate.resume()
-    for thread in threads:
+    for thread in (first, late):
         thread.join(5)
     assert order == ["first call", "shutdown", "late call"] and gate.generation == 1
-

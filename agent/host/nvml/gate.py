@@ -32,6 +32,11 @@ class SessionGate:
         """True between a successful `suspend` and `resume`."""
         return self._suspended
 
+    @property
+    def suspending(self) -> bool:
+        """True while a `suspend` waits for running calls (new calls wait behind it)."""
+        return self._suspending
+
     @contextmanager
     def call(self) -> Iterator[None]:
         """Hold the session for one call; waits while it is suspended or a suspension is waiting."""

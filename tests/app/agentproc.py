@@ -9,6 +9,9 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
+from tests.fakes.clock import FakeClock
+from tests.fakes.polling import until
 from tests.fakes.ports import free_port
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -55,3 +58,27 @@ class AgentProcess:
     def log_tail(self) -> str:
         """The end of the log, for assertion messages."""
         return self.log_path.read_text()[-3000:]
+
+
+async def start_on_api_double(directory: Path, node: str, *args: str,
+                              profile: str = "pcie-pairs") -> tuple[AgentProcess, ApiServerDouble, Path]:
+    """An acting agent on simulated hardware against the HTTP API double (kubeconfig, node name, remediation on,
+    not dry-run), reading kernel-log records from a file; returned once its first verdict is on the API server,
+    with the double and that kmsg file."""
+    api = ApiServerDouble(FakeClock(), node)
+    await api.start()
+    kubeconfig = write_kubeconfig(directory / "kubeconfig", api.url)
+    kmsg = directory / "kmsg"
+    kmsg.write_text("")
+    agent = AgentProcess(directory, "--kubeconfig", str(kubeconfig), "--node-name", node, "--remediation",
+                         "--no-dry-run", "--kmsg", str(kmsg), "--preflight-taint", "", *args, profile=profile,
+                         dry_run=False)
+    try:
+        await until(lambda: api.condition("GpuUnhealthy") is not None or agent.process.poll() is not None,
+                    "the first verdict on the API server", timeout=60)
+        assert agent.process.poll() is None, agent.log_tail()
+    except BaseException:
+        agent.stop()
+        await api.stop()
+        raise
+    return agent, api, kmsg

@@ -15,15 +15,16 @@ import tempfile
 from pathlib import Path
 
 from agent.simulate.profiles import load_profile
-from tests.app.agentproc import AgentProcess
+from tests.app.agentproc import start_on_api_double
 from tests.fakes.allowed import assert_only_allowed
-from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
-from tests.fakes.clock import FakeClock
 from tests.fakes.kmsg import xid_record
 from tests.fakes.polling import until
 
 NODE = "laptop-gpu-0"
 P = "gpunodeagent.io"
+# Xid 95's text as the driver logs it, from a public GPU server fault ticket (Inspur NF5468M6) quoted in GitHub code:
+# "NVRM: Xid (PCI:0000:37:00): 95, pid=5171, Uncontained: FBHUB. RST: Yes, D-RST: No"
+XID95_TEXT = "pid=5171, Uncontained: FBHUB. RST: Yes, D-RST: No"
 # The reset command's stand-in: records its arguments (written aside, then renamed: the test sees all or nothing).
 _SCRIPT = ("import json, os, pathlib, sys\nout = pathlib.Path(sys.argv[1])\n"
            "out.with_suffix('.tmp').write_text(json.dumps(sys.argv[2:]))\nos.replace(out.with_suffix('.tmp'), out)\n")
@@ -31,26 +32,16 @@ _SCRIPT = ("import json, os, pathlib, sys\nout = pathlib.Path(sys.argv[1])\n"
 
 async def test_an_xid95_runs_the_reset_command_and_the_gpu_returns() -> None:
     directory = Path(tempfile.mkdtemp(prefix="gna"))
-    api = ApiServerDouble(FakeClock(), NODE)
-    await api.start()
-    kubeconfig = write_kubeconfig(directory / "kubeconfig", api.url)
-    kmsg = directory / "kmsg"
-    kmsg.write_text("")
     script, ran = directory / "reset.py", directory / "reset-ran.json"
     script.write_text(_SCRIPT)
     command = [sys.executable, str(script), str(ran), "--gpu-reset", "-i", "{uuid}", "{busId}"]
     profile = load_profile("pcie-pairs")
     bus_id = sorted(profile.gpu_uuids)[1]
     reset_args = [f"--gpu-reset-command-arg={part}" for part in command]  # `=`: an argument may start with "-"
-    agent = AgentProcess(directory, "--kubeconfig", str(kubeconfig), "--node-name", NODE, "--remediation",
-                         "--no-dry-run", "--kmsg", str(kmsg), "--preflight-taint", "", *reset_args,
-                         profile="pcie-pairs", dry_run=False)
+    agent, api, kmsg = await start_on_api_double(directory, NODE, *reset_args)
     try:
-        await until(lambda: api.condition("GpuUnhealthy") is not None or agent.process.poll() is not None,
-                    "the first verdict on the API server", timeout=60)
-        assert agent.process.poll() is None, agent.log_tail()
         with kmsg.open("a") as handle:
-            handle.write(xid_record(7001, bus_id, 95, "pid=4242, name=python3, Uncontained: FBHUB. RST: Yes"))
+            handle.write(xid_record(7001, bus_id, 95, XID95_TEXT))
         await until(ran.exists, "the reset command ran", timeout=60)
         assert json.loads(ran.read_text()) == ["--gpu-reset", "-i", profile.gpu_uuids[bus_id], bus_id]
         await until(lambda: "GpuResetVerified" in [e["reason"] for e in api.events.values()],

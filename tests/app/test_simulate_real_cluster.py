@@ -12,10 +12,8 @@ import tempfile
 from pathlib import Path
 
 from agent.simulate.profiles import load_profile
-from tests.app.agentproc import AgentProcess
+from tests.app.agentproc import start_on_api_double
 from tests.fakes.allowed import assert_only_allowed
-from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
-from tests.fakes.clock import FakeClock
 from tests.fakes.kmsg import xid_record
 from tests.fakes.polling import until
 
@@ -25,19 +23,10 @@ P = "gpunodeagent.io"
 
 async def test_simulated_hardware_with_a_kubeconfig_acts_on_that_api_server():
     directory = Path(tempfile.mkdtemp(prefix="gna"))
-    api = ApiServerDouble(FakeClock(), NODE)
-    await api.start()
-    kubeconfig = write_kubeconfig(directory / "kubeconfig", api.url)
-    kmsg = directory / "kmsg"
-    kmsg.write_text("")
     bus_id = sorted(load_profile("pcie-pairs").gpu_uuids)[0]
-    agent = AgentProcess(directory, "--kubeconfig", str(kubeconfig), "--node-name", NODE, "--remediation",
-                         "--no-dry-run", "--kmsg", str(kmsg), "--preflight-taint", "", profile="pcie-pairs",
-                         dry_run=False)
+    agent, api, kmsg = await start_on_api_double(directory, NODE)
+    kubeconfig = directory / "kubeconfig"
     try:
-        await until(lambda: api.condition("GpuUnhealthy") is not None or agent.process.poll() is not None,
-                    "the first verdict on the API server", timeout=60)
-        assert agent.process.poll() is None, agent.log_tail()
         assert api.condition("GpuUnhealthy")["status"] == "False"  # healthy simulated GPUs, said on the real node
         start = next(m for m in agent.messages() if m.startswith("gpu-node-agent "))
         assert f"kubeconfig {kubeconfig}" in start and "acting on the node" in start, start

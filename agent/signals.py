@@ -128,6 +128,8 @@ class NodeVerdict:
     that severity name (GPU UUIDs, NIC bus ids). `hardware`: a hardware fault; by default the agent does not
     lift such a cordon by itself. `reasons`: every active finding's text, most severe first. `recovery`: every
     recovery the driver currently requests (whatever the severity), by GPU: what remediation should do.
+    `reset_advised`: GPU UUIDs with an advisory a reset applies (a pending row remap): they stay in service, and
+    with a reset command remediation resets them once idle.
     """
 
     severity: Severity
@@ -137,6 +139,7 @@ class NodeVerdict:
     hardware: bool = False
     reasons: tuple[str, ...] = ()
     recovery: tuple[RecoveryRequest, ...] = ()
+    reset_advised: tuple[str, ...] = ()  # GPUs a reset would do good while idle (a pending row remap): advisory
 
     def __post_init__(self) -> None:
         if not isinstance(self.severity, Severity):

@@ -427,7 +427,7 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
     if cfg.remediation.enabled or wiring.cluster.in_memory:  # the in-memory node: remediation is part of the demo
         wiring.remediation = remediation(cfg, hardware, registry, verdicts=verdicts, cluster=wiring.cluster)
         if wiring.ownership is not None:  # the node condition names the pods holding the affected devices
-            wiring.remediation.engine.pods_of = wiring.ownership.service.pods_holding
+            wiring.remediation.engine.pods_of = wiring.ownership.service.pods_holding_now
         wiring.remediation.engine.gpu_resets.reset_done = health_service.gpu_reset_done
         wiring.subsystems.append(Subsystem("remediation", wiring.remediation.run))
     if cfg.netacct.enabled:

@@ -18,7 +18,7 @@ from agent.health.names import GpuNames
 from agent.health.publish import HealthPublisher
 from agent.health.reporters import StateReporters
 from agent.health.verdict import VerdictBook
-from agent.health.xid import XidCounter, XidPolicy
+from agent.health.xid import RESET_ADVISED_XIDS, XidCounter, XidPolicy
 from agent.host.nvml import MemoryHealth, NvmlEvent
 from agent.signals import DeviceHealth, GpuRecoveryAction, Latest, NodeVerdict, Severity
 from agent.topology.model import Nic, Topology
@@ -31,11 +31,14 @@ _PAIR_WINDOW = 5.0  # kernel log and NVML report one Xid within milliseconds of 
 
 # Findings any source can raise about a GPU's memory, so one fault seen by NVML and DCGM is one finding.
 _ECC = {"sbe": ("GpuEccSbe", "single-bit ECC errors"), "dbe": ("GpuEccDbe", "uncorrectable ECC errors")}
-_MEMORY_FLAGS = {  # MemoryHealth attribute -> (key, code, hardware, text); all cordon while they last
-    "remap_pending": ("remap-pending", "GpuRowRemapPending", False, "row remap pending (reset the GPU when idle)"),
-    "remap_failure": ("remap-failure", "GpuRowRemapFailure", True, "row remapping failed"),
+_MEMORY_FLAGS = {  # MemoryHealth attribute -> (key, code, hardware, text, severity) while the flag lasts
+    # A pending remap or retirement is an advisory: the GPU keeps working and takes new work (NVIDIA's memory-error
+    # guide); a reset applies it. Only a failed remap (the spare rows are used up) is a fault: the node cordons.
+    "remap_pending": ("remap-pending", "GpuRowRemapPending", False, "row remap pending (reset the GPU when idle)",
+                      Severity.HEALTHY),
+    "remap_failure": ("remap-failure", "GpuRowRemapFailure", True, "row remapping failed", Severity.CORDON),
     "retired_pages_pending": ("retire-pending", "GpuPageRetirementPending", False,
-                              "page retirement pending (reset the GPU when idle)"),
+                              "page retirement pending (reset the GPU when idle)", Severity.HEALTHY),
 }
 _LINK_ERRORS = {"nvlink": ("GpuNvlinkErrors", "NVLink errors growing"),
                 "pcie_replay": ("GpuPcieReplays", "PCIe replays growing")}
@@ -110,6 +113,11 @@ class HealthAssessor:
                     action.value if action > Severity.HEALTHY else "counted only",
                     extra={"gpu_uuid": gpu.uuid, "xid": code, "action": action.value})
         if action == Severity.HEALTHY:
+            if code in RESET_ADVISED_XIDS and gpu.uuid:  # applied by the next reset: advised until one is seen
+                self._add(Finding(f"xid:{code}:{gpu.uuid}", Severity.HEALTHY,
+                                  f"{self.policy.describe(code)} on {gpu.name}: a reset applies it", Clears.RESET,
+                                  gpu_uuid=gpu.uuid, code=f"GpuXid{code}", recovery=GpuRecoveryAction.GPU_RESET))
+                self._publish()
             return
         describe, kind, hardware = self.policy.describe(code), f"GpuXid{code}", self.policy.is_hardware(code)
         key, reason = f"xid:{code}:{gpu.uuid or gpu.bus_id}", f"{describe} on {gpu.name}"
@@ -204,10 +212,14 @@ class HealthAssessor:
                              hardware=True))
 
     def _memory_flag(self, gpu: GpuRef, flag: str, active: bool, source: str) -> None:
-        key, code, hardware, text = _MEMORY_FLAGS[flag]
-        self._state(active, Finding(f"{key}:{gpu.uuid or gpu.bus_id}", Severity.CORDON, f"{gpu.name}: {text}",
-                                    Clears.STATE, (gpu.uuid,) if gpu.uuid else (), code=code, hardware=hardware),
-                    source)
+        key, code, hardware, text, severity = _MEMORY_FLAGS[flag]
+        if severity is Severity.HEALTHY:  # an advisory: no device made Unhealthy, a reset advised
+            finding = Finding(f"{key}:{gpu.uuid or gpu.bus_id}", severity, f"{gpu.name}: {text}", Clears.STATE,
+                              gpu_uuid=gpu.uuid, code=code, recovery=GpuRecoveryAction.GPU_RESET)
+        else:
+            finding = Finding(f"{key}:{gpu.uuid or gpu.bus_id}", severity, f"{gpu.name}: {text}", Clears.STATE,
+                              (gpu.uuid,) if gpu.uuid else (), code=code, hardware=hardware)
+        self._state(active, finding, source)
 
     def on_link(self, nic: Nic, up: bool, detail: str = "") -> None:
         """A link check of an RDMA PF: while it is down, it and its VFs are Unhealthy."""

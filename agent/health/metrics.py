@@ -135,7 +135,14 @@ class HealthCollector(Collector):
                                  (failure, h.remap_failure)):
                 if flag is not None:
                     family.add_metric(labels, 1.0 if flag else 0.0)
-        yield from (ecc, retired, retired_pending, remapped, pending, failure)
+        reset_pending = GaugeMetricFamily(PREFIX + "gpu_reset_pending", "1 while a GPU reset is pending for the "
+                                          "GPU: a row remap or page retirement it applies (the GPU stays in service), "
+                                          "or a fault it cures", labels=list(GPU_LABELS))
+        waiting = a.book.reset_pending()
+        for gpu in a.topology.gpus:
+            if gpu.uuid:
+                reset_pending.add_metric(_gpu_labels(a.names.by_uuid(gpu.uuid)), 1.0 if gpu.uuid in waiting else 0.0)
+        yield from (ecc, retired, retired_pending, remapped, pending, failure, reset_pending)
 
     def _devices(self) -> Iterator[Metric]:
         a = self.assessor

@@ -18,7 +18,9 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from agent.health.findings import Clears, Finding
-from agent.signals import HEALTHY, NodeVerdict, RecoveryRequest, Severity
+from agent.signals import HEALTHY, GpuRecoveryAction, NodeVerdict, RecoveryRequest, Severity
+
+RESET_RECOVERY = frozenset({GpuRecoveryAction.GPU_RESET, GpuRecoveryAction.DRAIN_AND_RESET})
 
 
 class VerdictBook:
@@ -85,11 +87,22 @@ class VerdictBook:
                 reasons.setdefault(device, []).append(finding.reason)
         return {device: "; ".join(texts) for device, texts in sorted(reasons.items())}
 
+    def reset_advised(self) -> tuple[str, ...]:
+        """GPUs with an advisory that a reset applies (a pending row remap): findings that make nothing
+        Unhealthy and carry a GPU reset as recovery."""
+        return tuple(sorted({f.gpu_uuid for f in self._findings.values()
+                             if f.severity is Severity.HEALTHY and f.gpu_uuid and f.recovery in RESET_RECOVERY}))
+
+    def reset_pending(self) -> frozenset[str]:
+        """GPUs that wait for a reset: advised, or named by an active finding whose recovery is a reset."""
+        return frozenset(f.gpu_uuid for f in self._findings.values() if f.gpu_uuid and f.recovery in RESET_RECOVERY)
+
     def verdict(self) -> NodeVerdict:
         """The worst active severity and the reasons for it, most severe first."""
         active = [f for f in self.findings() if f.severity > Severity.HEALTHY]
+        advised = self.reset_advised()
         if not active:
-            return HEALTHY
+            return replace(HEALTHY, reset_advised=advised) if advised else HEALTHY
         top = [f for f in active if f.severity == active[0].severity]
         reasons = tuple(dict.fromkeys(f.reason for f in active))
         recovery = tuple(sorted({RecoveryRequest(f.gpu_uuid, f.recovery) for f in active
@@ -101,7 +114,7 @@ class VerdictBook:
             severity, code = Severity.DRAIN, ESCALATED
         return NodeVerdict(severity, code, "; ".join(reasons),
                            tuple(dict.fromkeys(d for f in top for d in f.devices)), any(f.hardware for f in top),
-                           reasons, recovery)
+                           reasons, recovery, advised)
 
 
 #: The verdict reason when isolate findings name more than one device.

@@ -2,8 +2,12 @@
 
 The buckets are NVIDIA's "immediate action" column (mirrored in NVIDIA/NVSentinel's xiderrorsmapping.csv); the
 default action follows from the bucket: reset/reboot/ECC/NVLink workflows drain, physical checks and vendor
-cases cordon, application-level codes are only counted; one GPU's memory faults (48, 63, 64, 94, 95) isolate
-that GPU. Operators override any code (`--xid-action 109=none`).
+cases cordon, application-level codes (RESTART_APP, IGNORE) are only counted; one GPU's memory faults that need
+that GPU reset (48 through its workflow, 64, 95) isolate that GPU. Xid 63 (a row-remap event, IGNORE) and 94 (a
+contained ECC error, RESTART_APP) are counted only, as the catalog says: NVIDIA's memory-error guide says that
+with a remap pending "unaffected applications can continue running ... and new workloads can be launched"; the
+pending remap is an advisory (`RESET_ADVISED_XIDS`: a reset once the GPU is idle applies it). Operators override
+any code (`--xid-action 109=none`, `--xid-action 94=isolate`).
 
 `XidCounter` is what makes a 10 000-strong Xid 45 flood harmless: every occurrence is counted for the metric,
 but only the first of a burst (repeats closer than the burst window) is logged and acted on. It also merges the
@@ -92,11 +96,16 @@ BUCKET_ACTIONS: Mapping[str, Severity] = {
 }
 HARDWARE_BUCKETS = frozenset({"RESTART_BM", "WORKFLOW_XID_48", "WORKFLOW_NVLINK_ERR", "WORKFLOW_NVLINK5_ERR",
                               "CHECK_MECHANICALS", "CONTACT_SUPPORT"})  # a reset alone is not expected to cure
-#: Faults of one GPU's memory that the device plugin can contain: the GPU stays Unhealthy until a reset and only
-#: the pods holding it are drained, while the other GPUs keep working (a second
-#: device isolated at the same time drains the node, see agent.health.verdict). DBE (48), row-remap event and
-#: failure (63, 64), contained and uncontained ECC errors (94, 95).
-DEVICE_SCOPED_XIDS = frozenset({48, 63, 64, 94, 95})
+#: Faults of one GPU's memory that need that GPU reset and that the device plugin can contain: the GPU stays
+#: Unhealthy until a reset and only the pods holding it are drained, while the other GPUs keep working (a second
+#: device isolated at the same time drains the node, see agent.health.verdict). DBE (48, WORKFLOW_XID_48), row-remap
+#: failure (64, RESET_GPU), uncontained ECC error (95, RESET_GPU). Not 63 (IGNORE) nor 94 (RESTART_APP): the
+#: catalog asks nothing of the GPU for them.
+DEVICE_SCOPED_XIDS = frozenset({48, 64, 95})
+#: Codes whose effect waits for the next reset without harming work meanwhile: Xid 63, a row remap recorded and
+#: pending until the GPU resets. An advisory (`gpu_node_agent_gpu_reset_pending`), and with a reset command a
+#: reset once the GPU is idle; never a reason to take the GPU out of service.
+RESET_ADVISED_XIDS = frozenset({63})
 _BUCKET_RECOVERY: Mapping[str, GpuRecoveryAction] = {
     "RESTART_BM": GpuRecoveryAction.NODE_REBOOT, "RESTART_VM": GpuRecoveryAction.NODE_REBOOT,
     "RESET_GPU": GpuRecoveryAction.GPU_RESET}

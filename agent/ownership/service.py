@@ -6,6 +6,12 @@ The poll (`run`) reads `List` and `GetAllocatableResources` every `poll_interval
 minute) and right after `start`, so that after an agent restart the free devices come from the kubelet, not
 from an "everything is free" assumption. `admission()` is one `List` with a deadline of `lookup_timeout`
 (a few milliseconds): it answers None on any failure, and the caller keeps its own policy.
+
+Decisions that name pods by device (isolate: who holds it, is the drain over; pod Events; a GPU reset's "no pod
+holds it") never use the poll's reading, which can be `poll_interval` old and miss a pod admitted since or name one
+deleted since: they call `holders_now`/`pods_holding_now`, one `List` at decision time, bounded by `poll_timeout`
+and taking its token from the same rate limit as every other call. None means the kubelet did not answer: the
+caller must treat the holders as unknown, never as "nobody".
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -77,12 +83,34 @@ class OwnershipService:
             await self.port.aclose()
 
     def holders(self, device_id: str) -> tuple[Holder, ...]:
-        """Containers holding `device_id` in the latest reading (empty when unknown)."""
+        """Containers holding `device_id` in the latest poll (empty when unknown): for metrics and logs only."""
         return self.latest.holders(device_id) if self.latest is not None else ()
 
-    def pods_holding(self, device_ids: Iterable[str]) -> list[str]:
-        """"namespace/name" of every pod holding one of `device_ids` in the latest reading, sorted."""
-        return sorted({f"{h.namespace}/{h.pod}" for d in device_ids for h in self.holders(d)})
+    async def current(self) -> Ownership | None:
+        """One `List` now (bounded by `poll_timeout`, rate-limited with the rest); it also becomes `latest`, keeping
+        the last allocatable reading. None when the kubelet does not answer in time."""
+        try:
+            containers = await asyncio.wait_for(self.port.list(self.poll_timeout, patient=True),
+                                                self.poll_timeout * 2)
+        except (PodResourcesError, TimeoutError) as exc:
+            log.warning("cannot read the kubelet's device holders now: %s", exc or "timed out")
+            return None
+        self.latest = Ownership(containers, self.latest.allocatable if self.latest is not None else {})
+        self.read_at = self.monotonic()
+        return self.latest
+
+    async def holders_now(self, device_id: str) -> tuple[Holder, ...] | None:
+        """Containers holding `device_id` according to the kubelet now; None when it cannot be asked."""
+        reading = await self.current()
+        return None if reading is None else reading.holders(device_id)
+
+    async def pods_holding_now(self, device_ids: Sequence[str]) -> list[str] | None:
+        """"namespace/name" of every pod holding one of `device_ids` according to the kubelet now, sorted; None
+        when it cannot be asked."""
+        reading = await self.current()
+        if reading is None:
+            return None
+        return sorted({f"{h.namespace}/{h.pod}" for d in device_ids for h in reading.holders(d)})
 
     def pod(self, namespace: str, name: str) -> PodView | None:
         """The pod spec from the own-node pod watch, when there is one."""

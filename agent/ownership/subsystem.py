@@ -70,8 +70,6 @@ class OwnershipSubsystem:
                 if change.healthy:
                     self.pod_events.device_healthy(change.device_id)
                     continue
-                if self.service.latest is None:  # a fault right at start: read the kubelet first
-                    await self.service.refresh()
                 holders = await self.pod_events.device_unhealthy(change.device_id, change.reason)
                 if holders:
                     log.warning("unhealthy device %s is held by %s", change.device_id,

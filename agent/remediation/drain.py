@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from agent.clock import Clock
@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 #: How often pods are re-listed while evicted pods terminate (only during a drain, never in steady state).
 POLL_SECONDS = 10.0
 _DONE_PHASES = ("Succeeded", "Failed")
+
+#: The pods a narrowed drain takes this round ("namespace/name"); None: not known now
+Selector = Callable[[], Awaitable[frozenset[str] | None]]
 
 
 @dataclass(frozen=True)
@@ -69,12 +72,14 @@ class Drainer:
         self._dry_run = dry_run
 
     async def run(self, stop: asyncio.Event, deadline: float, wanted: Callable[[], bool],
-                  fault_at: float | None = None, *, select: Callable[[PodView], bool] | None = None,
+                  fault_at: float | None = None, *, select: Selector | None = None,
                   scope: str = "") -> DrainResult:
         """Evict until no evictable pod is left; drain-mode times count from `fault_at` (default: now).
 
-        `select` narrows the drain to some pods (an isolated device's holders), asked afresh every round;
-        `scope` names them in the Events ("the pods holding GPU-..."), empty for the whole node.
+        `select` narrows the drain to some pods (an isolated device's holders: "namespace/name"), asked afresh
+        every round; None from it means they cannot be known now, and the round is retried with backoff (never
+        taken for "none left"). `scope` names them in the Events ("the pods holding GPU-..."), empty for the
+        whole node.
         """
         what = f" ({scope})" if scope else ""
         backoff = Backoff(self._backoff_initial, self._backoff_max)
@@ -91,15 +96,13 @@ class Drainer:
                                         f"{len(remaining)} pods left: {_names(remaining)}", WARNING)
                 self._actions.count("drain", "deadline")
                 return DrainResult("deadline", remaining)
-            try:
-                todo = [p for p in evictable(await self._api.list_pods(), self._own_pod)
-                        if select is None or select(p)]
-            except ApiError as exc:
-                wait = backoff.next()
-                log.warning("drain: cannot list pods: %s; retrying in %.0fs", exc, wait)
-                await self._clock.wait(stop, min(wait, deadline - now))
+            found = await self._todo(select, what)
+            todo, leaving = found if found is not None else ([], remaining)
+            remaining = tuple(f"{p.namespace}/{p.name}" for p in todo) or leaving
+            if found is None or (leaving and not todo):  # not known now, or evicted pods whose devices the kubelet
+                wait = backoff.next() if found is None else POLL_SECONDS  # still lists: not over yet
+                await self._clock.wait(stop, max(0.0, min(wait, deadline - now)))
                 continue
-            remaining = tuple(f"{p.namespace}/{p.name}" for p in todo)
             if not todo:
                 await self._events.emit("DrainComplete", f"all evictable pods{what} are gone")
                 self._actions.count("drain", "complete")
@@ -132,6 +135,28 @@ class Drainer:
                 wait = min(wait, *later)
             await self._clock.wait(stop, max(0.0, min(wait, deadline - self._clock.now())))
         return DrainResult("stopped", remaining)
+
+    async def _todo(self, select: Selector | None,
+                    what: str) -> tuple[list[PodView], tuple[str, ...]] | None:
+        """The evictable pods this round (the selected ones when narrowed), and the selected pods that are leaving
+        (no longer evictable in the API, but still selected: the kubelet still lists their devices); None when
+        the pods cannot be listed or the selection is unknown."""
+        chosen = await select() if select is not None else None
+        if select is not None and chosen is None:
+            log.warning("drain%s: cannot tell which pods hold the devices now; retrying", what)
+            return None
+        try:
+            pods = await self._api.list_pods()
+        except ApiError as exc:
+            log.warning("drain%s: cannot list pods: %s", what, exc)
+            return None
+        todo = [p for p in evictable(pods, self._own_pod) if chosen is None or f"{p.namespace}/{p.name}" in chosen]
+        if chosen is None:
+            return todo, ()
+        kept = {f"{p.namespace}/{p.name}" for p in pods  # never evicted by a drain: they may keep their devices
+                if "DaemonSet" in p.owner_kinds or p.mirror or (p.namespace, p.name) == self._own_pod}
+        listed = {f"{p.namespace}/{p.name}" for p in todo}
+        return todo, tuple(sorted(chosen - kept - listed))
 
     async def _plan(self, plans: dict[str, PodPlan], pod: PodView, fault: float, deadline: float) -> PodPlan:
         """The pod's drain plan, announced by an Event on the pod the first time it is seen in this drain."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from agent.clock import Clock
@@ -89,7 +89,7 @@ class Engine:
                                      boot_id=lambda: boot_id, remediated=self.remediated)
         self.gpu_resets = GpuResets(config, resetter=resetter if config.gpu_resets else None, actions=actions,
                                     events=events, clock=clock, counter=counter, boot_id=lambda: boot_id,
-                                    remediated=self.remediated, wake=wake, holders=self.isolation.holders,
+                                    remediated=self.remediated, wake=wake, holders=self._reset_holders,
                                     drained=self._drained_for_reset)
         self.keys = Keys.for_prefix(config.prefix)
         self.latch_keys = latch.LatchKeys.for_prefix(config.prefix)
@@ -312,10 +312,10 @@ class Engine:
                 await self.actions.ensure_condition(False, "Cleared", "no source reports a problem any more")
         elif verdict.severity is Severity.ISOLATE:  # not a node problem: NHC/Karpenter must not act on it
             await self.actions.ensure_condition(False, verdict.reason, "device isolated, node schedulable: "
-                                                + verdict.describe() + self._pods(verdict))
+                                                + verdict.describe() + await self._pods(verdict))
         elif verdict.severity >= Severity.DEGRADED:
             deferred = "RemediationDeferred (no free slot): " if self.deferred_until is not None else ""
-            message = deferred + verdict.describe() + self._pods(verdict)
+            message = deferred + verdict.describe() + await self._pods(verdict)
             await self.actions.ensure_condition(True, verdict.reason, message)
             repeat = was_problem and before is not None and before.reason == verdict.reason
             if verdict.severity is Severity.DEGRADED and not repeat:
@@ -325,16 +325,17 @@ class Engine:
             if was_problem:  # the condition on the node, so a restarted agent does not say it twice
                 await self.events.emit("Recovered", f"{verdict.reason}: {verdict.describe()}")
 
-    def _pods(self, verdict: NodeVerdict) -> str:
-        """' (pods: a/b, c/d)' for the pods holding the verdict's devices; '' when none or unknown."""
-        if self.pods_of is None or not verdict.devices:
+    async def _pods(self, verdict: NodeVerdict) -> str:
+        """' (pods: a/b, c/d)' for the pods holding the verdict's devices now; '' when none or unknown."""
+        if not verdict.devices:
             return ""
-        try:
-            pods = self.pods_of(verdict.devices)
-        except Exception:  # naming pods is a courtesy; it must never stop the condition
-            log.exception("cannot name the pods of %s", ", ".join(verdict.devices))
-            return ""
+        pods = await self.isolation.holders(verdict.devices)  # never raises
         return f" (pods: {', '.join(pods)})" if pods else ""
+
+    async def _reset_holders(self, devices: Sequence[str]) -> list[str] | None:
+        """The pods holding a GPU before its reset: the kubelet's word now (None: it did not answer, so wait);
+        without PodResources at all, nobody can be named and NVML's process list is the only check."""
+        return [] if self.pods_of is None else await self.isolation.holders(devices)
 
     # --- drain ------------------------------------------------------------------------------------------------
 

@@ -110,7 +110,7 @@ class GpuResets:
     def __init__(self, config: RemediationConfig, *, resetter: Resetter | None, actions: NodeActions,
                  events: EventRecorder, clock: Clock, counter: ActionCounter, boot_id: Callable[[], str],
                  remediated: Callable[[str], Awaitable[None]], wake: Callable[[], None],
-                 holders: Callable[[Sequence[str]], list[str] | None],
+                 holders: Callable[[Sequence[str]], Awaitable[list[str] | None]],
                  drained: Callable[[NodeVerdict], bool]) -> None:
         self.config = config
         self.key = f"{config.prefix}/gpu-reset"
@@ -216,7 +216,10 @@ class GpuResets:
         uuid = candidates[0]
         if not self._drained(verdict):
             return self._wait(uuid, "drain", "")  # the drain's own Events say what it waits for
-        pods = self._holders([uuid])
+        pods = await self._holders([uuid])  # the kubelet's word now, not the last poll's
+        if pods is None:
+            return await self._announce_wait(uuid, "pods", "which pods hold it cannot be read from the kubelet's "
+                                                           "PodResources now")
         if pods:
             return await self._announce_wait(uuid, "pods", f"pods still hold it: {', '.join(pods)}")
         blockers, can_wait = await asyncio.to_thread(self.resetter.blockers, uuid)

@@ -3,9 +3,11 @@
 A health verdict `isolate` names one device (a GPU, or a NIC's PF with its VFs; two devices make the verdict a
 node drain, see `agent.health.verdict`). The device plugin already reports the device Unhealthy, so no new pod
 gets it; what is left is the pods that hold it now, which the kubelet's PodResources names (`agent.ownership`,
-reached through `pods_of`). They are drained by their drain mode exactly as in a node drain (Immediate,
-AllowCompletion, DeleteAfterTimeout counted from the fault); no other pod is touched, the node is not cordoned and
-no Lease slot is taken, since nothing node-wide happens.
+reached through `pods_of`): asked afresh when the isolation starts and at every round of its drain, so a pod
+admitted a moment before the fault is drained, and the drain is complete only when a fresh reading shows no
+holder (a kubelet that does not answer keeps the drain going, it never completes it). They are drained by their
+drain mode exactly as in a node drain (Immediate, AllowCompletion, DeleteAfterTimeout counted from the fault); no
+other pod is touched, the node is not cordoned and no Lease slot is taken, since nothing node-wide happens.
 
 Recorded on the node (`P/isolated-devices`, `P/isolated-since`, `P/isolate-drain`) so a restarted agent goes on
 with the same drain (the drain-mode clocks keep counting from the fault) and neither counts nor announces the
@@ -17,12 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from agent.clock import Clock
 from agent.config.remediation import RemediationConfig
-from agent.kube.model import PodView, format_time, parse_time
+from agent.kube.model import format_time, parse_time
 from agent.remediation import state
 from agent.remediation.actions import NodeActions
 from agent.remediation.drain import Drainer, DrainResult
@@ -32,8 +34,9 @@ from agent.signals import NodeVerdict, Severity
 
 log = logging.getLogger(__name__)
 
-#: device IDs -> "namespace/name" of the pods holding them (the ownership service's `pods_holding`)
-PodsOf = Callable[[Sequence[str]], list[str]]
+#: device IDs -> "namespace/name" of the pods holding them now (the ownership service's `pods_holding_now`);
+#: None when the kubelet cannot be asked
+PodsOf = Callable[[Sequence[str]], Awaitable[list[str] | None]]
 
 
 @dataclass(frozen=True)
@@ -99,23 +102,24 @@ class Isolation:
             if not await self._actions.apply("isolate", lambda n: state.annotate(
                     {self.keys.devices: devices, self.keys.since: format_time(now), self.keys.drain: "running"})):
                 return
-            pods = self.holders(target)
+            pods = await self.holders(target)
             held = (f"; draining the pods holding it: {', '.join(pods)}" if pods
                     else "; no pod holds it" if pods is not None
-                    else "; which pods hold it is unknown (no PodResources reading), none evicted")
+                    else "; which pods hold it is unknown (the kubelet's PodResources did not answer)")
             await self._events.emit("DeviceIsolated", f"{verdict.reason}: {verdict.describe()}: the device stays "
                                     f"Unhealthy and the node schedulable{held}", WARNING)
         if self.config.drain and self._task is None and \
                 self._actions.node.annotations.get(self.keys.drain, "running") == "running":
             self._start_drain(target)
 
-    def holders(self, devices: Sequence[str]) -> list[str] | None:
-        """The pods holding the devices; None when they cannot be known (PodResources not read)."""
+    async def holders(self, devices: Sequence[str]) -> list[str] | None:
+        """The pods holding the devices according to the kubelet now; None when that cannot be known (no
+        PodResources, or it did not answer)."""
         if self.pods_of is None:
             return None
         try:
-            return self.pods_of(devices)
-        except Exception:  # the lookup reads a snapshot; a failure must not stop remediation
+            return await self.pods_of(devices)
+        except Exception:  # naming holders must not stop remediation
             log.exception("cannot tell which pods hold %s", ", ".join(devices))
             return None
 
@@ -124,14 +128,16 @@ class Isolation:
         since = parse_time(annotations.get(self.keys.since)) or self._clock.now()
         deadline = since + self.config.drain_deadline_seconds
 
-        def holds(pod: PodView) -> bool:
-            pods = self.holders(target)
-            return pods is not None and f"{pod.namespace}/{pod.name}" in pods
+        async def holding() -> frozenset[str] | None:
+            if self.pods_of is None:  # no PodResources configured: nobody can be named (the Event said so)
+                return frozenset()
+            pods = await self.holders(target)
+            return None if pods is None else frozenset(pods)
 
         self._stop = asyncio.Event()
         self._task_target = target
         self._task = asyncio.create_task(
-            self._drainer.run(self._stop, deadline, lambda: self._target == target, since, select=holds,
+            self._drainer.run(self._stop, deadline, lambda: self._target == target, since, select=holding,
                               scope=f"the pods holding {', '.join(target)}"),
             name="remediation-isolate-drain")
         self._task.add_done_callback(lambda _task: self._wake())

@@ -147,7 +147,9 @@ async def test_memory_flags_last_while_any_source_reports_them(exporter, topolog
     uuid = topology.gpus[1].uuid
     sim.set_field(uuid, "DCGM_FI_DEV_ROW_REMAP_PENDING", 1)
     await rig.scrape()  # a flag is current state: judged on the first scrape
-    assert rig.assessor.verdict.verdict == "cordon" and rig.keys() == {f"remap-pending:{uuid}"}
+    # an advisory (NVIDIA: new work can still run on the GPU): the node stays healthy, a reset is advised
+    assert rig.assessor.verdict.verdict == "healthy" and rig.keys() == {f"remap-pending:{uuid}"}
+    assert rig.assessor.verdict.reset_advised == (uuid,) and not rig.assessor.book.unhealthy_devices()
     # NVML's poll (lagging or not supporting the query) says no: DCGM still does, so nothing flaps
     rig.assessor.on_memory(MemoryHealth(uuid, remap_pending=False))
     assert rig.keys() == {f"remap-pending:{uuid}"}
@@ -157,6 +159,7 @@ async def test_memory_flags_last_while_any_source_reports_them(exporter, topolog
     assert rig.keys() == {f"remap-pending:{uuid}"}  # NVML still reports it
     rig.assessor.on_memory(MemoryHealth(uuid, remap_pending=False))
     assert rig.keys() == set() and rig.assessor.verdict.verdict == "healthy"
+    assert rig.assessor.verdict.reset_advised == ()
 
 
 async def test_ecc_growth_from_dcgm_and_nvml_is_one_finding(exporter, topology: Topology) -> None:

@@ -222,13 +222,17 @@ async def test_memory_findings(node: SimulatedNode, kmsg_file, start_service) ->
     running = await start_service(node, fast_config(kmsg_file))
     gpus = node.topology().gpus
     a, b = gpus[3].uuid, gpus[4].uuid
-    node.nvml.set_memory(a, remap_pending=True)
-    await until(lambda: running.health().get(a) is False)
-    assert running.service.verdict.verdict == "cordon"
     labels = {"gpu": "3", "uuid": a, "pci_bus_id": "0000:61:00.0"}
+    node.nvml.set_memory(a, remap_pending=True)
+    await until(lambda: running.registry.get_sample_value("gpu_node_agent_gpu_reset_pending", labels) == 1,
+                "the pending remap advises a reset")
+    # an advisory: the GPU stays in service and the node healthy (NVIDIA: new work can still be launched)
     assert running.registry.get_sample_value("gpu_node_agent_row_remap_pending", labels) == 1
+    assert running.health().get(a) is not False and running.service.verdict.verdict == "healthy"
+    assert running.service.verdict.reset_advised == (a,)
     node.nvml.reset_gpu(a)  # applies the remap
-    await until(lambda: running.health().get(a) is True)
+    await until(lambda: running.registry.get_sample_value("gpu_node_agent_gpu_reset_pending", labels) == 0,
+                "the reset ends the advisory")
     node.nvml.inject_ecc(b, corrected=5)
     await until(lambda: running.service.verdict.verdict == "degraded")
     assert b not in running.health()  # degraded is a node verdict, not device health

@@ -96,8 +96,8 @@ async def test_api_errors_are_logged_not_raised(api: ApiServerDouble, port: Ligh
     records = DeviceRecords()
     records.add_pod("team-a", "trainer-0", ["main"])
     records.record("team-a", "trainer-0", "main", NIC, [VF])
-    service = OwnershipService(InMemoryPodResources(records))  # no pod watch: the Event carries no uid
-    await service.refresh()
+    api.add_pod("team-a", "trainer-0", containers=[container_spec("main", {NIC: 1})])
+    service = OwnershipService(InMemoryPodResources(records))  # no pod watch: the uid comes from one pod list
     api.fail("POST", r"/api/v1/namespaces/team-a/events", 500, times=1)
     notifier = PodDeviceEvents(port, service)
     await notifier.device_unhealthy(VF, "link down")
@@ -105,7 +105,52 @@ async def test_api_errors_are_logged_not_raised(api: ApiServerDouble, port: Ligh
     await notifier.device_unhealthy(VF, "link down")  # not marked told: the next fault report retries
     assert notifier.posted == 1
     (event,) = api.events.values()
-    assert event["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "namespace": "team-a", "name": "trainer-0"}
+    assert event["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "namespace": "team-a", "name": "trainer-0",
+                                       "uid": "uid-team-a-trainer-0"}
+
+
+async def test_the_event_goes_to_the_pod_holding_the_device_now_never_to_one_gone(api: ApiServerDouble,
+                                                                                 port: LightkubeCluster) -> None:
+    """The last poll named job-82 (deleted since); the kubelet now names job-126, which the pod watch has not
+    delivered yet: the Event lands on job-126 with its uid, and nothing is posted for job-82."""
+    records = DeviceRecords()
+    records.add_pod("team", "job-82", ["main"])
+    records.record("team", "job-82", "main", GPU, [UUID])
+    service = OwnershipService(InMemoryPodResources(records), pod_specs=lambda: {})  # a watch that lags
+    await service.refresh()  # the periodic reading: job-82 holds the GPU
+    records.remove_pod("team", "job-82")
+    records.add_pod("team", "job-126", ["main"])
+    records.record("team", "job-126", "main", GPU, [UUID])
+    api.add_pod("team", "job-126", containers=[container_spec("main", {GPU: 1})])
+    assert [h.pod for h in service.holders(UUID)] == ["job-82"]  # the stale poll
+    notifier = PodDeviceEvents(port, service)
+    holders = await notifier.device_unhealthy(UUID, "Xid 79")
+    assert holders is not None and [h.pod for h in holders] == ["job-126"]
+    (event,) = api.events.values()
+    assert event["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "namespace": "team", "name": "job-126",
+                                       "uid": "uid-team-job-126"}
+
+
+async def test_no_event_for_a_holder_the_api_does_not_know(api: ApiServerDouble, port: LightkubeCluster) -> None:
+    records = DeviceRecords()
+    records.add_pod("team", "ghost", ["main"])  # the kubelet still lists it; the API says it is gone
+    records.record("team", "ghost", "main", GPU, [UUID])
+    notifier = PodDeviceEvents(port, OwnershipService(InMemoryPodResources(records)))
+    await notifier.device_unhealthy(UUID, "Xid 79")
+    assert notifier.posted == 0 and not api.events
+
+
+async def test_a_kubelet_that_does_not_answer_names_nobody(api: ApiServerDouble, port: LightkubeCluster) -> None:
+    records = DeviceRecords()
+    records.add_pod("team", "job", ["main"])
+    records.record("team", "job", "main", GPU, [UUID])
+    api.add_pod("team", "job", containers=[container_spec("main", {GPU: 1})])
+    kubelet = InMemoryPodResources(records)
+    service = OwnershipService(kubelet, poll_timeout=0.05)
+    await service.refresh()
+    kubelet.available = False
+    assert await PodDeviceEvents(port, service).device_unhealthy(UUID, "Xid 79") is None
+    assert not api.events  # the last poll's holder is not told: it may be gone
 
 
 async def test_no_api_access_posts_nothing_and_still_names_the_holders() -> None:
@@ -113,10 +158,9 @@ async def test_no_api_access_posts_nothing_and_still_names_the_holders() -> None
     records.add_pod("team-a", "trainer-0", ["main"])
     records.record("team-a", "trainer-0", "main", NIC, [VF])
     service = OwnershipService(InMemoryPodResources(records))
-    await service.refresh()
     holders = await PodDeviceEvents(None, service).device_unhealthy(VF, "link down")
-    assert [(h.pod, h.container) for h in holders] == [("trainer-0", "main")]
-    assert service.pods_holding([VF, "GPU-unknown"]) == ["team-a/trainer-0"]  # for the node condition's message
+    assert holders is not None and [(h.pod, h.container) for h in holders] == [("trainer-0", "main")]
+    assert await service.pods_holding_now([VF, "GPU-unknown"]) == ["team-a/trainer-0"]  # the condition's message
 
 
 async def test_a_pod_name_that_is_no_kubernetes_name_never_reaches_a_request_path(api: ApiServerDouble,

@@ -57,6 +57,7 @@ class Harness:
         self.cluster: LightkubeCluster | None = None
         self._task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
+        self.activity: list[Callable[[], object]] = []  # other servers the agent talks to (the kubelet's calls)
 
     async def start(self, config: RemediationConfig | None = None,
                     checks: tuple[PreflightCheck, ...] = (), *, api_timeout: float = API_TIMEOUT,
@@ -98,7 +99,7 @@ class Harness:
         for _ in range(2000):
             await asyncio.sleep(0.003)
             snapshot = (len(self.api.requests), self.api.inflight, len(self.clock._sleepers),
-                        self.clock.next_deadline())
+                        self.clock.next_deadline(), *(count() for count in self.activity))
             if snapshot == last and self.api.inflight == 0:
                 stable += 1
                 if stable >= 6:

@@ -49,6 +49,11 @@ class Rig:
                                 reachability=Reachability(CollectorRegistry(), "test")),
             registry=CollectorRegistry(), lookup_timeout=1.0)
 
+    def kubelet_calls(self) -> int:
+        """PodResources calls the stand-in kubelet has served (for the harness's settle)."""
+        served = self.kubelet.pod_resources
+        return sum(served.calls.values()) if served is not None else 0
+
     async def start(self) -> None:
         await self.kubelet.start()
         await self.plugin.start()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from agent.signals import NodeVerdict, Severity
 from tests.remediation.conftest import AGENT_NS, NODE, Harness, make_config
 
@@ -139,7 +141,10 @@ async def test_an_admins_cordon_is_never_lifted_by_the_agent(harness: Harness):
 
 async def test_condition_names_the_pods_holding_the_devices(harness: Harness):
     service = await harness.start()
-    service.engine.pods_of = lambda devices: ["ml/trainer-0"] if "GPU-1" in devices else []
+    async def pods_of(devices: Sequence[str]) -> list[str] | None:
+        return ["ml/trainer-0"] if "GPU-1" in devices else []
+
+    service.engine.pods_of = pods_of
     await harness.verdict(XID79)
     condition = harness.api.condition("GpuUnhealthy")
     assert condition["status"] == "True" and "GPU-1" in condition["message"]

@@ -69,7 +69,9 @@ class Host:
     async def start(self, harness: Harness, config: RemediationConfig, *, restart: bool = False) -> None:
         kwargs = {"boot_id_path": str(self.boot), "resetter": GpuResetter(self.nvml, config.gpu_reset_command, 10.0)}
         service = await (harness.restart(config, **kwargs) if restart else harness.start(config, **kwargs))
-        service.engine.pods_of = self.rig.ownership.pods_holding
+        service.engine.pods_of = self.rig.ownership.pods_holding_now
+        if self.rig.kubelet_calls not in harness.activity:
+            harness.activity.append(self.rig.kubelet_calls)
 
         def reset_done(uuid: str) -> None:  # what HealthService.gpu_reset_done does, on the real assessor
             if self.clears:

@@ -12,13 +12,14 @@ from __future__ import annotations
 from agent.config.remediation import DrainRule
 from agent.signals import Severity
 from tests.remediation.conftest import Harness, make_config
-from tests.remediation.rig import Rig
+from tests.remediation.rig import GPU, Rig
 from tests.remediation.test_drain import P, evictions
 
 
 async def start(harness: Harness, rig: Rig, **config: object) -> None:
     service = await harness.start(make_config(**config))
-    service.engine.pods_of = rig.ownership.pods_holding
+    service.engine.pods_of = rig.ownership.pods_holding_now
+    harness.activity.append(rig.kubelet_calls)
 
 
 async def test_xid48_on_gpu3_evicts_only_the_pod_holding_it_and_the_node_stays_schedulable(harness: Harness,
@@ -48,13 +49,46 @@ async def test_xid48_on_gpu3_evicts_only_the_pod_holding_it_and_the_node_stays_s
     assert evictions(harness) == ["trainer-3"]
 
 
+async def test_a_pod_admitted_after_the_last_poll_is_drained_and_the_drain_waits_for_the_kubelet(
+        harness: Harness, rig: Rig) -> None:
+    """Issue 26: the poll's reading predates the pod; the decision asks the kubelet then, so the pod admitted a
+    moment before the Xid is the one evicted, and the drain is complete only once the kubelet lists no holder."""
+    await rig.run_pods(harness, ["early"])  # the last periodic reading is taken here
+    await start(harness, rig)
+    harness.api.add_pod("train", "a")
+    got = await rig.kubelet.admit({GPU: 1}, pod=("train", "a"))  # admitted after the reading
+    index = rig.gpus.index(got[GPU][0])
+    assert not rig.ownership.latest or not rig.ownership.latest.holders(rig.gpus[index])  # the stale poll
+    await harness.verdict(rig.xid(index, 48))
+    assert evictions(harness) == ["a"]
+    assert "train/a" in harness.api.condition("GpuUnhealthy")["message"]
+
+    await harness.advance(11)  # evicted, but the kubelet still lists the pod's devices: not over yet
+    assert harness.api.annotations[f"{P}/isolate-drain"] == "running"
+    rig.kubelet.end_pod("train", "a")
+    await harness.advance(11)
+    assert harness.api.annotations[f"{P}/isolate-drain"] == "complete"
+    assert evictions(harness) == ["a"]
+
+
+async def test_a_kubelet_that_does_not_answer_never_completes_the_drain(harness: Harness, rig: Rig) -> None:
+    held = await rig.run_pods(harness, ["t0", "t1"])
+    await start(harness, rig)
+    await rig.kubelet.stop()  # PodResources goes away before the fault
+    await harness.verdict(rig.xid(held["t1"], 48))
+    assert evictions(harness) == []  # nobody can be named, nobody is evicted ...
+    await harness.advance(60)
+    assert harness.api.annotations[f"{P}/isolate-drain"] == "running"  # ... and the drain is not called complete
+    assert any("unknown" in e["message"] for e in harness.api.events.values() if e["reason"] == "DeviceIsolated")
+
+
 async def test_a_second_gpu_fault_escalates_to_cordon_and_drain(harness: Harness, rig: Rig) -> None:
     held = await rig.run_pods(harness, [f"trainer-{i}" for i in range(5)])
     await start(harness, rig)
     await harness.verdict(rig.xid(held["trainer-3"], 48))
     assert evictions(harness) == ["trainer-3"]
 
-    verdict = rig.xid(held["trainer-1"], 94)  # another GPU: the node is no longer whole
+    verdict = rig.xid(held["trainer-1"], 95)  # another GPU: the node is no longer whole
     assert verdict.severity is Severity.DRAIN and verdict.reason == "MultipleDevicesIsolated"
     await harness.verdict(verdict)
     assert harness.api.node["spec"]["unschedulable"] is True
@@ -95,7 +129,7 @@ async def test_a_reset_ends_the_isolation_and_a_restart_repeats_nothing(harness:
     assert evictions(harness) == ["trainer-2"] and harness.actions("isolate", "ok") == 1
 
     service = await harness.restart()  # a new agent process on the same node: same isolation, nothing counted again
-    service.engine.pods_of = rig.ownership.pods_holding
+    service.engine.pods_of = rig.ownership.pods_holding_now
     await harness.verdict(verdict)
     assert harness.actions("isolate", "ok") == 0
     assert [r for r in harness.event_reasons() if r == "DeviceIsolated"] == ["DeviceIsolated"]

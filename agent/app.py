@@ -28,7 +28,7 @@ from prometheus_client import (
 
 from agent import __version__, aio, wiring
 from agent.config import AgentConfig, ConfigError
-from agent.host.hardware import Hardware, open_hardware
+from agent.hardware import Hardware, open_hardware
 from agent.http import MetricsServer, Readiness
 from agent.simulate.profiles import UnknownProfileError
 from agent.supervisor import FatalError, StartupError, Supervisor

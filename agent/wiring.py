@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from agent import aio
 from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config import AgentConfig
-from agent.host.hardware import Hardware
+from agent.hardware import Hardware
 from agent.http import Readiness
 from agent.kube.access import ClusterPort
 from agent.signals import DeviceHealth, DeviceHealthEvent, Latest, NodeVerdict

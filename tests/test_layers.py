@@ -3,7 +3,8 @@
 Sources (topology, nvml, simulate) never import consumers; the consumers do not import each other except
 through the data they share; pynvml, lightkube, pyroute2 and subprocesses stay inside their ports. Over all
 imports, lazy ones included, the module graph has no cycle and follows the layer order of
-`../shared/design/architecture.md` (see LAYERS).
+`../shared/design/architecture.md` (see LAYERS), and so does the package graph: no two packages import each
+other, even through modules that do not import each other (a port choosing the simulator that imports the port).
 """
 
 from __future__ import annotations
@@ -183,13 +184,16 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # foundation: contracts, clock, supervision, config (and the generated protobuf packages, see _layer)
     ("agent", "agent.signals", "agent.events", "agent.clock", "agent.aio", "agent.logs", "agent.supervisor",
      "agent.config", "agent.pluginregistration"),
-    # the ports to the machine and the cluster, their simulated twins, and the node model
-    ("agent.host", "agent.kube", "agent.simulate", "agent.topology", "agent.http"),
+    # the ports to the machine and the cluster, with their simulated twins: they import no model, no simulator
+    ("agent.host", "agent.kube", "agent.http"),
+    # the node model read from the ports, and the simulator that writes a node for the same readers
+    ("agent.topology", "agent.simulate"),
     # decisions over the model
     ("agent.placement", "agent.ownership", "agent.health"),
     # consumers that act
     ("agent.deviceplugin", "agent.dra", "agent.remediation", "agent.netacct", "agent.shaping"),
-    ("agent.wiring",),
+    # the composition root, and the choice between real and simulated hardware it makes
+    ("agent.wiring", "agent.hardware"),
     ("agent.app",),
     ("agent.cli", "agent.__main__"),
 )
@@ -265,3 +269,52 @@ def test_the_cycle_check_finds_a_cycle():
     """The check above can fail: a lazy import back up a chain is a cycle."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert "agent.app" in _targets("agent.cli", AGENT / "cli.py")  # the parser sees the CLI's (lazy) import
+
+
+# --- the package graph: agent.host, agent.topology, ... as nodes; an edge when any module of one imports the other ---
+
+def _package(module: str) -> str:
+    """The package a module belongs to: `agent.host.nvml.real` -> `agent.host`; a top-level module is its own.
+
+    Generated protobuf modules count with the package that holds them (importing them runs its `__init__`).
+    """
+    return ".".join(module.split(".")[:2])
+
+
+def _package_edges(graph: dict[str, set[str]]) -> dict[tuple[str, str], set[str]]:
+    """(importer package, imported package) -> the module imports that make the edge."""
+    edges: dict[tuple[str, str], set[str]] = {}
+    for module, targets in graph.items():
+        for target in targets:
+            if _package(module) != _package(target):
+                edges.setdefault((_package(module), _package(target)), set()).add(f"{module} -> {target}")
+    return edges
+
+
+def _package_graph(edges: dict[tuple[str, str], set[str]]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for importer, imported in edges:
+        graph.setdefault(importer, set()).add(imported)
+        graph.setdefault(imported, set())
+    return graph
+
+
+# every module, the generated ones included: a generated stub importing back up would close a cycle too
+PACKAGE_EDGES = _package_edges({module: _targets(module, path) for module, path in PATHS.items()})
+
+
+def test_the_package_graph_has_no_cycle():
+    cycles = _cycles(_package_graph(PACKAGE_EDGES))
+    assert not cycles, "packages importing each other:\n" + "\n".join(
+        f"{' <-> '.join(cycle)}:\n  " + "\n  ".join(sorted(
+            why for (importer, imported), found in PACKAGE_EDGES.items()
+            if importer in cycle and imported in cycle for why in found))
+        for cycle in cycles)
+
+
+def test_the_package_check_finds_a_cycle_the_module_graph_does_not_have():
+    """A port choosing the simulator, which imports another module of that port: no module cycle, a package one."""
+    modules = {"agent.host.hardware": {"agent.simulate.node"}, "agent.simulate.node": {"agent.host.nvml"},
+               "agent.host.nvml": set()}
+    assert _cycles(modules) == []
+    assert _cycles(_package_graph(_package_edges(modules))) == [["agent.host", "agent.simulate"]]

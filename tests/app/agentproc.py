@@ -9,6 +9,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from agent.host.netns import entered
 from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
 from tests.fakes.clock import FakeClock
 from tests.fakes.polling import until
@@ -19,20 +20,28 @@ GPU_RESOURCE = "nvidia.com/gpu"
 
 class AgentProcess:
     """`python -m agent run --simulate PROFILE` against the test's kubelet directory, logging JSON to a file;
-    remediation in dry-run unless `dry_run=False` (then the test passes `--no-dry-run` or relies on the default)."""
+    remediation in dry-run unless `dry_run=False` (then the test passes `--no-dry-run` or relies on the default).
 
-    def __init__(self, directory: Path, *args: str, profile: str = "dgx-h100", dry_run: bool = True) -> None:
+    With `netns` (an `ip netns` name) the process runs inside that network namespace (netacct and shaping change
+    only its tables) and `metrics()` reads it from there; unix sockets and files are shared as usual.
+    """
+
+    def __init__(self, directory: Path, *args: str, profile: str = "dgx-h100", dry_run: bool = True,
+                 netns: str | None = None) -> None:
         self.port = free_port()
+        self.netns = netns
         self.log_path = directory / "agent.log"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "agent", "run", "--simulate", profile, "--device-plugin-dir", str(directory),
+            [*(["ip", "netns", "exec", netns] if netns else []), sys.executable, "-m", "agent", "run",
+             "--simulate", profile, "--device-plugin-dir", str(directory),
              "--metrics-address", f"127.0.0.1:{self.port}", "--log-format", "json",
              *(["--dry-run"] if dry_run else []), *args],
             stdout=subprocess.DEVNULL, stderr=self.log_path.open("w"), env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def metrics(self) -> str:
         """The agent's /metrics text (blocking: call it through asyncio.to_thread from async code)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as response:
+        with entered(self.netns), \
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as response:
             return response.read().decode()
 
     def dry_run_decisions(self) -> list[str]:

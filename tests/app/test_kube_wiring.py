@@ -16,7 +16,7 @@ from agent import wiring
 from agent.config.model import AgentConfig, ApiServerConfig, TopologyConfig
 from agent.config.netacct import NetacctConfig
 from agent.config.remediation import RemediationConfig
-from agent.host.hardware import Hardware, open_hardware
+from agent.hardware import Hardware, open_hardware
 from agent.kube.cluster import LightkubeCluster
 from agent.kube.simulated import InMemoryCluster
 from agent.netacct.kubepods import KubePodSource

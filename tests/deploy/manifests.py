@@ -42,7 +42,7 @@ AGENT_METRICS: dict[str, str] = {
     "gpu_node_agent_nic_link_up": "gauge {pci_bus_id,netdev,rdma}",
     "gpu_node_agent_node_verdict": "gauge {verdict}: 1 for the current verdict, 0 for the others",
     "gpu_node_agent_health_check_up": "gauge {check}",
-    "gpu_node_agent_nic_port_counter_total": "counter {device,port,counter}: the kernel's value",
+    "gpu_node_agent_nic_port_events_total": "counter {device,port,counter}: the kernel's value",
     "gpu_node_agent_nic_link_flaps_total": "counter {device,port}: down->up cycles seen",
     "gpu_node_agent_pcie_link_degraded": "gauge {device}: 1 when narrower than max width",
     "gpu_node_agent_pcie_link_width_lanes": "gauge {device,which}",

@@ -67,7 +67,7 @@ def test_variable_queries_use_known_metrics():
     "gpu_node_agent_pod_internet_dropped_packets_total",
     "gpu_node_agent_nic_link_up",
     "gpu_node_agent_health_check_up",
-    "gpu_node_agent_nic_port_counter_total",
+    "gpu_node_agent_nic_port_events_total",
     "gpu_node_agent_nic_link_flaps_total",
     "gpu_node_agent_pcie_link_degraded",
     "gpu_node_agent_pcie_aer_errors_total",

@@ -233,9 +233,9 @@ UNIT_TESTS: list[dict[str, Any]] = [
     },
     {   # link_downed grows at 5 min; mlx5_1/1 goes down and up three times within the hour
         "input_series": [
-            _series("gpu_node_agent_nic_port_counter_total", "0x4 1x30", device="mlx5_0", port="1",
+            _series("gpu_node_agent_nic_port_events_total", "0x4 1x30", device="mlx5_0", port="1",
                     counter="link_downed"),
-            _series("gpu_node_agent_nic_port_counter_total", "0+100x30", device="mlx5_0", port="1",
+            _series("gpu_node_agent_nic_port_events_total", "0+100x30", device="mlx5_0", port="1",
                     counter="symbol_error"),
             _series("gpu_node_agent_nic_link_flaps_total", "0x9 1x5 2x5 3x15", device="mlx5_1", port="1"),
         ],

@@ -179,7 +179,7 @@ async def test_link_downed_marks_only_that_pfs_vfs_unhealthy_and_back_after_the_
     await until(lambda: all(running.health().get(vf) is False for vf in _vfs(nic)))
     assert not _vfs(other) & {d for d, ok in running.health().items() if not ok}
     assert running.service.verdict.verdict == "degraded" and running.service.verdict.reason == "NicLinkDowned"
-    assert get("gpu_node_agent_nic_port_counter_total",
+    assert get("gpu_node_agent_nic_port_events_total",
                {"device": nic.rdma, "port": "1", "counter": "link_downed"}) == 1
     await until(lambda: all(running.health().get(vf) is True for vf in _vfs(nic)), "healthy after the hold")
     assert running.service.verdict.verdict == "healthy"

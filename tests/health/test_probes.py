@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.host import probes
+from agent.health import probes
 from agent.host.links import SysfsLinkPort
 from agent.host.nvml import SimulatedNvml
 from agent.simulate.node import build_simulated_node

@@ -4,6 +4,9 @@ A node carrying the preflight taint must prove itself before it takes work: no r
 no uncorrectable ECC error since the last reset, every RDMA link up. Each probe returns (ok, detail) and is
 blocking (NVML, sysfs, netlink), so remediation runs it in a worker thread. A probe that cannot look (NVML
 unavailable) fails: an unverified node keeps its preflight taint, and the condition says why.
+
+The probes read the ports (`agent.host`) and the model (`agent.topology`), so they live in health, above both;
+remediation's preflight receives them as plain callables from the wiring.
 """
 
 from __future__ import annotations

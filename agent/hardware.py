@@ -5,6 +5,10 @@ topology is read from, and the active probes preflight runs on them. `--simulate
 a sysfs tree into a scratch directory and pairs it with the simulated NVML and links read from that tree;
 otherwise the host's sysfs, the real NVML and netlink are used. Either way the same readers build the
 `Topology`, so a simulated run exercises the code that runs on a node.
+
+Choosing between real and simulated hardware is composition: this module sits beside `agent.wiring` (the
+composition root), above the ports in `agent.host`, the model in `agent.topology`, the simulator in
+`agent.simulate` and the preflight probes in `agent.health.probes`, so no port imports what is built on it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from pathlib import Path
 
 from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config import TopologyConfig
-from agent.host import probes
+from agent.health import probes
 from agent.host.links import LinkPort, NetlinkLinkPort, SysfsLinkPort
 from agent.host.nic_sysfs import NicSysfs
 from agent.host.nvml import NvmlPort, RealNvml

@@ -428,7 +428,10 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
         wiring.remediation = remediation(cfg, hardware, registry, verdicts=verdicts, cluster=wiring.cluster)
         if wiring.ownership is not None:  # the node condition names the pods holding the affected devices
             wiring.remediation.engine.pods_of = wiring.ownership.service.pods_holding_now
-        wiring.remediation.engine.gpu_resets.reset_done = health_service.gpu_reset_done
+        resets = wiring.remediation.engine.gpu_resets
+        resets.reset_done = health_service.gpu_reset_done
+        resets.reset_starting, resets.reset_abandoned = health_service.gpu_reset_starting, \
+            health_service.gpu_reset_abandoned
         wiring.subsystems.append(Subsystem("remediation", wiring.remediation.run))
     if cfg.netacct.enabled:
         wiring.netacct = netacct(cfg, registry, wiring.cluster)

@@ -153,6 +153,19 @@ class HealthAssessor:
             self.awaiting_reset_changed = True
         self._publish()
 
+    def on_gpu_resetting(self, uuid: str) -> None:
+        """Remediation starts an advised reset of this idle GPU: Unhealthy until the reset is observed (a finding
+        at no severity: the node verdict does not change)."""
+        self._add(Finding(f"resetting:{uuid}", Severity.HEALTHY, f"{self.names.by_uuid(uuid).name}: being reset",
+                          Clears.RESET, (uuid,), uuid, code="GpuResetting"))
+        self._publish()
+
+    def on_gpu_reset_abandoned(self, uuid: str) -> None:
+        """The advised reset did not start after all (a pod took the GPU): back in service."""
+        if self.book.remove(f"resetting:{uuid}") is not None:
+            self.awaiting_reset_changed = True
+        self._publish()
+
     def on_nvml_event(self, event: NvmlEvent) -> None:
         """An event from the NVML event set (delivered on the loop thread)."""
         gpu = self.names.by_uuid(event.uuid)

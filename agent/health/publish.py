@@ -33,7 +33,8 @@ class HealthPublisher:
             return
         level = logging.WARNING if verdict.severity > self.current.severity else logging.INFO
         change = f"{self.current.verdict} -> {verdict.verdict}" if verdict.severity != self.current.severity \
-            else f"{verdict.verdict}, reasons changed"
+            else f"{verdict.verdict}, reasons changed" if verdict.reasons != self.current.reasons \
+            else f"{verdict.verdict}, GPU reset advised for: {', '.join(verdict.reset_advised) or 'none'}"
         log.log(level, "node verdict %s%s", change, f": {'; '.join(verdict.reasons)}" if verdict.reasons else "",
                 extra={"verdict": verdict.verdict})
         self.current = verdict

@@ -131,6 +131,14 @@ class HealthService:
         """The remediation subsystem reset this GPU: faults waiting for a reset clear."""
         self.assessor.on_gpu_reset(uuid, "reset reported by remediation")
 
+    def gpu_reset_starting(self, uuid: str) -> None:
+        """The remediation subsystem starts an advised reset: the GPU is Unhealthy until it is done."""
+        self.assessor.on_gpu_resetting(uuid)
+
+    def gpu_reset_abandoned(self, uuid: str) -> None:
+        """The advised reset did not start: the GPU is back in service."""
+        self.assessor.on_gpu_reset_abandoned(uuid)
+
     async def run(self, stop: asyncio.Event) -> None:
         """Run every producer until `stop` is set. Raises NvmlRequiredError when required NVML is missing."""
         if self.config.require_nvml and not await asyncio.to_thread(lambda: self.nvml.available):

@@ -5,6 +5,13 @@ RESET_GPU) is `gpu_reset` / `drain_and_reset`, at a severity that acts (isolate 
 on the node needs a reboot (the reboot resets every GPU anyway). The catalog decides whether a reset is tried;
 the configured action decides how far the node goes meanwhile (an isolated device, a cordon, a drain).
 
+Advised resets: a GPU with a pending row remap (`NodeVerdict.reset_advised`) stays in service; with a reset command
+it is reset once idle (no holder in a fresh PodResources reading, no NVML process), while the node has no fault of
+its own (below cordon, nothing asking for a reboot) and after any fault's reset. There is no drain to wait for;
+the GPU is Unhealthy only while its reset runs (`reset_starting`, then health's reset observed, or
+`reset_abandoned` when a pod took it at the last look), and the reset is routine maintenance, not counted
+towards the latch. A GPU that cannot be reset here (MIG mode) keeps the advisory and nothing escalates.
+
 When: once the drain the verdict asks for has finished (the isolated device's pods, or the node's), no pod holds
 the GPU (PodResources) and NVML lists no process on it; until then it waits and says why (one Event per kind of
 wait), looking again every `RECHECK_SECONDS`. One GPU at a time. Never on a latched node, never in dry-run (an
@@ -56,6 +63,14 @@ def reset_gpus(verdict: NodeVerdict | None) -> list[str]:
     if verdict is None or verdict.severity < Severity.ISOLATE or reboot_gpus(verdict):
         return []
     return sorted({r.gpu_uuid for r in verdict.recovery if r.action in RESET_ACTIONS})
+
+
+def advised_resets(verdict: NodeVerdict | None) -> list[str]:
+    """GPUs a reset would do good while idle (a pending remap); [] while the node itself has a fault (cordon or
+    worse: the node path acts) or one that needs a reboot."""
+    if verdict is None or verdict.severity >= Severity.CORDON or reboot_gpus(verdict):
+        return []
+    return sorted(set(verdict.reset_advised))
 
 
 class Resetter(Protocol):
@@ -116,6 +131,8 @@ class GpuResets:
         self.key = f"{config.prefix}/gpu-reset"
         self.resetter = resetter
         self.reset_done: Callable[[str], None] = lambda uuid: None  # health's hook (wiring sets it)
+        self.reset_starting: Callable[[str], None] = lambda uuid: None  # health: Unhealthy while an advised reset runs
+        self.reset_abandoned: Callable[[str], None] = lambda uuid: None  # health: in service again, not reset
         self._actions = actions
         self._events = events
         self._clock = clock
@@ -195,7 +212,8 @@ class GpuResets:
 
     async def _judge(self, verdict: NodeVerdict) -> None:
         """Resets that worked: verified once health stops asking, failed if it still asks after the window."""
-        record, asking, now = self.record(), set(reset_gpus(verdict)), self._clock.now()
+        record, now = self.record(), self._clock.now()
+        asking = set(reset_gpus(verdict)) | set(verdict.reset_advised)
         for uuid in record.in_state(OK):
             at = parse_time(record.gpus[uuid].get("at")) or now
             if uuid not in asking and uuid not in verdict.devices:  # health no longer holds anything against it
@@ -211,20 +229,23 @@ class GpuResets:
         assert self.resetter is not None
         record = self.record()
         candidates = [u for u in reset_gpus(verdict) if u not in record.gpus]
-        if not candidates:
+        advised = [u for u in advised_resets(verdict) if u not in record.gpus and ("cannot", u) not in self._said]
+        if not candidates and not advised:
             return
-        uuid = candidates[0]
-        if not self._drained(verdict):
+        uuid = candidates[0] if candidates else advised[0]
+        advisory = not candidates
+        if not advisory and not self._drained(verdict):
             return self._wait(uuid, "drain", "")  # the drain's own Events say what it waits for
-        pods = await self._holders([uuid])  # the kubelet's word now, not the last poll's
-        if pods is None:
-            return await self._announce_wait(uuid, "pods", "which pods hold it cannot be read from the kubelet's "
-                                                           "PodResources now")
-        if pods:
-            return await self._announce_wait(uuid, "pods", f"pods still hold it: {', '.join(pods)}")
+        if not await self._idle(uuid):
+            return
         blockers, can_wait = await asyncio.to_thread(self.resetter.blockers, uuid)
         if blockers and can_wait:
             return await self._announce_wait(uuid, "nvml", "; ".join(blockers))
+        if blockers and advisory:  # an advisory never escalates: the GPU keeps working as it is
+            self._said.add(("cannot", uuid))
+            await self._events.emit("GpuResetSkipped", f"{uuid}: a reset is advised ({verdict.describe()}) but "
+                                    f"cannot run here: {'; '.join(blockers)}", WARNING)
+            return
         if self._actions.dry_run:
             if ("dry_run", uuid) not in self._said:
                 self._said.add(("dry_run", uuid))
@@ -239,14 +260,33 @@ class GpuResets:
         if target is None:
             await self._failed(uuid, "NVML no longer lists it")
             return
+        if advisory:  # out of ListAndWatch first, then one more look: a pod admitted meanwhile keeps its GPU
+            self.reset_starting(uuid)
+            if not await self._idle(uuid):
+                self.reset_abandoned(uuid)
+                return
         if not await self._write(record.with_gpu(uuid, RUNNING, self._clock.now())):
+            if advisory:
+                self.reset_abandoned(uuid)
             return
-        await self._events.emit("GpuResetStarted", f"{verdict.reason}: resetting {uuid} ({target.bus_id}) with "
+        why = "reset advised (a pending row remap or page retirement it applies)" if advisory else verdict.reason
+        await self._events.emit("GpuResetStarted", f"{why}: resetting {uuid} ({target.bus_id}) with "
                                 f"{self.config.gpu_reset_command[0]}; no process uses it", WARNING)
-        await self._remediated(f"GPU reset of {uuid} for {verdict.reason}")
+        if not advisory:  # routine maintenance is no remediation: it does not count towards the latch
+            await self._remediated(f"GPU reset of {uuid} for {verdict.reason}")
         self._task_uuid = uuid
         self._task = asyncio.create_task(self.resetter.reset(target), name="remediation-gpu-reset")
         self._task.add_done_callback(lambda _task: self._wake())
+
+    async def _idle(self, uuid: str) -> bool:
+        """No pod holds the GPU by the kubelet's word now (not the last poll's); else wait and say why."""
+        pods = await self._holders([uuid])
+        if pods is None:
+            await self._announce_wait(uuid, "pods", "which pods hold it cannot be read from the kubelet's "
+                                                    "PodResources now")
+        elif pods:
+            await self._announce_wait(uuid, "pods", f"pods still hold it: {', '.join(pods)}")
+        return pods == []
 
     def _wait(self, uuid: str, kind: str, why: str) -> None:
         self._waiting_since = self._clock.now()

@@ -56,6 +56,7 @@ class Host:
         self.boot = directory / "boot_id"
         self.boot.write_text(BOOT_A + "\n")
         self.clears = True  # False: the fault outlives the reset (health keeps asking)
+        self.unhealthy_while_resetting: list[set[str]] = []  # device health as an advised reset starts
 
     def config(self, **overrides: object) -> RemediationConfig:
         base: dict[str, object] = {"gpu_reset_command": self.command, "gpu_reset_timeout_seconds": 10.0}
@@ -79,6 +80,12 @@ class Host:
             self.nvml.reset_gpu(uuid)
             harness.queue.set(self.rig.assessor.verdict)
         service.engine.gpu_resets.reset_done = reset_done
+
+        def reset_starting(uuid: str) -> None:  # HealthService.gpu_reset_starting, on the real assessor
+            self.rig.assessor.on_gpu_resetting(uuid)
+            self.unhealthy_while_resetting.append(set(self.rig.assessor.book.unhealthy_devices()))
+        service.engine.gpu_resets.reset_starting = reset_starting
+        service.engine.gpu_resets.reset_abandoned = self.rig.assessor.on_gpu_reset_abandoned
 
 
 @pytest.fixture
@@ -127,6 +134,33 @@ async def test_the_reset_runs_once_the_gpu_is_idle_and_the_device_returns(harnes
     assert not harness.api.node["spec"].get("unschedulable")
     assert len(harness.api.annotations[HISTORY].split(",")) == 1  # the attempt counts towards the latch
     assert sorted(evictions(harness)) == ["trainer-2"]  # the other GPUs' pods never noticed
+
+
+async def test_a_pending_remap_is_applied_by_a_reset_once_the_gpu_is_idle(harness: Harness, rig: Rig,
+                                                                           host: Host) -> None:
+    """Issue 26: Xid 63 is an advisory. Nobody is evicted and the GPU stays in service while its pod runs; once the
+    pod ends by itself the GPU is reset (Unhealthy only meanwhile), the advisory ends, and nothing is cordoned or
+    counted towards the latch."""
+    await host.start(harness, host.config())
+    held = await rig.run_pods(harness, ["trainer-0", "trainer-1"])
+    uuid = rig.gpus[held["trainer-1"]]
+    verdict = rig.xid(held["trainer-1"], 63)
+    assert verdict.severity is Severity.HEALTHY and verdict.reset_advised == (uuid,)
+    await harness.verdict(verdict)
+    assert host.runs() == [] and evictions(harness) == []
+    assert rig.assessor.book.unhealthy_devices() == {}
+    waiting = [e["message"] for e in harness.api.events.values() if e["reason"] == "GpuResetWaiting"]
+    assert waiting and "ml/trainer-1" in waiting[0]
+
+    rig.kubelet.end_pod("ml", "trainer-1")  # the job ends by itself
+    await harness.advance(16)  # the next look
+    await harness.until(lambda: "GpuResetVerified" in harness.event_reasons(), "the advised reset verified")
+    assert host.runs() == [["--gpu-reset", "-i", uuid]]
+    assert host.unhealthy_while_resetting == [{uuid}]  # out of ListAndWatch for the reset only ...
+    assert rig.assessor.book.unhealthy_devices() == {} and rig.assessor.verdict.reset_advised == ()  # ... back
+    assert evictions(harness) == [] and not harness.api.node["spec"].get("unschedulable")
+    assert HISTORY not in harness.api.annotations  # routine maintenance: not counted towards the latch
+    assert harness.actions("gpu_reset", "ok") == 1
 
 
 async def test_a_failed_reset_cordons_drains_and_requests_a_reboot(harness: Harness, rig: Rig,

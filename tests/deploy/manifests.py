@@ -37,7 +37,7 @@ AGENT_METRICS: dict[str, str] = {
     "gpu_node_agent_retired_pages_pending": "gauge {gpu,uuid,pci_bus_id}: 1 waiting for a reset",
     "gpu_node_agent_remapped_rows": "gauge {gpu,uuid,pci_bus_id,error_type}",
     "gpu_node_agent_row_remap_pending": "gauge {gpu,uuid,pci_bus_id}: 1 waiting for a reset",
-    "gpu_node_agent_gpu_reset_pending": "gauge {gpu,uuid,pci_bus_id}: 1 while a GPU reset is pending (advisory or cure)",
+    "gpu_node_agent_gpu_reset_pending": "gauge {gpu,uuid,pci_bus_id}: 1 a GPU reset pending (advisory or cure)",
     "gpu_node_agent_row_remap_failure": "gauge {gpu,uuid,pci_bus_id}: 1 remap failed",
     "gpu_node_agent_device_healthy": "gauge {resource,device}: 1 Healthy, 0 Unhealthy",
     "gpu_node_agent_nic_link_up": "gauge {pci_bus_id,netdev,rdma}",

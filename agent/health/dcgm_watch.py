@@ -55,10 +55,13 @@ class DcgmWatcher:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Scrape until `stop`."""
-        while not stop.is_set():
-            await self.scrape_once()
-            self.first_pass.set()
-            await aio.sleep_or_stop(stop, self.interval)
+        try:
+            while not stop.is_set():
+                await self.scrape_once()
+                self.first_pass.set()
+                await aio.sleep_or_stop(stop, self.interval)
+        finally:
+            await self.port.aclose()
 
     async def scrape_once(self) -> bool:
         """One scrape; True when it was good and its changes were applied."""

@@ -331,6 +331,9 @@ class _Handler(BaseHTTPRequestHandler):
     server: _HttpServer
     protocol_version = "HTTP/1.1"
     timeout = 60  # idle keep-alive connections close eventually
+    # Go's net/http (dcgm-exporter) sets TCP_NODELAY on every connection; without it the headers and body of an
+    # answer on a kept-alive connection wait for the client's delayed ACK (~40 ms a scrape)
+    disable_nagle_algorithm = True
 
     def do_GET(self) -> None:
         """GET /metrics, through the exporter's failure modes."""

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -42,7 +43,10 @@ def exporter() -> Iterator[tuple[SimulatedDcgmExporter, str]]:
 class Rig:
     """An assessor and a watcher on one topology, scraped by hand."""
 
+    made: ClassVar[list[Rig]] = []  # closed after each test: the port keeps its connection alive between scrapes
+
     def __init__(self, topology: Topology, url: str, *, timeout: float = 2.0, **config: object) -> None:
+        Rig.made.append(self)
         self.topology = topology
         self.now = 1000.0
         self.device_health = DeviceHealth()
@@ -65,6 +69,13 @@ class Rig:
 
     def keys(self) -> set[str]:
         return {f.key for f in self.assessor.book.findings()}
+
+
+@pytest.fixture(autouse=True)
+async def _close_rigs() -> AsyncIterator[None]:
+    yield
+    while Rig.made:
+        await Rig.made.pop().watcher.port.aclose()
 
 
 @pytest.fixture
@@ -412,8 +423,35 @@ async def test_only_the_families_read_are_kept_from_a_huge_page(topology: Topolo
         port = HttpDcgmExporter(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/metrics", 30.0,
                                 keep=keep_line)
         text = await port.fetch()
+        await port.aclose()
     finally:
         server.close()
         await server.wait_closed()
     assert len(text) < len(page) and "DCGM_FI_DEV_SM_CLOCK" not in text
     assert "DCGM_FI_DEV_PCIE_REPLAY_COUNTER" in text
+
+
+async def test_a_scrape_costs_about_one_get_on_a_kept_alive_connection(exporter) -> None:
+    """Budget check (issue 32: a client built per scrape loaded the TLS store, ~21 ms, for a plain-http URL):
+    the port's fetch against a same-run baseline, a GET through one reused client; generous slack, no absolute."""
+    import statistics
+    import time
+
+    import httpx2
+
+    _sim, url = exporter
+    port = HttpDcgmExporter(url, 5.0)
+    fetches, gets = [], []
+    async with httpx2.AsyncClient(trust_env=False, verify=False) as client:
+        await client.get(url)
+        await port.fetch()
+        for _ in range(15):
+            start = time.perf_counter()
+            await client.get(url)
+            gets.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            await port.fetch()
+            fetches.append(time.perf_counter() - start)
+    await port.aclose()
+    fetch, get = statistics.median(fetches), statistics.median(gets)
+    assert fetch <= 2 * get + 0.005, f"a scrape took {fetch * 1e3:.1f} ms against {get * 1e3:.1f} ms for one GET"

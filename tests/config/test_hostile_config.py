@@ -4,6 +4,7 @@ in `run` alike, before anything starts (issue 14, item 3 and the node name of it
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import yaml
@@ -98,3 +99,17 @@ def test_good_pool_ranges_still_load(tmp_path) -> None:
     path.write_text(yaml.safe_dump({"devicePlugin": {"pools": [
         {"resourceName": "rdma_a", "selectors": {"pfNames": ["ens1f0#0-3,6"], "rootDevices": ["0000:18:00.0#1"]}}]}}))
     assert cli.main(["config", "--config", str(path)]) == 0
+
+
+@pytest.mark.parametrize("value", ["1e999999", "1e9999999", "1e-9999999"])
+@pytest.mark.parametrize("command", ["config", "run"])
+def test_huge_namespace_default_bandwidths_exit_2_at_once(tmp_path, capsys, value: str, command: str) -> None:
+    """Issue 27: `1e9999999` ended in a traceback (decimal.Overflow), `1e999999` took 25 s."""
+    path = tmp_path / "shaping.yaml"
+    path.write_text(f"shaping: {{namespaceDefaults: {{team: {{egress: '{value}'}}}}}}\n")
+    started = time.monotonic()
+    assert cli.main([command, "--config", str(path)]) == 2
+    assert time.monotonic() - started < 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "namespaceDefaults.team.egress" in err and "exponent out of range" in err

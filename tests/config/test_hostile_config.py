@@ -4,6 +4,8 @@ in `run` alike, before anything starts (issue 14, item 3 and the node name of it
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -83,6 +85,11 @@ def _nested(depth: int) -> object:
      "nested more deeply"),
     ("latin1.yaml", "nodeName: g\xe9pu\n".encode("latin-1"), "not UTF-8"),
     ("huge.yaml", b"#" * (2 << 20), "more than a config file"),
+    # issue 27: numbers past int's digit limit were a ValueError traceback
+    ("bigint.yaml", b"topology: {rescanIntervalSeconds: " + b"9" * 100_000 + b"}", "larger than any setting"),
+    ("bigint.json", b'{"topology": {"rescanIntervalSeconds": ' + b"9" * 100_000 + b"}}", "larger than any setting"),
+    ("nan.json", b'{"topology": {"rescanIntervalSeconds": NaN}}', "not a finite number"),
+    ("self.yaml", b"a: &a [*a]\n", "refers to a value that contains it"),
 ])
 @pytest.mark.parametrize("command", ["config", "run"])
 def test_hostile_files_exit_2(tmp_path, capsys, case: tuple[str, bytes, str], command: str) -> None:
@@ -113,3 +120,31 @@ def test_huge_namespace_default_bandwidths_exit_2_at_once(tmp_path, capsys, valu
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "namespaceDefaults.team.egress" in err and "exponent out of range" in err
+
+
+_LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi", strict=True))
+
+
+@pytest.mark.parametrize("command", ["config", "run"])
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, command: str) -> None:
+    """Issue 27, item 4: 9^9 values from a 500-byte file; the depth check walked them all (a core, forever)."""
+    path = tmp_path / "laughs.yaml"
+    path.write_text(_LAUGHS)
+    started = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-m", "agent", command, "--config", str(path)], check=False,
+                              capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the alias bomb was not refused within 20 s")
+    assert done.returncode == 2
+    assert "expands to more than 100000 values" in done.stderr and "Traceback" not in done.stderr
+    assert time.monotonic() - started < 10
+
+
+def test_modest_yaml_anchors_still_load(tmp_path) -> None:
+    path = tmp_path / "anchors.yaml"
+    path.write_text("devicePlugin:\n  pools:\n"
+                    "  - {resourceName: a, selectors: &rdma {vendors: ['15b3'], isRdma: true}}\n"
+                    "  - {resourceName: b, selectors: *rdma}\n")
+    assert cli.main(["config", "--config", str(path)]) == 0

@@ -241,7 +241,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: {exc}") from None
     except (ValueError, ArithmeticError) as exc:  # e.g. a number beyond int's digit limit in a date or float
         raise ConfigError(f"config file {path}: a value cannot be read: {str(exc)[:120]}") from None
-    if _depth(data) > MAX_DEPTH:
+    if nesting_depth(data) > MAX_DEPTH:
         raise ConfigError(f"config file {path}: nested more deeply than any config ({MAX_DEPTH} levels)")
     if data is None:
         return {}
@@ -250,8 +250,9 @@ def read_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _depth(data: Any) -> int:
-    """Nesting depth of parsed data, without recursion (so no input can exhaust the stack here)."""
+def nesting_depth(data: Any) -> int:
+    """Nesting depth of parsed data (counted up to MAX_DEPTH + 1), without recursion (so no input can exhaust the
+    stack here)."""
     deepest, stack = 0, [(data, 1)]
     while stack:
         item, level = stack.pop()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from agent.dra.cdi import CdiError, CdiSpecs
 from agent.dra.claims import AllocatedDevice, ClaimError, ClaimRef, allocated_devices
 from agent.dra.devices import DraDevice
-from agent.dra.state import LockTimeout, PreparedClaim, PreparedDevice, PreparedStore, serialized
+from agent.dra.state import LockTimeout, PreparedClaim, PreparedDevice, PreparedStore, StateUnreadable, serialized
 from agent.kube.errors import ApiError, ApiNotFound
 from agent.kube.port import ResourceClaimApi
 
@@ -73,7 +73,7 @@ class ClaimPreparer:
     async def _guard(self, call: Callable[[ClaimRef], Awaitable[Outcome]], ref: ClaimRef) -> Outcome:
         try:
             return await call(ref)
-        except (ClaimError, CdiError) as exc:
+        except (ClaimError, CdiError, StateUnreadable) as exc:
             log.warning("DRA: claim %s/%s (%s) refused: %s", ref.namespace, ref.name, ref.uid, exc)
             return Outcome(error=str(exc))
         except ApiError as exc:
@@ -87,6 +87,9 @@ class ClaimPreparer:
             return Outcome(error=f"internal error: {type(exc).__name__}")
 
     async def _prepare_one(self, ref: ClaimRef) -> Outcome:
+        if self.store.problem is not None:  # fail closed: a device of the lost record may be held
+            raise StateUnreadable(f"prepared-claims state {self.store.path} is unreadable ({self.store.problem}): "
+                                  "devices in unknown use, nothing is prepared until it is repaired or removed")
         if not ref.uid or not ref.name or not ref.namespace:
             raise ClaimError("a claim needs namespace, uid and name")
         self.cdi.path(ref.uid)  # CdiError for a uid that is no UUID, before anything is read or written

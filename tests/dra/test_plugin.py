@@ -307,3 +307,24 @@ async def test_a_drain_verdict_turns_the_taint_into_no_execute(node: Node, kubel
 
     node.verdicts.set(NodeVerdict(Severity.CORDON, "NicLinkDown", devices=(nic.bus_id,)))
     await until(lambda: set(effects().values()) == {"NoSchedule"}, "back to NoSchedule below drain")
+
+
+@pytest.mark.parametrize("garbage", [b"{not json", b"[" * 100_000 + b"]" * 100_000], ids=["garbage", "deep"])
+async def test_an_unreadable_record_refuses_prepare_instead_of_handing_out_held_devices(
+        node: Node, kubelet: DraKubelet, garbage: bytes) -> None:
+    """Issue 27, item 7: a garbage record "started empty" and a device held by claim A was prepared for claim B;
+    a deeply nested one failed every prepare with gRPC UNKNOWN (RecursionError)."""
+    _, plugin = await started(node, kubelet)
+    held = node.allocate(UID_A, "a")
+    assert (await plugin.prepare(("default", UID_A, "a"))).claims[UID_A].error == ""
+    record = node.root / "state" / "dra-prepared.json"
+    record.write_bytes(garbage)  # the disk, or a hand, broke the record while A holds its devices
+    node.api.put_claim({"metadata": {"name": "b", "namespace": "default", "uid": UID_B},
+                        "spec": {"devices": {"requests": []}},
+                        "status": {"allocation": {"devices": {"results": held["status"]["allocation"]["devices"]
+                                                              ["results"]}}}})
+    answer = (await plugin.prepare(("default", UID_B, "b"))).claims[UID_B]
+    assert "unknown use" in answer.error and not answer.devices
+    assert not spec_file(node, UID_B).exists() and record.read_bytes() == garbage
+    assert node.registry.get_sample_value("gpu_node_agent_dra_state_unreadable") == 1
+    assert node.claims("prepare", "error") == 1

@@ -15,11 +15,15 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from agent import __version__, config
 from agent.logs import setup_logging
+
+if TYPE_CHECKING:
+    from agent.deviceplugin.sriovdp import SriovConfig
 
 log = logging.getLogger("agent")
 
@@ -152,16 +156,23 @@ def _cmd_simulate_dcgm_exporter(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_config(args: argparse.Namespace) -> int:
+def _read_sriov_dp_config(cfg: config.AgentConfig) -> SriovConfig | None:
+    """The SR-IOV device plugin config file's pools when one is set; UsageError (exit 2) when it cannot be served."""
     from agent.deviceplugin import sriovdp
 
+    if not cfg.device_plugin.sriov_dp_config:
+        return None
+    try:
+        return sriovdp.read_config(cfg.device_plugin.sriov_dp_config)
+    except sriovdp.SriovConfigError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
     plugin = cfg.device_plugin
-    if plugin.sriov_dp_config:  # show the pools the SR-IOV file gives, and what in it the agent cannot honour
-        try:
-            read = sriovdp.read_config(plugin.sriov_dp_config)
-        except sriovdp.SriovConfigError as exc:
-            raise UsageError(str(exc)) from exc
+    read = _read_sriov_dp_config(cfg)
+    if read is not None:  # show the pools the SR-IOV file gives, and what in it the agent cannot honour
         for warning in read.warnings:
             print(f"gpu-node-agent config: warning: {plugin.sriov_dp_config}: {warning}", file=sys.stderr)
         cfg = dataclasses.replace(cfg, device_plugin=dataclasses.replace(plugin, pools=list(read.pools)))
@@ -211,6 +222,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from agent import app
 
     cfg = _load_config(args)
+    if cfg.device_plugin.enabled:
+        _read_sriov_dp_config(cfg)  # refused here with exit 2, before anything starts (the device plugin reads it)
     setup_logging(cfg.log_level, cfg.log_format)
     return app.main(cfg)
 

@@ -17,7 +17,13 @@ pkg/netdevice/netDeviceProvider.go, README "Config parameters"):
 What the agent cannot honour is never dropped silently: a key that would narrow a pool (`ddpProfiles`, `pKeys`,
 `acpiIndexes`, `vdpaType`, `needVhostNet: true`) or a `deviceType` other than `netDevice` is an error that names
 the pool and the key (serving a wider pool than configured would hand out wrong devices); a key that changes no
-device set (`additionalInfo`, unknown keys the plugin itself ignores) is a warning.
+device set (`additionalInfo`, unknown keys the plugin itself ignores) is a warning. A VF range that cannot be
+read (`#5-2`, `#0-x`) is an error too: it would match nothing.
+
+The file comes from outside and is bounded while it is read: at most `MAX_FILE_BYTES` (a ConfigMap holds at
+most 1 MiB), UTF-8, nested at most `MAX_DEPTH` levels, integers of at most 40 digits, no NaN/Infinity, at most
+`MAX_RESOURCES` resources, `MAX_SELECTOR_OBJECTS` selector objects per resource and `MAX_LIST` entries per
+selector list. Anything past a bound is a `SriovConfigError` (exit 2), never a traceback.
 """
 
 from __future__ import annotations
@@ -26,16 +32,21 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
+from agent.config.load import MAX_DEPTH, nesting_depth
 from agent.config.model import DevicePluginConfig, PoolConfig, SelectorConfig
+from agent.config.numbers import NumberError, bounded_float, bounded_int, no_constant
 from agent.deviceplugin.pools import PoolConfigError, check_resource_name
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "intel.com"  # sriov-network-device-plugin's -resource-prefix default
 NET_DEVICE = "netdevice"  # deviceType, compared lower-case
+MAX_FILE_BYTES = 1 << 20  # a ConfigMap (the file's source) holds at most 1 MiB
+MAX_RESOURCES = 256  # resources in one file; a node serves a handful
+MAX_SELECTOR_OBJECTS = 64  # selector objects of one resource
+MAX_LIST = 1024  # entries of one selector list (vendors, pfNames, pciAddresses, ...)
 
 # selector key (lower case) -> SelectorConfig field, for the selectors the agent applies itself
 _LIST_SELECTORS = {
@@ -92,6 +103,8 @@ class _Reader:
             return []
         if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
             raise self.error(where, f"expected a list of strings, got {json.dumps(value)[:80]}")
+        if len(value) > MAX_LIST:
+            raise self.error(where, f"{len(value)} entries, more than any selector needs ({MAX_LIST})")
         return list(value)
 
     def boolean(self, value: Any, where: str) -> bool:
@@ -123,10 +136,18 @@ class _Reader:
                                          "Remove it or keep this pool on the SR-IOV device plugin")
             else:
                 self.warn(at, "unknown selector, ignored (the SR-IOV device plugin ignores it too)")
-        return SelectorConfig(**fields)
+        selector = SelectorConfig(**fields)
+        try:
+            selector.check()  # a VF range that cannot be read would match nothing: refused, not dropped
+        except ValueError as exc:
+            raise self.error(where, str(exc)) from None
+        return selector
 
     def selectors(self, value: Any, where: str) -> list[SelectorConfig]:
         if isinstance(value, list):
+            if len(value) > MAX_SELECTOR_OBJECTS:
+                raise self.error(where, f"{len(value)} selector objects, more than any pool needs "
+                                        f"({MAX_SELECTOR_OBJECTS})")
             return [self.selector(item, f"{where}[{i}]") for i, item in enumerate(value)]
         return [self.selector(value, where)]
 
@@ -168,17 +189,37 @@ class _Reader:
                           exclude_topology=self.boolean(keys.get("excludetopology", ("", None))[1],
                                                         f"{where}.excludeTopology"))
 
-    def read(self) -> SriovConfig:
+    def parse(self) -> Any:
+        """The file's JSON, read within the bounds (size before reading, UTF-8, depth, numbers)."""
+        where = f"SR-IOV device plugin config {self.path}"
         try:
-            text = Path(self.path).read_text(encoding="utf-8")
+            with open(self.path, "rb") as handle:
+                raw = handle.read(MAX_FILE_BYTES + 1)
         except OSError as exc:
-            raise SriovConfigError(f"SR-IOV device plugin config {self.path}: cannot read: "
-                                   f"{exc.strerror or exc}") from exc
+            raise SriovConfigError(f"{where}: cannot read: {exc.strerror or exc}") from exc
+        if len(raw) > MAX_FILE_BYTES:
+            raise SriovConfigError(f"{where}: larger than {MAX_FILE_BYTES} bytes (a ConfigMap holds at most 1 MiB)")
         try:
-            data = json.loads(text)
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise SriovConfigError(f"{where}: not UTF-8 text (byte {exc.start})") from None
+        try:
+            data = json.loads(text, parse_int=bounded_int, parse_float=bounded_float, parse_constant=no_constant)
         except json.JSONDecodeError as exc:
-            raise SriovConfigError(f"SR-IOV device plugin config {self.path}: not valid JSON: {exc.msg} at "
-                                   f"line {exc.lineno} column {exc.colno}") from None
+            raise SriovConfigError(f"{where}: not valid JSON: {exc.msg} at line {exc.lineno} column "
+                                   f"{exc.colno}") from None
+        except RecursionError:
+            raise SriovConfigError(f"{where}: nested more deeply than any config ({MAX_DEPTH} levels)") from None
+        except NumberError as exc:
+            raise SriovConfigError(f"{where}: {exc}") from None
+        except (ValueError, ArithmeticError) as exc:  # defensive: no number may end in a traceback
+            raise SriovConfigError(f"{where}: a value cannot be read: {str(exc)[:120]}") from None
+        if nesting_depth(data) > MAX_DEPTH:
+            raise SriovConfigError(f"{where}: nested more deeply than any config ({MAX_DEPTH} levels)")
+        return data
+
+    def read(self) -> SriovConfig:
+        data = self.parse()
         if not isinstance(data, Mapping):
             raise self.error("top level", "expected an object with resourceList")
         keys = _lower_keys(data)
@@ -188,6 +229,9 @@ class _Reader:
         resources = keys.get("resourcelist", ("", None))[1]
         if not isinstance(resources, list):
             raise self.error("resourceList", "required, a list of resource objects")
+        if len(resources) > MAX_RESOURCES:
+            raise self.error("resourceList", f"{len(resources)} resources, more than one node serves "
+                                             f"({MAX_RESOURCES})")
         pools = [pool for i, item in enumerate(resources) if (pool := self.resource(item, i)) is not None]
         seen: set[str] = set()
         for pool in pools:

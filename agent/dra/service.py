@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from agent import aio
 from agent.config.model import DraConfig
@@ -69,6 +69,9 @@ class DraService:
                                       cdi=CdiSpecs(cfg.cdi_spec_dir, cfg.driver_name, cfg.rdma_resource_name),
                                       devices=lambda: self.devices,
                                       observe=lambda call, ok: self.claims.labels(call, "ok" if ok else "error").inc())
+        unreadable = Gauge("gpu_node_agent_dra_state_unreadable", "1 while the prepared-claims record cannot be read: "
+                           "devices in unknown use, every prepare refused", registry=registry)
+        unreadable.set_function(lambda: 1.0 if self.preparer.store.problem is not None else 0.0)
         self.health = HealthBook()
         self.sockets = PluginSockets(driver=cfg.driver_name, plugin_dir=cfg.socket_dir,
                                      registry_dir=cfg.plugin_registry_dir, dra_v1=DraV1(self.preparer),

@@ -73,10 +73,14 @@ class ShapingCollector:
                                  labels=["state"])
         failures = CounterMetricFamily(f"{PREFIX}_shaping_sync_failures",
                                        "Shaping syncs that failed as a whole (retried with backoff)")
+        invalid = CounterMetricFamily(f"{PREFIX}_shaping_invalid_annotations",
+                                      "Bandwidth annotation values refused (that direction of the pod runs "
+                                      "unshaped), each counted once per pod, annotation and value")
         if ok is not None:
             up.add_metric([], 1.0 if ok else 0.0)
             report = self.shaper.last
             for state in STATES:
                 pods.add_metric([state], report.count(state))
             failures.add_metric([], self.shaper.sync_failures)
-        yield from (up, pods, failures)
+            invalid.add_metric([], self.shaper.invalid_annotations)
+        yield from (up, pods, failures, invalid)

@@ -78,6 +78,8 @@ class Shaper:
         self.last = SyncReport()
         self.syncs = 0
         self.sync_failures = 0
+        self.invalid_annotations = 0  # annotation values refused, each counted once per pod, annotation and value
+        self._invalid_seen: set[tuple[str, str, str]] = set()
         self._lock = threading.Lock()
         self._reported: set[tuple[PodKey, str]] = set()  # conflicts already logged
         self._ifbs: dict[str, int] = {}  # IFB name -> index, as this sync left them
@@ -118,12 +120,19 @@ class Shaper:
                 return self.last
             try:
                 report = self._sync(pods)
-            except (TcError, OSError):
+            except Exception:  # counted whatever it is: a failed sync must show in the metrics, not only the log
                 self.sync_failures += 1
                 raise
             self.syncs += 1
             self.last = report
+            self._count_invalid(report)
             return report
+
+    def _count_invalid(self, report: SyncReport) -> None:
+        current = {(pod.uid or f"{namespace}/{name}", problem.annotation, problem.value)
+                   for (namespace, name), (pod, problems) in report.problems.items() for problem in problems}
+        self.invalid_annotations += len(current - self._invalid_seen)
+        self._invalid_seen = current  # a pod gone or fixed is forgotten; breaking it again counts again
 
     def _sync(self, pods: Sequence[Pod]) -> SyncReport:
         report = SyncReport()

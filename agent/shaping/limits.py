@@ -2,7 +2,8 @@
 
 Values are quantities in bits per second (`agent.config.shaping.parse_bandwidth`). Each direction stands
 alone: an invalid annotation leaves that direction unshaped (and is reported); it never falls back to the
-default, which would silently apply a limit the pod's owner tried to change.
+default, which would silently apply a limit the pod's owner tried to change. A value is refused in bounded
+time whatever its text (`1e999999` is refused by its exponent, before any arithmetic).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def resolve(namespace: str, annotations: Mapping[str, str],
             continue
         try:
             values[direction] = parse_bandwidth(annotations[key])
-        except ValueError as exc:
+        except (ValueError, ArithmeticError, TypeError) as exc:  # this pod's value only; never the whole sync
             values[direction] = None
             problems.append(Problem(direction, key, str(annotations[key])[:64], str(exc)))
     return Limits(**values), tuple(problems)

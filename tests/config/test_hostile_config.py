@@ -4,6 +4,9 @@ in `run` alike, before anything starts (issue 14, item 3 and the node name of it
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 import yaml
@@ -82,6 +85,11 @@ def _nested(depth: int) -> object:
      "nested more deeply"),
     ("latin1.yaml", "nodeName: g\xe9pu\n".encode("latin-1"), "not UTF-8"),
     ("huge.yaml", b"#" * (2 << 20), "more than a config file"),
+    # issue 27: numbers past int's digit limit were a ValueError traceback
+    ("bigint.yaml", b"topology: {rescanIntervalSeconds: " + b"9" * 100_000 + b"}", "larger than any setting"),
+    ("bigint.json", b'{"topology": {"rescanIntervalSeconds": ' + b"9" * 100_000 + b"}}", "larger than any setting"),
+    ("nan.json", b'{"topology": {"rescanIntervalSeconds": NaN}}', "not a finite number"),
+    ("self.yaml", b"a: &a [*a]\n", "refers to a value that contains it"),
 ])
 @pytest.mark.parametrize("command", ["config", "run"])
 def test_hostile_files_exit_2(tmp_path, capsys, case: tuple[str, bytes, str], command: str) -> None:
@@ -97,4 +105,46 @@ def test_good_pool_ranges_still_load(tmp_path) -> None:
     path = tmp_path / "ok.yaml"
     path.write_text(yaml.safe_dump({"devicePlugin": {"pools": [
         {"resourceName": "rdma_a", "selectors": {"pfNames": ["ens1f0#0-3,6"], "rootDevices": ["0000:18:00.0#1"]}}]}}))
+    assert cli.main(["config", "--config", str(path)]) == 0
+
+
+@pytest.mark.parametrize("value", ["1e999999", "1e9999999", "1e-9999999"])
+@pytest.mark.parametrize("command", ["config", "run"])
+def test_huge_namespace_default_bandwidths_exit_2_at_once(tmp_path, capsys, value: str, command: str) -> None:
+    """Issue 27: `1e9999999` ended in a traceback (decimal.Overflow), `1e999999` took 25 s."""
+    path = tmp_path / "shaping.yaml"
+    path.write_text(f"shaping: {{namespaceDefaults: {{team: {{egress: '{value}'}}}}}}\n")
+    started = time.monotonic()
+    assert cli.main([command, "--config", str(path)]) == 2
+    assert time.monotonic() - started < 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "namespaceDefaults.team.egress" in err and "exponent out of range" in err
+
+
+_LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi", strict=True))
+
+
+@pytest.mark.parametrize("command", ["config", "run"])
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, command: str) -> None:
+    """Issue 27, item 4: 9^9 values from a 500-byte file; the depth check walked them all (a core, forever)."""
+    path = tmp_path / "laughs.yaml"
+    path.write_text(_LAUGHS)
+    started = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-m", "agent", command, "--config", str(path)], check=False,
+                              capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the alias bomb was not refused within 20 s")
+    assert done.returncode == 2
+    assert "expands to more than 100000 values" in done.stderr and "Traceback" not in done.stderr
+    assert time.monotonic() - started < 10
+
+
+def test_modest_yaml_anchors_still_load(tmp_path) -> None:
+    path = tmp_path / "anchors.yaml"
+    path.write_text("devicePlugin:\n  pools:\n"
+                    "  - {resourceName: a, selectors: &rdma {vendors: ['15b3'], isRdma: true}}\n"
+                    "  - {resourceName: b, selectors: *rdma}\n")
     assert cli.main(["config", "--config", str(path)]) == 0

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -220,3 +223,50 @@ def test_config_command_shows_the_pools_and_names_problems(tmp_path: Path, capsy
     bad.write_text(json.dumps({"resourceList": [{"resourceName": "a", "selectors": {"pKeys": ["0x1"]}}]}))
     assert cli.main(["config", "--sriov-dp-config", str(bad)]) == 2
     assert "selector pKeys is not supported" in capsys.readouterr().err
+
+
+def _resource(**selectors: object) -> dict[str, object]:
+    return {"resourceName": "a", "selectors": selectors}
+
+
+def _file(resources: list[object]) -> bytes:
+    return json.dumps({"resourceList": resources}).encode()
+
+
+_DEEP_VALUE = json.dumps(_resource(vendors="X")).replace('"X"', "[" * 990 + "]" * 990).encode()
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    # issue 27, item 5: each of these was a traceback (exit 1) or minutes and a gigabyte
+    (b"[" * 100_000 + b"]" * 100_000, "nested more deeply"),
+    (b'{"resourceList": [' + _DEEP_VALUE + b"]}", "nested more deeply"),
+    (b'{"resourceList": [{"resourceName": "caf\xe9"}]}', "not UTF-8"),
+    (b'{"resourceList": [], "x": ' + b"9" * 100_000 + b"}", "larger than any setting"),
+    (b'{"resourceList": [], "x": NaN}', "not a finite number"),
+    (b" " * ((1 << 20) + 1), "larger than 1048576 bytes"),
+    (_file([{"resourceName": f"r{i}", "selectors": {}} for i in range(257)]), "more than one node serves"),
+    (_file([{"resourceName": "a", "selectors": [{}] * 65}]), "more than any pool needs"),
+    (_file([_resource(vendors=["15b3"] * 1025)]), "more than any selector needs"),
+    # VF ranges that matched nothing were silently dropped
+    (_file([_resource(pfNames=["ens1f0#5-2"])]), "'5-2' runs backwards"),
+    (_file([_resource(rootDevices=["0000:18:00.0#0-x"])]), "'0-x' is not a VF index"),
+    (_file([_resource(pfNames=["#3"])]), "names nothing before '#'"),
+], ids=["deep-file", "deep-value", "latin1", "100k-digits", "nan", "over-1MiB", "257-resources", "65-selectors",
+        "1025-vendors", "range-backwards", "range-junk", "range-no-name"])
+@pytest.mark.parametrize("command", ["config", "run"])
+def test_hostile_sriov_files_exit_2_with_one_line(tmp_path: Path, data: bytes, message: str, command: str) -> None:
+    """A process of its own, so that a `run` that accepted the file (before issue 27) fails the test by its timeout
+    instead of running the agent inside the test process."""
+    path = tmp_path / "config.json"
+    path.write_bytes(data)
+    started = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-m", "agent", command, "--sriov-dp-config", str(path)], check=False,
+                              capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{command} did not refuse the file within 10 s")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert time.monotonic() - started < 5
+    err = done.stderr
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+    assert f"SR-IOV device plugin config {path}" in err

@@ -307,3 +307,49 @@ async def test_a_drain_verdict_turns_the_taint_into_no_execute(node: Node, kubel
 
     node.verdicts.set(NodeVerdict(Severity.CORDON, "NicLinkDown", devices=(nic.bus_id,)))
     await until(lambda: set(effects().values()) == {"NoSchedule"}, "back to NoSchedule below drain")
+
+
+@pytest.mark.parametrize("garbage", [b"{not json", b"[" * 100_000 + b"]" * 100_000], ids=["garbage", "deep"])
+async def test_an_unreadable_record_refuses_prepare_instead_of_handing_out_held_devices(
+        node: Node, kubelet: DraKubelet, garbage: bytes) -> None:
+    """Issue 27, item 7: a garbage record "started empty" and a device held by claim A was prepared for claim B;
+    a deeply nested one failed every prepare with gRPC UNKNOWN (RecursionError)."""
+    _, plugin = await started(node, kubelet)
+    held = node.allocate(UID_A, "a")
+    assert (await plugin.prepare(("default", UID_A, "a"))).claims[UID_A].error == ""
+    record = node.root / "state" / "dra-prepared.json"
+    record.write_bytes(garbage)  # the disk, or a hand, broke the record while A holds its devices
+    node.api.put_claim({"metadata": {"name": "b", "namespace": "default", "uid": UID_B},
+                        "spec": {"devices": {"requests": []}},
+                        "status": {"allocation": {"devices": {"results": held["status"]["allocation"]["devices"]
+                                                              ["results"]}}}})
+    answer = (await plugin.prepare(("default", UID_B, "b"))).claims[UID_B]
+    assert "unknown use" in answer.error and not answer.devices
+    assert not spec_file(node, UID_B).exists() and record.read_bytes() == garbage
+    assert node.registry.get_sample_value("gpu_node_agent_dra_state_unreadable") == 1
+    assert node.claims("prepare", "error") == 1
+
+
+async def test_one_call_has_one_deadline_and_a_slow_claim_holds_no_other_call(node: Node,
+                                                                              kubelet: DraKubelet) -> None:
+    """Issue 27, item 6: claims were read one after another under the lock, each bounded only by the API
+    timeout: four slow claims made one call take 40 s and another pod's call wait behind it."""
+    service, plugin = await started(node, kubelet)
+    service.preparer.deadline = 0.8  # the kubelet's 45 s, scaled down
+    node.allocate(UID_A, "a")
+    node.allocate(UID_B, "b")
+    slow = [(f"0f6b7f1e-3333-4a5b-9c3d-00000000000{i}", f"slow-{i}") for i in range(4)]
+    for _, name in slow:  # each GET answers only after 1.5 s (under the client's 2 s timeout)
+        node.api.fail("GET", f"/resourceclaims/{name}$", 503, delay=1.5)
+    loop = asyncio.get_running_loop()
+    started_at = loop.time()
+    refs = [*(("default", uid, name) for uid, name in slow), ("default", UID_A, "a")]
+    first = asyncio.create_task(plugin.prepare(*refs))
+    await asyncio.sleep(0.1)
+    other = await plugin.prepare(("default", UID_B, "b"))  # another pod's call, while the slow reads are in flight
+    assert other.claims[UID_B].error == "" and loop.time() - started_at < 0.6
+    answer = await first
+    assert loop.time() - started_at < 1.4
+    assert answer.claims[UID_A].error == ""
+    for uid, _ in slow:
+        assert "did not finish within" in answer.claims[uid].error

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.dra.state import LockTimeout, PreparedClaim, PreparedDevice, PreparedStore, serialized
+from agent.dra.state import LockTimeout, PreparedClaim, PreparedDevice, PreparedStore, StateUnreadable, serialized
 
 
 def test_record_round_trip_and_owner(tmp_path: Path) -> None:
@@ -22,11 +22,24 @@ def test_record_round_trip_and_owner(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["dra-prepared.json"]
 
 
-def test_unreadable_record_starts_empty(tmp_path: Path) -> None:
-    (tmp_path / "dra-prepared.json").write_text("{not json")
-    assert PreparedStore(tmp_path).claims == {}
-    (tmp_path / "dra-prepared.json").write_text('{"uid": {"namespace": 1}}')
-    assert PreparedStore(tmp_path).claims == {}
+@pytest.mark.parametrize(("content", "problem"), [
+    (b"{not json", "not JSON"),
+    (b'{"uid": {"namespace": 1}}', "namespace is not a string"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested more deeply"),  # issue 27: a RecursionError on every prepare
+    (b'{"uid": "\xff"}', "not JSON"),
+])
+def test_unreadable_record_fails_closed(tmp_path: Path, content: bytes, problem: str) -> None:
+    """Issue 27, item 7: a broken record "started empty", so a device it held was prepared for another claim."""
+    (tmp_path / "dra-prepared.json").write_bytes(content)
+    store = PreparedStore(tmp_path)
+    assert store.claims == {} and store.problem is not None and problem in store.problem
+    with pytest.raises(StateUnreadable):
+        store.put("uid-1", PreparedClaim("ns", "c", ()))
+    assert store.remove("uid-1") is None
+    assert (tmp_path / "dra-prepared.json").read_bytes() == content  # left for the operator
+    (tmp_path / "dra-prepared.json").unlink()
+    store.reload()
+    assert store.problem is None
 
 
 async def test_two_processes_share_the_record_under_the_lock(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ metrics; and the limits from annotations and namespace defaults."""
 from __future__ import annotations
 
 import ipaddress
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -34,11 +35,15 @@ def test_quantities_are_bits_per_second(text, bps):
         assert parse_bandwidth(text) == bps
 
 
-@pytest.mark.parametrize("text", ["abc", "-5M", "2P", "10 M", "1MB", "", "0x10", "$(reboot)", "1" * 100])
+@pytest.mark.parametrize("text", ["abc", "-5M", "2P", "10 M", "1MB", "", "0x10", "$(reboot)", "1" * 100,
+                                  # issue 27: a million-digit integer (30 s, the loop stalled), decimal.Overflow
+                                  "1e999999", "1e9999999", "1E+999999999", "1e-9999999", "9" * 60 + "e99", "0e99999"])
 def test_bad_quantities_are_refused_with_a_reason(text):
+    started = time.monotonic()
     with pytest.raises(ValueError) as info:
         parse_bandwidth(text)
     assert len(str(info.value)) < 200
+    assert time.monotonic() - started < 0.1
 
 
 def test_each_direction_stands_alone():
@@ -216,6 +221,26 @@ def test_metrics_limits_bytes_drops_and_states():
     assert value("gpu_node_agent_shaping_pods", state="pending") == 1
     assert value("gpu_node_agent_shaping_pods", state="shaped") == 1
     assert value("gpu_node_agent_shaping_up") == 1
+    assert value("gpu_node_agent_shaping_sync_failures_total") == 0
+    assert value("gpu_node_agent_shaping_invalid_annotations_total") == 0
+
+
+def test_one_hostile_annotation_is_refused_for_its_pod_only():
+    """Issue 27: `1e9999999` raised decimal.Overflow out of the resolver and failed every pod's sync."""
+    node = Node()
+    shaper = Shaper(node.tc, INTERNAL, {})
+    registry = CollectorRegistry()
+    registry.register(ShapingCollector(shaper))
+    hostile = make_pod("team", "hostile", ["10.244.1.2"], uid="u-h",
+                       annotations={EGRESS_ANNOTATION: "1e9999999", INGRESS_ANNOTATION: "1e999999"})
+    started = time.monotonic()
+    for _ in range(2):  # the same bad values on the next sync are not counted again
+        report = shaper.sync([limited("a", "10.244.1.1"), hostile])
+    assert time.monotonic() - started < 0.5
+    assert report.count("shaped") == 1 and ("team", "hostile") not in report.pods
+    assert sorted(p.direction for p in report.problems[("team", "hostile")][1]) == ["egress", "ingress"]
+    assert registry.get_sample_value("gpu_node_agent_shaping_sync_failures_total") == 0
+    assert registry.get_sample_value("gpu_node_agent_shaping_invalid_annotations_total") == 2
 
 
 def test_the_pod_watch_carries_uid_and_annotations():

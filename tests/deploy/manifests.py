@@ -68,6 +68,7 @@ AGENT_METRICS: dict[str, str] = {
     "gpu_node_agent_apiserver_requests_total": "counter {verb,code}",
     "gpu_node_agent_dra_slice_publishes_total": "counter {result}",
     "gpu_node_agent_dra_claims_total": "counter {call,result}",
+    "gpu_node_agent_dra_state_unreadable": "gauge: 1 the prepared-claims record cannot be read (fails closed)",
     "gpu_node_agent_network_receive_bytes_total": "counter {traffic,scope}",
     "gpu_node_agent_network_transmit_bytes_total": "counter {traffic,scope}",
     "gpu_node_agent_network_receive_packets_total": "counter {traffic,scope}",
@@ -84,6 +85,7 @@ AGENT_METRICS: dict[str, str] = {
     "gpu_node_agent_shaping_up": "gauge: 1 when the last read of the shapers' counters succeeded",
     "gpu_node_agent_shaping_pods": "gauge {state}",
     "gpu_node_agent_shaping_sync_failures_total": "counter",
+    "gpu_node_agent_shaping_invalid_annotations_total": "counter: bandwidth annotation values refused",
 }
 # Exposed by every agent, simulate mode included: the scrape test checks that they are really there.
 CORE_METRICS = ("gpu_node_agent_build_info", "gpu_node_agent_subsystem_up")

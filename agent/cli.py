@@ -163,7 +163,7 @@ def _read_sriov_dp_config(cfg: config.AgentConfig) -> SriovConfig | None:
     if not cfg.device_plugin.sriov_dp_config:
         return None
     try:
-        return sriovdp.read_config(cfg.device_plugin.sriov_dp_config)
+        return sriovdp.read_config(cfg.device_plugin.sriov_dp_config, sriovdp.default_prefix(cfg.device_plugin))
     except sriovdp.SriovConfigError as exc:
         raise UsageError(str(exc)) from exc
 

@@ -107,7 +107,9 @@ class DevicePluginConfig:
              "directory (--plugin-registry-dir), or auto (the watcher when that directory exists, as SR-IOV DP does)")
     resource_prefix: str = setting(DEFAULT_RESOURCE_PREFIX, flag="--resource-prefix",
                                    env="GPU_NODE_AGENT_RESOURCE_PREFIX",
-                                   help="domain prefix of the NIC resources (<prefix>/sriov_rdma)")
+                                   help="domain prefix of the NIC resources (<prefix>/sriov_rdma); set, it is also "
+                                        "the prefix of SR-IOV file pools without resourcePrefix, as the SR-IOV "
+                                        "plugin's -resource-prefix")
     serve_gpus: bool | None = setting(
         None, flag="--serve-gpus", env="GPU_NODE_AGENT_SERVE_GPUS",
         help="also serve whole GPUs (replaces NVIDIA's device plugin on this node); unset means on only with "
@@ -119,7 +121,7 @@ class DevicePluginConfig:
     sriov_dp_config: str | None = setting(
         None, flag="--sriov-dp-config", env="GPU_NODE_AGENT_SRIOV_DP_CONFIG",
         help="the SR-IOV network device plugin's config.json; its resourceList replaces `pools` (no "
-             "resourcePrefix means intel.com, as there)")
+             "resourcePrefix means --resource-prefix when set, else intel.com, as there)")
     device_info_dir: str = setting(
         "/var/run/k8s.cni.cncf.io/devinfo/dp", flag="--device-info-dir", env="GPU_NODE_AGENT_DEVICE_INFO_DIR",
         help="where Allocate writes Multus device-info files for NIC devices (device-info spec 1.1.0); empty "

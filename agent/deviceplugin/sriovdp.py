@@ -7,7 +7,9 @@ NetworkAttachmentDefinitions that name `intel.com/…` or `nvidia.com/…` resou
 Keys keep the SR-IOV plugin's meaning (k8snetworkplumbingwg/sriov-network-device-plugin:pkg/types/types.go,
 pkg/netdevice/netDeviceProvider.go, README "Config parameters"):
 
-- no `resourcePrefix` means `intel.com` (the plugin's `-resource-prefix` default);
+- no `resourcePrefix` means the plugin's `-resource-prefix`: `intel.com` by default, or the agent's
+  `--resource-prefix` when it is set to anything but the agent's own default (the SR-IOV Network Operator runs the
+  plugin with `-resource-prefix=<its prefix>`, so a migration keeps every resource name);
 - `selectors` is one object or a list of objects; a device joins a pool when any object matches, and the first
   pool in file order that claims it;
 - `isRdma: true` keeps RDMA functions only; `false` is no filter (not "non-RDMA only");
@@ -35,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from agent.config.load import MAX_DEPTH, nesting_depth
-from agent.config.model import DevicePluginConfig, PoolConfig, SelectorConfig
+from agent.config.model import DEFAULT_RESOURCE_PREFIX, DevicePluginConfig, PoolConfig, SelectorConfig
 from agent.config.numbers import NumberError, bounded_float, bounded_int, no_constant
 from agent.deviceplugin.pools import PoolConfigError, check_resource_name
 
@@ -88,8 +90,9 @@ def _lower_keys(data: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
 
 
 class _Reader:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, default_prefix: str) -> None:
         self.path = path
+        self.default_prefix = default_prefix
         self.warnings: list[str] = []
 
     def error(self, where: str, message: str) -> SriovConfigError:
@@ -160,7 +163,7 @@ class _Reader:
         if not isinstance(name, str) or not name:
             raise self.error(where, "resourceName is required")
         where = f"{where} ({name})"
-        prefix = keys.get("resourceprefix", ("", None))[1] or DEFAULT_PREFIX
+        prefix = keys.get("resourceprefix", ("", None))[1] or self.default_prefix
         if not isinstance(prefix, str):
             raise self.error(where, f"resourcePrefix must be a string, got {json.dumps(prefix)}")
         try:
@@ -232,19 +235,38 @@ class _Reader:
         if len(resources) > MAX_RESOURCES:
             raise self.error("resourceList", f"{len(resources)} resources, more than one node serves "
                                              f"({MAX_RESOURCES})")
-        pools = [pool for i, item in enumerate(resources) if (pool := self.resource(item, i)) is not None]
+        pools: list[PoolConfig] = []
+        problems: list[str] = []  # every refused pool in one run, not one per run
+        for i, item in enumerate(resources):
+            try:
+                pool = self.resource(item, i)
+            except SriovConfigError as exc:
+                problems.append(str(exc))
+                continue
+            if pool is not None:
+                pools.append(pool)
         seen: set[str] = set()
         for pool in pools:
             full = f"{pool.resource_prefix}/{pool.resource_name}"
             if full in seen:
-                raise self.error("resourceList", f"resource {full} is configured twice")
+                problems.append(str(self.error("resourceList", f"resource {full} is configured twice")))
             seen.add(full)
+        if problems:
+            more = f" ({len(problems)} problems)" if len(problems) > 1 else ""
+            raise SriovConfigError("\n".join(problems) + more)
         return SriovConfig(pools=tuple(pools), warnings=tuple(self.warnings))
 
 
-def read_config(path: str) -> SriovConfig:
-    """Parse and check one SR-IOV device plugin config.json. Raises SriovConfigError naming file and key."""
-    return _Reader(path).read()
+def default_prefix(config: DevicePluginConfig) -> str:
+    """The prefix of a pool without `resourcePrefix`: `--resource-prefix` when set to anything but the agent's
+    default (the SR-IOV plugin's own `-resource-prefix`), else the SR-IOV plugin's default, intel.com."""
+    return config.resource_prefix if config.resource_prefix != DEFAULT_RESOURCE_PREFIX else DEFAULT_PREFIX
+
+
+def read_config(path: str, prefix: str = DEFAULT_PREFIX) -> SriovConfig:
+    """Parse and check one SR-IOV device plugin config.json; `prefix` for pools that name none. Raises
+    SriovConfigError naming file and key of every pool that cannot be served."""
+    return _Reader(path, prefix).read()
 
 
 def apply(config: DevicePluginConfig) -> DevicePluginConfig:
@@ -254,7 +276,7 @@ def apply(config: DevicePluginConfig) -> DevicePluginConfig:
     """
     if not config.sriov_dp_config:
         return config
-    read = read_config(config.sriov_dp_config)
+    read = read_config(config.sriov_dp_config, default_prefix(config))
     for warning in read.warnings:
         log.warning("SR-IOV device plugin config %s: %s", config.sriov_dp_config, warning)
     log.info("SR-IOV device plugin config %s: serving %d pools from it: %s", config.sriov_dp_config,

@@ -270,3 +270,44 @@ def test_hostile_sriov_files_exit_2_with_one_line(tmp_path: Path, data: bytes, m
     err = done.stderr
     assert message in err and "Traceback" not in err and err.count("\n") == 1
     assert f"SR-IOV device plugin config {path}" in err
+
+
+def test_every_refused_pool_is_named_in_one_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 29: the upstream README config took five runs to show its refused pools; one run names them all."""
+    from agent import cli
+
+    text = (DATA / "README-config.json").read_text()
+    path = tmp_path / "config.json"
+    path.write_text(text.replace('"drivers": ["bnxt_en"]\n            }],', '"drivers": ["bnxt_en"]\n            }]'))
+    with pytest.raises(SriovConfigError) as refused:
+        read_config(str(path))
+    lines = str(refused.value).splitlines()
+    assert len(lines) >= 2, lines  # several pools refused, each on its own line
+    assert any("needVhostNet" in line for line in lines)
+    assert all(line.startswith(f"SR-IOV device plugin config {path}: resourceList[") for line in lines)
+    assert cli.main(["config", "--sriov-dp-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert all(line in err for line in lines[:-1])
+
+
+def test_resource_prefix_is_the_default_prefix_of_sriov_pools(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 29: the SR-IOV plugin's `-resource-prefix` (the SR-IOV Network Operator sets it) carries over as
+    `--resource-prefix`; a pool's own resourcePrefix wins; unset, intel.com as there."""
+    from agent import cli
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"resourceList": [
+        {"resourceName": "rdma_a", "selectors": {"vendors": ["15b3"], "isRdma": True}},
+        {"resourceName": "rdma_b", "resourcePrefix": "nvidia.com", "selectors": {"vendors": ["15b3"]}}]}))
+    assert cli.main(["config", "--sriov-dp-config", str(path), "--resource-prefix", "example.com"]) == 0
+    pools = yaml.safe_load(capsys.readouterr().out)["devicePlugin"]["pools"]
+    assert [(p["resourcePrefix"], p["resourceName"]) for p in pools] == [("example.com", "rdma_a"),
+                                                                         ("nvidia.com", "rdma_b")]
+    assert cli.main(["config", "--sriov-dp-config", str(path)]) == 0
+    pools = yaml.safe_load(capsys.readouterr().out)["devicePlugin"]["pools"]
+    assert [(p["resourcePrefix"], p["resourceName"]) for p in pools] == [("intel.com", "rdma_a"),
+                                                                         ("nvidia.com", "rdma_b")]
+    served = _served(apply(DevicePluginConfig(sriov_dp_config=str(path), resource_prefix="example.com")),
+                     cx5_topology())
+    assert "example.com/rdma_a" in served and "nvidia.com/rdma_b" in served

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from agent.config import model
+from agent.config import model, nvidia_env
 from agent.config.numbers import MAX_DIGITS, NumberError, bounded_float, bounded_int, no_constant, shown
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -343,8 +343,12 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
 
 def load(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None,
          cls: type = model.AgentConfig) -> Any:
-    """Defaults < config file < environment < flags. Raises ConfigError on any invalid value."""
-    env = env or {}
+    """Defaults < config file < environment < flags. Raises ConfigError on any invalid value. NVIDIA device
+    plugin's environment names are read as aliases of the agent's (`nvidia_env`)."""
+    try:
+        env = nvidia_env.translate(env or {})
+    except nvidia_env.NvidiaEnvError as exc:
+        raise ConfigError(str(exc)) from None
     config_path = getattr(args, "config", None) or env.get("GPU_NODE_AGENT_CONFIG")
     merged: dict[str, Any] = _normalise_keys(read_file(config_path)) if config_path else {}
     env_values: dict[str, Any] = {}

@@ -181,3 +181,43 @@ async def test_missing_gpu_cdi_spec_is_one_warning(sockdir: str, kubelet: LocalK
     with caplog.at_level(logging.WARNING):
         await make_manager(dp_config(sockdir + "/b", device_list_strategy=["cdi-cri"]), cdi_spec_dir=str(tmp_path))
     assert "no CDI spec" not in caplog.text
+
+
+async def test_nvidias_environment_name_changes_the_payload_as_the_agents_flag_does(
+        sockdir: str, kubelet: LocalKubelet, make_manager: MakeManager) -> None:
+    """Issue 29: DEVICE_LIST_STRATEGY (NVIDIA's DaemonSet environment, carried over as it is) is read as
+    GPU_NODE_AGENT_DEVICE_LIST_STRATEGY; the agent's own name wins when both are set."""
+    from agent.config.load import load
+
+    loaded = load(None, {"DEVICE_LIST_STRATEGY": "volume-mounts", "DEVICE_ID_STRATEGY": "index"}).device_plugin
+    ids, reply = await _allocate(kubelet, make_manager, sockdir, device_list_strategy=loaded.device_list_strategy,
+                                 device_id_strategy=loaded.device_id_strategy)
+    assert dict(reply.envs) == {"NVIDIA_VISIBLE_DEVICES": "/var/run/nvidia-container-devices"}
+    assert [m.container_path for m in reply.mounts] == [f"/var/run/nvidia-container-devices/{_index(i)}"
+                                                        for i in ids]
+    both = load(None, {"DEVICE_LIST_STRATEGY": "volume-mounts", "GPU_NODE_AGENT_DEVICE_LIST_STRATEGY": "envvar"})
+    assert both.device_plugin.device_list_strategy == ["envvar"]
+
+
+@pytest.mark.parametrize(("env", "check"), [
+    ({"FAIL_ON_INIT_ERROR": "true"}, lambda c: c.health.require_nvml is True),
+    ({"PASS_DEVICE_SPECS": "true"}, lambda c: c.device_plugin.pass_device_specs is True),
+    ({"CDI_ANNOTATION_PREFIX": "nvidia.cdi.k8s.io/"},
+     lambda c: c.device_plugin.cdi_annotation_prefix == "nvidia.cdi.k8s.io/"),
+    ({"KUBELET_SOCKET": "/var/lib/k/dp/kubelet.sock"}, lambda c: c.device_plugin.device_plugin_dir == "/var/lib/k/dp"),
+    ({"DP_DISABLE_HEALTHCHECKS": "109,63"}, lambda c: c.health.xid_actions == ["109=none", "63=none"]),
+    ({"MIG_STRATEGY": "none", "NVIDIA_DRIVER_ROOT": "/run/nvidia/driver"}, lambda c: True),
+])
+def test_nvidias_environment_names_are_aliases(env: dict[str, str], check: Callable[..., bool]) -> None:
+    from agent.config.load import load
+
+    assert check(load(None, env))
+
+
+@pytest.mark.parametrize("env", [{"MIG_STRATEGY": "mixed"}, {"MIG_STRATEGY": "single"}, {"GDS_ENABLED": "true"},
+                                 {"CONFIG_FILE": "/etc/nvidia/config.yaml"}, {"DP_DISABLE_HEALTHCHECKS": "109;rm"}])
+def test_nvidia_settings_the_agent_cannot_serve_are_refused_by_name(env: dict[str, str]) -> None:
+    from agent.config.load import load
+
+    with pytest.raises(ConfigError, match=next(iter(env))):
+        load(None, env)

@@ -22,7 +22,10 @@ DASHBOARD = DEPLOY / "dashboards" / "gpu-node-agent.json"
 DOCKERFILE = ROOT / "images" / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 MANIFEST_FILES = ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml", "configmap.yaml", "daemonset.yaml",
-                  "service.yaml", "servicemonitor.yaml", "prometheusrule.yaml")
+                  "service.yaml")
+# The Prometheus Operator's objects: the kustomize Component deploy/monitoring (they need its CRDs, so the base
+# leaves them out and applies on a bare cluster)
+MONITORING_FILES = ("monitoring/servicemonitor.yaml", "monitoring/prometheusrule.yaml")
 NAMESPACE = "gpu-node-agent"
 JOB = "gpu-node-agent"
 CRD_GROUPS = ("monitoring.coreos.com/",)
@@ -103,9 +106,9 @@ def load_documents(name: str) -> list[dict[str, Any]]:
         return [doc for doc in yaml.safe_load_all(handle) if doc]
 
 
-def all_documents() -> Iterator[tuple[str, dict[str, Any]]]:
-    """(file name, document) for every manifest the kustomization lists."""
-    for name in MANIFEST_FILES:
+def all_documents(*, monitoring: bool = True) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(file name, document) for every manifest the kustomization lists, and the monitoring component's."""
+    for name in MANIFEST_FILES + (MONITORING_FILES if monitoring else ()):
         for doc in load_documents(name):
             yield name, doc
 
@@ -243,7 +246,8 @@ def render_overlay(name: str) -> list[dict[str, Any]]:
     overlay = ROOT / "overlays" / name
     kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
     assert kustomization["resources"] == ["../../deploy"]
-    docs = [doc for _name, doc in all_documents()]
-    for entry in kustomization["patches"]:
+    monitoring = "../../deploy/monitoring" in kustomization.get("components", [])
+    docs = [doc for _name, doc in all_documents(monitoring=monitoring)]
+    for entry in kustomization.get("patches", []):
         docs = apply_patch(docs, yaml.safe_load((overlay / entry["path"]).read_text()))
     return docs

@@ -23,10 +23,12 @@ from tests.deploy.manifests import (
     DEPLOY,
     JOB,
     MANIFEST_FILES,
+    MONITORING_FILES,
     NAMESPACE,
     all_documents,
     load_documents,
     one,
+    render_overlay,
 )
 
 # The oldest Kubernetes minor still commonly run, and the newest the bundled schemas know.
@@ -78,11 +80,23 @@ def test_kustomization_lists_every_manifest_and_the_dashboard():
     assert list(kustomization["resources"]) == list(MANIFEST_FILES)
     on_disk = {path.name for path in DEPLOY.glob("*.yaml")} - {"kustomization.yaml"}
     assert on_disk == set(MANIFEST_FILES), "a manifest in deploy/ is missing from kustomization.yaml"
+    component = yaml.safe_load((DEPLOY / "monitoring" / "kustomization.yaml").read_text(encoding="utf-8"))
+    assert component["kind"] == "Component"
+    assert [f"monitoring/{name}" for name in component["resources"]] == list(MONITORING_FILES)
     generated = [file for generator in kustomization["configMapGenerator"] for file in generator["files"]]
     assert generated == [str(DASHBOARD.relative_to(DEPLOY))]
     for image in kustomization["images"]:
         assert any(c["image"].startswith(image["name"] + ":")
                    for c in one("DaemonSet")["spec"]["template"]["spec"]["containers"])
+
+
+def test_the_base_applies_on_a_bare_cluster_and_monitoring_is_a_component():
+    """Issue 29: `kubectl apply -k deploy/` failed without the Prometheus Operator's CRDs."""
+    base = {doc["kind"] for _name, doc in all_documents(monitoring=False)}
+    assert not base & {"ServiceMonitor", "PrometheusRule", "PodMonitor"}
+    assert {doc["kind"] for _name, doc in all_documents()} - base == {"ServiceMonitor", "PrometheusRule"}
+    assert {d["kind"] for d in render_overlay("monitoring")} >= {"ServiceMonitor", "PrometheusRule", "DaemonSet"}
+    assert not {d["kind"] for d in render_overlay("dropin")} & {"ServiceMonitor", "PrometheusRule"}
 
 
 KUBECTL = shutil.which("kubectl")
@@ -96,7 +110,12 @@ def test_kustomize_build_renders_valid_objects_and_the_dashboard_configmap():
     assert result.returncode == 0, result.stderr
     rendered = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
     kinds = sorted(doc["kind"] for doc in rendered)
-    assert kinds == sorted([doc["kind"] for _, doc in DOCUMENTS] + ["ConfigMap"])
+    assert kinds == sorted([doc["kind"] for _, doc in all_documents(monitoring=False)] + ["ConfigMap"])
+    monitored = subprocess.run([KUBECTL, "kustomize", str(DEPLOY.parent / "overlays" / "monitoring")],
+                               capture_output=True, text=True, timeout=120, check=False)
+    assert monitored.returncode == 0, monitored.stderr
+    extra = sorted(doc["kind"] for doc in yaml.safe_load_all(monitored.stdout) if doc)
+    assert extra == sorted([*kinds, "PrometheusRule", "ServiceMonitor"])
     for doc in rendered:
         if not doc["apiVersion"].startswith(CRD_GROUPS):
             kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)

@@ -10,7 +10,7 @@ import pytest
 from tests.deploy.manifests import CRD_GROUPS, render_overlay
 
 
-@pytest.mark.parametrize("overlay", ("reboot-kured", "gpu-reset"))
+@pytest.mark.parametrize("overlay", ("reboot-kured", "gpu-reset", "monitoring"))
 @pytest.mark.parametrize("version", ("1.30", kubernetes_validate.latest_version()))
 def test_every_object_validates_strictly(overlay: str, version: str) -> None:
     for doc in render_overlay(overlay):

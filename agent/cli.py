@@ -74,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
     shp_sub.add_parser("cleanup", help="remove every qdisc, filter and IFB shaping installed, nothing else "
                                        "(stop the agent first)")
 
+    excl = sub.add_parser("dropin-exclusion",
+                          help="print a JSON patch that keeps an old device plugin's DaemonSet (kubectl get -o json on "
+                               "stdin) off nodes labelled gpunodeagent.io/drop-in=true, keeping its own affinity")
+    excl.add_argument("--label", default="gpunodeagent.io/drop-in", help="the node label (value true) to exclude")
     dump = sub.add_parser("config", help="print the effective configuration as YAML")
     dump.add_argument("--actions", action="store_true",
                       help="print the effective action table instead (every Xid and check, defaults + overrides)")
@@ -218,6 +222,23 @@ def _cmd_shaping(args: argparse.Namespace) -> int:
     return cleanup_command(out=sys.stdout)
 
 
+def _cmd_dropin_exclusion(args: argparse.Namespace) -> int:
+    from agent.deviceplugin.dropin import DropinPatchError, exclusion_patch, is_label_key
+
+    if not is_label_key(args.label):
+        raise UsageError(f"--label {args.label[:80]!r} is not a label key such as gpunodeagent.io/drop-in")
+    text = sys.stdin.read((1 << 20) + 1)
+    if len(text) > 1 << 20:
+        raise UsageError("stdin: larger than 1 MiB; expected one DaemonSet as JSON")
+    try:
+        patch = exclusion_patch(json.loads(text), args.label)
+    except (ValueError, RecursionError) as exc:  # json.JSONDecodeError and DropinPatchError are ValueErrors
+        raise UsageError(f"stdin: {str(exc)[:200] if isinstance(exc, DropinPatchError) else 'not a DaemonSet as JSON'}"
+                         ) from None
+    print(json.dumps(patch))
+    return 0
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from agent import app
 
@@ -238,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup_logging("warning", "text")
     handlers = {"run": _cmd_run, "topology": _cmd_topology, "simulate-node": _cmd_simulate_node,
                 "simulate-dcgm-exporter": _cmd_simulate_dcgm_exporter, "config": _cmd_config, "netacct": _cmd_netacct,
-                "shaping": _cmd_shaping}
+                "shaping": _cmd_shaping, "dropin-exclusion": _cmd_dropin_exclusion}
     try:
         return handlers[args.command](args)
     except (UsageError, config.ConfigError, UnknownProfileError, TopologyXmlError) as exc:

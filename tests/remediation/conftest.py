@@ -111,8 +111,8 @@ class Harness:
         await self.clock.advance(seconds, self.settle)
 
     async def until(self, predicate: Callable[[], bool], what: str = "condition") -> None:
-        """Poll `predicate` (a guard against hangs, not a timing assertion)."""
-        await until(predicate, what, timeout=5.0)
+        """Poll `predicate` (a guard against hangs, not a timing assertion: sized for a loaded machine)."""
+        await until(predicate, what, timeout=20.0)
 
     def actions(self, action: str, result: str) -> float:
         return self.registry.get_sample_value("gpu_node_agent_remediation_actions_total",

@@ -109,7 +109,7 @@ async def test_a_command_that_hangs_with_a_background_child_times_out_and_the_gr
     slow = await asyncio.wait_for(command_check(argv, 0.5)(), 30)
     assert not slow.ok and "timed out after 0.5s" in slow.detail and "sleep 300 &" in slow.detail
     child = int(pid_file.read_text())
-    await until(lambda: not _alive(child), timeout=10)
+    await until(lambda: not _alive(child), "the background child killed with its group", timeout=30)
 
 
 async def test_a_command_that_exits_but_leaves_a_child_reports_its_exit_and_the_child_goes(tmp_path):
@@ -117,7 +117,7 @@ async def test_a_command_that_exits_but_leaves_a_child_reports_its_exit_and_the_
     argv = ["sh", "-c", f"sleep 300 & echo $! > {pid_file}; echo done"]
     result = await asyncio.wait_for(command_check(argv, 30)(), 30)
     assert result.ok and "exited 0: done" in result.detail
-    await until(lambda: not _alive(int(pid_file.read_text())), timeout=10)
+    await until(lambda: not _alive(int(pid_file.read_text())), "the background child killed", timeout=30)
 
 
 async def test_stopping_during_the_command_kills_its_group(tmp_path):

@@ -8,6 +8,7 @@ whole path - scrape, parse, interpret, finding, ListAndWatch, verdict, metrics, 
 from __future__ import annotations
 
 import asyncio
+import re
 import tempfile
 import urllib.request
 from pathlib import Path
@@ -21,6 +22,11 @@ def _post(url: str) -> int:
     request = urllib.request.Request(url, method="POST")  # noqa: S310 - the local simulated exporter
     with urllib.request.urlopen(request, timeout=5) as response:  # noqa: S310 - loopback http only
         return response.status
+
+
+def _ok_scrapes(text: str) -> float:
+    found = re.search(r'^gpu_node_agent_dcgm_scrapes_total\{result="ok"\} (\S+)$', text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
 
 
 async def test_an_xid_from_dcgm_withdraws_the_gpu_and_is_counted_once():
@@ -43,7 +49,9 @@ async def test_an_xid_from_dcgm_withdraws_the_gpu_and_is_counted_once():
                                    timeout=30)
             others = {k: v for k, v in kubelet.plugins[GPU_RESOURCE].health().items() if k != gpu.uuid}
             assert set(others.values()) == {"Healthy"}
-            await asyncio.sleep(1.0)  # several more scrapes of the same total: still one Xid
+            # several more scrapes of the same total (counted, not slept for: a loaded machine scrapes less often)
+            after = _ok_scrapes(await asyncio.to_thread(agent.metrics)) + 3
+            await kubelet.wait_for(lambda: _ok_scrapes(agent.metrics()) >= after, timeout=60)
             text = await asyncio.to_thread(agent.metrics)
             assert f'uuid="{gpu.uuid}",xid="119"}} 1.0' in text  # GSP RPC timeout: a node drain
             assert 'gpu_node_agent_node_verdict{verdict="drain"} 1.0' in text

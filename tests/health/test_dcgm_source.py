@@ -338,8 +338,9 @@ async def test_xids_dcgm_counted_while_the_agent_was_down_are_acted_on_after_a_r
     assert third.service.verdict.verdict == "healthy"
 
 
-async def _trickle_server(closed: asyncio.Event) -> asyncio.Server:
-    """A peer that sends its headers and then one byte of body every 0.2 s, for as long as it is let."""
+async def _trickle_server(closed: asyncio.Event, sending: asyncio.Event | None = None) -> asyncio.Server:
+    """A peer that sends its headers and then one byte of body every 0.2 s, for as long as it is let; `sending`
+    is set once the first byte of body is out."""
     async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 100000\r\n\r\n")
@@ -347,6 +348,8 @@ async def _trickle_server(closed: asyncio.Event) -> asyncio.Server:
             while True:
                 writer.write(b"#")
                 await writer.drain()
+                if sending is not None:
+                    sending.set()
                 await asyncio.sleep(0.2)
         except (ConnectionError, OSError):
             closed.set()
@@ -374,12 +377,12 @@ async def test_a_trickling_exporter_is_a_timeout_and_the_check_says_so(topology:
 
 async def test_stopping_during_a_trickling_scrape_ends_it_at_once(topology: Topology) -> None:
     """Shutdown cancels the scrape (no worker thread holds on to the socket until a deadline)."""
-    closed = asyncio.Event()
-    server = await _trickle_server(closed)
+    closed, sending = asyncio.Event(), asyncio.Event()
+    server = await _trickle_server(closed, sending)
     try:
         port = HttpDcgmExporter(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/metrics", 3600.0)
         fetch = asyncio.create_task(port.fetch())
-        await asyncio.sleep(0.3)
+        await asyncio.wait_for(sending.wait(), 30)  # mid-answer (a sleep here raced the connect on a busy machine)
         fetch.cancel()
         with pytest.raises(asyncio.CancelledError):
             await fetch

@@ -60,6 +60,20 @@ def up(registry: CollectorRegistry) -> float | None:
     return registry.get_sample_value("gpu_node_agent_pod_resources_up")
 
 
+async def until_answers(client: KubeletPodResources, timeout: float = 30.0) -> None:
+    """Call `list` until the (restarted) server answers; after `timeout` s fail with the last error."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            await client.list(timeout=5)
+            return
+        except PodResourcesError as exc:
+            if loop.time() > deadline:
+                raise AssertionError(f"the restarted PodResources server never answered: {exc!r}") from exc
+        await asyncio.sleep(0.05)
+
+
 @pytest.fixture
 def registry() -> CollectorRegistry:
     return CollectorRegistry()
@@ -171,16 +185,11 @@ async def test_client_survives_a_kubelet_restart(server: PodResourcesServer, cli
     await server.stop()
     assert not Path(server.socket_path).exists()
     with pytest.raises(PodResourcesError) as caught:
-        await client.list(timeout=0.5)
+        await client.list(timeout=5)  # fails at once; a short deadline read "timeout" on a busy machine
     assert caught.value.reason == "unavailable"
     assert up(registry) == 0
     await server.start()
-    for _ in range(50):  # the channel reconnects by path within its short reconnect backoff
-        try:
-            await client.list(timeout=0.5)
-            break
-        except PodResourcesError:
-            await asyncio.sleep(0.05)
+    await until_answers(client)  # the channel reconnects by path within its short reconnect backoff
     assert up(registry) == 1
 
 

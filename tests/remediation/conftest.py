@@ -16,6 +16,7 @@ from agent.config.remediation import RemediationConfig
 from agent.kube.cluster import LightkubeCluster, connect
 from agent.kube.metrics import ApiRequestCounter
 from agent.remediation import RemediationService
+from agent.remediation.maintenance import urllib_fetch
 from agent.remediation.preflight import PreflightCheck
 from agent.signals import Latest, NodeVerdict
 from tests.fakes import fixtures
@@ -58,6 +59,7 @@ class Harness:
         self._task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self.activity: list[Callable[[], object]] = []  # other servers the agent talks to (the kubelet's calls)
+        self.fetching = 0  # metadata fetches in flight (each runs in a worker thread the loop cannot see)
 
     async def start(self, config: RemediationConfig | None = None,
                     checks: tuple[PreflightCheck, ...] = (), *, api_timeout: float = API_TIMEOUT,
@@ -67,15 +69,24 @@ class Harness:
         self._stop = asyncio.Event()
         self.service = RemediationService(config, NODE, self.cluster, self.queue, self.registry, pod_name=AGENT_POD,
                                           pod_namespace=AGENT_NS, clock=self.clock, rng=random.Random(7),  # noqa: S311 - jitter
-                                          preflight_checks=checks, **kwargs)
+                                          preflight_checks=checks,
+                                          **{"metadata_fetch": self._counted_fetch, **kwargs})
         self._task = asyncio.create_task(self.service.run(self._stop))
         await self.settle()
         return self.service
 
+    async def _counted_fetch(self, method: str, url: str, headers: dict[str, str]) -> tuple[int, bytes]:
+        """The product's metadata fetch, counted so that `settle` waits for one in flight."""
+        self.fetching += 1
+        try:
+            return await urllib_fetch(method, url, headers)
+        finally:
+            self.fetching -= 1
+
     async def stop(self) -> None:
         if self._task is not None:
             self._stop.set()
-            await asyncio.wait_for(self._task, 5)
+            await asyncio.wait_for(self._task, 30)  # a hang guard, sized for a loaded machine
             self._task = None
         if self.cluster is not None:
             await self.cluster.aclose()
@@ -93,14 +104,16 @@ class Harness:
         await self.settle()
 
     async def settle(self) -> None:
-        """Wait until no request is in flight and nothing changed for a few polls (real time, never asserted)."""
+        """Wait until no request or metadata fetch is in flight and nothing changed for a few polls (real time,
+        never asserted). A fetch runs in a worker thread: on a loaded machine it outlasted the quiet polls, the
+        clock moved on meanwhile and the maintenance poll fell behind the fake time the test expected."""
         last: tuple[Any, ...] | None = None
         stable = 0
         for _ in range(2000):
             await asyncio.sleep(0.003)
-            snapshot = (len(self.api.requests), self.api.inflight, len(self.clock._sleepers),
+            snapshot = (len(self.api.requests), self.api.inflight, self.fetching, len(self.clock._sleepers),
                         self.clock.next_deadline(), *(count() for count in self.activity))
-            if snapshot == last and self.api.inflight == 0:
+            if snapshot == last and self.api.inflight == 0 and self.fetching == 0:
                 stable += 1
                 if stable >= 6:
                     return
@@ -112,8 +125,8 @@ class Harness:
         await self.clock.advance(seconds, self.settle)
 
     async def until(self, predicate: Callable[[], bool], what: str = "condition") -> None:
-        """Poll `predicate` (a guard against hangs, not a timing assertion)."""
-        await until(predicate, what, timeout=5.0)
+        """Poll `predicate` (a guard against hangs, not a timing assertion: sized for a loaded machine)."""
+        await until(predicate, what, timeout=20.0)
 
     def actions(self, action: str, result: str) -> float:
         return self.registry.get_sample_value("gpu_node_agent_remediation_actions_total",

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from agent.remediation.preflight import CheckResult, build_checks, command_check, run_checks
-from tests.fakes.polling import until
+from tests.fakes.polling import until, until_blocking
 from tests.remediation.conftest import Harness, make_config
 from tests.remediation.test_cordon import HEALTHY
 
@@ -109,7 +109,7 @@ async def test_a_command_that_hangs_with_a_background_child_times_out_and_the_gr
     slow = await asyncio.wait_for(command_check(argv, 0.5)(), 30)
     assert not slow.ok and "timed out after 0.5s" in slow.detail and "sleep 300 &" in slow.detail
     child = int(pid_file.read_text())
-    await until(lambda: not _alive(child), timeout=10)
+    await until(lambda: not _alive(child), "the background child killed with its group", timeout=30)
 
 
 async def test_a_command_that_exits_but_leaves_a_child_reports_its_exit_and_the_child_goes(tmp_path):
@@ -117,15 +117,54 @@ async def test_a_command_that_exits_but_leaves_a_child_reports_its_exit_and_the_
     argv = ["sh", "-c", f"sleep 300 & echo $! > {pid_file}; echo done"]
     result = await asyncio.wait_for(command_check(argv, 30)(), 30)
     assert result.ok and "exited 0: done" in result.detail
-    await until(lambda: not _alive(int(pid_file.read_text())), timeout=10)
+    await until(lambda: not _alive(int(pid_file.read_text())), "the background child killed", timeout=30)
 
 
 async def test_stopping_during_the_command_kills_its_group(tmp_path):
     pid_file = tmp_path / "child.pid"
     argv = ["sh", "-c", f"sleep 300 & echo $! > {pid_file}; sleep 300"]
     task = asyncio.create_task(command_check(argv, 3600)())
-    await until(lambda: pid_file.exists() and pid_file.read_text().strip() != "", timeout=10)
+    await until(lambda: pid_file.exists() and pid_file.read_text().strip() != "", "the command's background child",
+                timeout=30)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await task
-    await until(lambda: not _alive(int(pid_file.read_text())), timeout=10)
+        await asyncio.wait_for(task, 30)
+    child = int(pid_file.read_text())
+    await until(lambda: not _alive(child), "the background child killed with its group", timeout=30)
+
+
+def _children() -> set[int]:
+    """Our processes' children: a command shows here the moment asyncio has forked it."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                state, ppid = stat.read().rsplit(") ", 1)[1].split()[:2]
+        except (OSError, IndexError):  # not a process, or one that just ended
+            continue
+        if int(ppid) == me and state != "Z":
+            found.add(int(entry))
+    return found
+
+
+async def test_stopping_while_the_command_starts_kills_what_it_started(tmp_path):
+    """asyncio forks the command, then hands it over a few loop turns later; a stop that came in between used to
+    leave the command's background children running (asyncio killed the shell alone) and the pipe open."""
+    pid_file = tmp_path / "child.pid"
+    argv = ["sh", "-c", f"sleep 300 & echo $! > {pid_file}; sleep 300"]
+    fds, before = set(os.listdir("/proc/self/fd")), _children()
+    task = asyncio.create_task(command_check(argv, 3600)())
+    for _ in range(100):  # one loop turn at a time, to stop right after the fork
+        await asyncio.sleep(0)
+        if started := _children() - before:
+            break
+    assert started, "the command was never forked"
+    # The loop stands still while the shell starts its background child: the start is not handed over yet.
+    until_blocking(lambda: pid_file.exists() and pid_file.read_text().strip() != "",
+                   "the command's background child", timeout=30)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 30)
+    for pid in (*started, int(pid_file.read_text())):
+        await until(lambda pid=pid: not _alive(pid), f"process {pid} of the command killed", timeout=30)
+    assert set(os.listdir("/proc/self/fd")) == fds, "the output pipe was left open"

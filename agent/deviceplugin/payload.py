@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 
 from agent.config.model import DevicePluginConfig
 from agent.deviceplugin import cdi, nvidia
-from agent.deviceplugin.pools import PoolDevice, ResourcePool
+from agent.deviceplugin.pools import UIO_DRIVERS, VFIO_DRIVER, PoolDevice, ResourcePool
 from agent.deviceplugin.v1beta1 import api_pb2
 from agent.topology.model import RdmaCharDevices
 
 DEV_INFINIBAND = "/dev/infiniband"
 RDMA_CM = f"{DEV_INFINIBAND}/rdma_cm"
+DEV_VFIO = "/dev/vfio"
+VFIO_CONTAINER = f"{DEV_VFIO}/vfio"  # the vfio container device every vfio user opens first
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,34 @@ def rdma_char_devices(pool: ResourcePool, devices: Sequence[PoolDevice], options
             payload.add_device(path)
 
 
+def userspace_nodes(device: PoolDevice) -> tuple[str, dict[str, str], list[tuple[str, str]]] | None:
+    """A function bound to vfio-pci or a UIO driver: (info kind, `_INFO` block, (host, container) device nodes),
+    as the SR-IOV device plugin's vfio and uio info providers give them; None for a kernel-driver function."""
+    function = device.function
+    if function is None:
+        return None
+    pci = function.pci
+    if pci.driver == VFIO_DRIVER and pci.iommu_group:
+        # a VM without a vIOMMU: vfio's no-IOMMU group is /dev/vfio/noiommu-<n> on the host, <n> in the container
+        host = f"{DEV_VFIO}/{'noiommu-' if pci.vfio_noiommu else ''}{pci.iommu_group}"
+        container = f"{DEV_VFIO}/{pci.iommu_group}"
+        return "vfio", {"mount": VFIO_CONTAINER, "dev-mount": container}, [(VFIO_CONTAINER, VFIO_CONTAINER),
+                                                                          (host, container)]
+    if pci.driver in UIO_DRIVERS and pci.uio:
+        node = f"/dev/{pci.uio}"
+        return "uio", {"mount": node}, [(node, node)]
+    return None
+
+
+def userspace_devices(pool: ResourcePool, devices: Sequence[PoolDevice], options: AllocateOptions,
+                      payload: ContainerPayload) -> None:
+    """DPDK functions: /dev/vfio/vfio and /dev/vfio/<IOMMU group> for vfio-pci, /dev/uio<N> for UIO, rw."""
+    for device in devices:
+        found = userspace_nodes(device)
+        for host, container in found[2] if found is not None else ():
+            payload.add_device(host, container)
+
+
 def _rdma_info(rdma_dev: str, chardevs: RdmaCharDevices, options: AllocateOptions) -> dict[str, str]:
     """SR-IOV DP's `rdma` info block: one path per kind (the last one when there are several) and the name."""
     info: dict[str, str] = {}
@@ -128,6 +158,9 @@ def pcidevice_env(pool: ResourcePool, devices: Sequence[PoolDevice], options: Al
         function = device.function
         if function is not None and function.rdma is not None:
             entry["rdma"] = _rdma_info(function.rdma, function.chardevs, options)
+        userspace = userspace_nodes(device)
+        if userspace is not None:
+            entry[userspace[0]] = userspace[1]
         info[device.bus_id] = entry
     payload.envs[key] = ",".join(device.bus_id for device in devices)
     payload.envs[f"{key}_INFO"] = json.dumps(info, separators=(",", ":"))
@@ -162,7 +195,7 @@ def nvidia_visible_devices(pool: ResourcePool, devices: Sequence[PoolDevice], op
     payload.cdi_devices.extend(part.cdi_devices)
 
 
-NIC_CONTRIBUTORS: tuple[Contributor, ...] = (rdma_char_devices, pcidevice_env, nccl_ib_hca)
+NIC_CONTRIBUTORS: tuple[Contributor, ...] = (rdma_char_devices, userspace_devices, pcidevice_env, nccl_ib_hca)
 GPU_CONTRIBUTORS: tuple[Contributor, ...] = (nvidia_visible_devices,)
 
 

@@ -20,6 +20,11 @@ from agent.topology.model import BusIdError, Gpu, Nic, Topology, Vf, normalize_b
 
 log = logging.getLogger(__name__)
 
+#: Drivers a DPDK pool binds its VFs to: the container opens them through /dev/vfio or /dev/uio*, as the SR-IOV
+#: device plugin serves them (pkg/factory GetDefaultInfoProvider)
+VFIO_DRIVER = "vfio-pci"
+UIO_DRIVERS = frozenset({"uio", "igb_uio", "uio_pci_generic"})
+
 _SOCKET_NAME_MAX = 40
 
 
@@ -200,6 +205,10 @@ def not_ready(function: Vf | Nic, pf: Nic) -> str:
     kind = "VF" if isinstance(function, Vf) else "NIC"
     if not function.pci.driver:
         return f"{kind} {function.bus_id} is bound to no driver"
+    if function.pci.driver == VFIO_DRIVER and not function.pci.iommu_group:
+        return f"{kind} {function.bus_id} is bound to vfio-pci but has no IOMMU group (/dev/vfio/<group>)"
+    if function.pci.driver in UIO_DRIVERS and not function.pci.uio:
+        return f"{kind} {function.bus_id} is bound to {function.pci.driver} but has no UIO device"
     if function.rdma is None and pf.rdma is not None and function.pci.driver == pf.pci.driver:
         return f"{kind} {function.bus_id} has no RDMA device yet ({pf.bus_id} is {pf.rdma})"
     if function.rdma is not None and not function.chardevs.uverbs:

@@ -36,6 +36,11 @@ Layout, relative to the tree root (which plays `/sys`):
    bus/pci/devices/<gpu>/current_link_width`, or a TOTAL_ERR_FATAL line in `aer_dev_fatal`. A profile with
    GPUs and RDMA NICs has `module/nvidia_peermem/` (GPUDirect RDMA loaded; remove it to see the finding).
 
+9. IOMMU groups (an IOMMU on, one group per function, numbered in tree order): `<fn>/iommu_group` ->
+   `kernel/iommu_groups/<n>`, whose `devices/<BDF>` links back. A function bound to `vfio-pci` (a model with that
+   driver, e.g. the VFs of profile `pcie-pairs-dpdk`) is opened through `/dev/vfio/<n>`; it has no netdev and no
+   RDMA device, as a real vfio-bound VF.
+
 A function with `link_up: false` reports netdev `down`, carrier 0 and port `1: DOWN`/`3: Disabled`.
 """
 
@@ -155,8 +160,10 @@ def profile_tree(profile: Profile) -> SysfsTree:
     tree.add_file("class/infiniband_mad/abi_version", "5\n")
     tree.add_dir("bus/pci/drivers")
     listed = functions(profile)
-    for f in listed:
+    for group, f in enumerate(listed):
         _write_function(tree, profile, f)
+        tree.add_symlink_to(f"kernel/iommu_groups/{group}/devices/{f.bdf}", f.path)
+        tree.add_symlink_to(f.path / "iommu_group", f"kernel/iommu_groups/{group}")
     if any(f.model.is_gpu for f in listed) and any(f.rdma_index is not None for f in listed):
         tree.add_file("module/nvidia_peermem/initstate", "live\n")  # GPUDirect RDMA, as the GPU operator loads it
     return tree

@@ -79,6 +79,9 @@ class PciInfo:
     driver: str = ""
     link_speed: str = ""  # max_link_speed, e.g. "32.0 GT/s PCIe"
     link_width: str = ""  # max_link_width, e.g. "16"
+    iommu_group: str = ""  # the `iommu_group` link's group number, e.g. "47" ("" without an IOMMU)
+    vfio_noiommu: bool = False  # the group is vfio's no-IOMMU group (a VM without vIOMMU): /dev/vfio/noiommu-<n>
+    uio: str = ""  # the UIO device of a function bound to uio_pci_generic / igb_uio, e.g. "uio0"
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from agent.host.busid import is_bus_id, normalize_bus_id
 from agent.topology.model import (
@@ -34,6 +34,8 @@ NVIDIA_VENDOR = 0x10DE
 GPU_CLASSES = (0x0300, 0x0302)  # VGA-compatible and 3D controllers (data-centre GPUs are 0x0302)
 NETWORK_BASE_CLASS = 0x02
 _ROOT_COMPLEX = re.compile(r"^pci[0-9a-f]{4,8}:[0-9a-f]{2}$")
+_GROUP = re.compile(r"^[0-9]{1,9}$")  # /sys/kernel/iommu_groups/<n>
+_UIO = re.compile(r"^uio[0-9]{1,9}$")  # /dev/uio<n>
 _ARPHRD_LINK_TYPES = {"1": "ether", "32": "infiniband"}
 
 
@@ -196,6 +198,7 @@ class SysfsReader:
             driver=_link_name(path / "driver") or "",
             link_speed=_read_optional(path / "max_link_speed") or "",
             link_width=_read_optional(path / "max_link_width") or "",
+            **self._userspace(path),
         )
         location = Location(root=elements[0].lower(), switches=switch_chain(elements), numa=numa)
         physfn = _link_name(path / "physfn")
@@ -208,6 +211,22 @@ class SysfsReader:
         return _Function(path=path, pci=pci, class_code=class_code, vendor_id=vendor_id, location=location,
                          physfn=normalize_bus_id(physfn) if physfn and is_bus_id(physfn) else None,
                          virtfns=sorted(virtfns))
+
+    @staticmethod
+    def _userspace(path: Path) -> dict[str, Any]:
+        """IOMMU group and UIO device: what a function bound to vfio-pci or a UIO driver is opened through. Both
+        become device paths in Allocate, so only the kernel's own name forms are kept (a group number, `uio<N>`)."""
+        found: dict[str, Any] = {}
+        group = _link_name(path / "iommu_group")
+        if group is not None and _GROUP.match(group):
+            found["iommu_group"] = group
+            found["vfio_noiommu"] = _read_optional(path / "iommu_group" / "name") == "vfio-noiommu"
+        elif group is not None:
+            log.warning("ignoring %s: not an IOMMU group number: %r", path / "iommu_group", group[:40])
+        uio = [name for name in sorted(_listdir(path / "uio")) if _UIO.match(name)]
+        if uio:
+            found["uio"] = uio[0]
+        return found
 
     @staticmethod
     def _is_network_code(class_code: int) -> bool:

@@ -24,6 +24,9 @@ EXPECTED = {
                      per_gpu={Level.PIX: 1, Level.PXB: 1, Level.NODE: 2, Level.SYS: 4}),
     "pcie-pairs": dict(gpus=8, rdma=4, vfs=16, plain=0,
                        per_gpu={Level.PIX: 1, Level.PHB: 1, Level.SYS: 2}),
+    # the second socket's VFs bound to vfio-pci (DPDK): no RDMA device, no netdev, an IOMMU group
+    "pcie-pairs-dpdk": dict(gpus=8, rdma=4, vfs=16, plain=0, vfio=8,
+                            per_gpu={Level.PIX: 1, Level.PHB: 1, Level.SYS: 2}),
     # sysfs alone: every device on its own root complex, so a VM hides its switches
     "vm-flat": dict(gpus=8, rdma=8, vfs=0, plain=0, per_gpu={Level.NODE: 4, Level.SYS: 4}),
 }
@@ -60,8 +63,13 @@ def test_profile_reads_back_with_every_level_it_is_built_for(written, name):
     for nic in topology.rdma_nics:
         for vf in nic.vfs:
             assert topology.location(vf.bus_id) == nic.location
-            assert vf.rdma and vf.chardevs.uverbs and vf.netdevs
+            if vf.pci.driver == "vfio-pci":
+                assert not vf.rdma and not vf.netdevs and vf.pci.iommu_group
+            else:
+                assert vf.rdma and vf.chardevs.uverbs and vf.netdevs
             assert vf.pf_bus_id == nic.bus_id
+    vfio = [vf for nic in topology.rdma_nics for vf in nic.vfs if vf.pci.driver == "vfio-pci"]
+    assert len(vfio) == want.get("vfio", 0)
 
 
 def test_every_dgx_gpu_is_pix_to_exactly_one_nic_and_vice_versa(written):

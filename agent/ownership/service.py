@@ -41,7 +41,7 @@ from agent.ownership.metrics import DevicePodInfo
 log = logging.getLogger(__name__)
 
 DEFAULT_POLL_S = 10.0
-DEFAULT_LOOKUP_S = 0.025  # see README "Who holds which device": about 3x the lookup's p99 on a loaded 2-core VM
+DEFAULT_LOOKUP_S = 0.05  # ~2x the lookup's p99 with both cores of a 2-core VM busy (bench/podresources_lookup.py)
 LATE_S = 2.0  # a lookup's List may still answer this long after its deadline, and teach the next call
 
 PodSpecs = Callable[[], Mapping[tuple[str, str], PodView] | None]  # None: no pod watch (no API access)

@@ -8,6 +8,7 @@ churn (pods end at random, at most 6 live). Scenarios:
 - `nic-only spread`: GPUs served by a stand-in for NVIDIA's plugin (UUID IDs, its own random picks), the agent
   serves only VFs and knows nothing of the container's GPUs (the policy before PodResources: spread over PFs).
 - `nic-only facts`: the same, with the PodResources lookup (`--no-serve-gpus` as shipped).
+- `nic-only no-api`: the same without pod specs (no API access): the kubelet's records alone.
 - `joint guess`: the agent serves both (`--serve-gpus`), 20 % single-resource pods interleaved, the admission
   context's time-window guess only.
 - `joint facts`: the same with the PodResources lookup.
@@ -18,7 +19,9 @@ advances 0.1 s per admission, so the policy is measured, not the bench's speed. 
 (one `List` over the socket + matching against pod specs) timed inside the preference calls of `joint facts`,
 and the whole GetPreferredAllocation as the kubelet's stub sees it, with and without the lookup.
 
-    python bench/podresources_pairing.py [--steps N] [--seed S]
+    python bench/podresources_pairing.py [--steps N] [--seed S] [--load N]
+
+`--load N` runs N busy-looping processes beside it (2 takes both cores of the development VM).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import multiprocessing
+import os
 import random
 import shutil
 import sys
@@ -55,7 +60,12 @@ from tests.fakes.standin_plugin import StandInPlugin
 
 GPU, NIC = "nvidia.com/gpu", "gpunodeagent.io/sriov_rdma"
 PROFILES = ("pcie-pairs", "dgx-h100")
-SCENARIOS = ("nic-only spread", "nic-only facts", "joint guess", "joint facts")
+SCENARIOS = ("nic-only spread", "nic-only facts", "nic-only no-api", "joint guess", "joint facts")
+
+
+def spin(stop) -> None:  # stop: a multiprocessing Event
+    while not stop.is_set():
+        sum(range(10_000))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -112,7 +122,8 @@ async def churn(kubelet: LocalKubelet, specs: dict[tuple[str, str], PodView], to
 
 
 async def run(profile: str, topology: Topology, scenario: str, steps: int, seed: int) -> dict:
-    joint, facts = scenario.startswith("joint"), scenario.endswith("facts")
+    joint, facts = scenario.startswith("joint"), scenario.endswith(("facts", "no-api"))
+    api = not scenario.endswith("no-api")
     directory = Path(tempfile.mkdtemp(prefix="gnabp"))
     now = [0.0]
     kubelet = LocalKubelet(directory / "dp", rng=random.Random(seed),
@@ -122,7 +133,7 @@ async def run(profile: str, topology: Topology, scenario: str, steps: int, seed:
     specs: dict[tuple[str, str], PodView] = {}
     registry = CollectorRegistry()
     client = KubeletPodResources(kubelet.pod_resources.socket_path, bucket=TokenBucket(monotonic=lambda: now[0]))
-    service = OwnershipService(client, pod_specs=lambda: specs, registry=registry, lookup_timeout=0.005)
+    service = OwnershipService(client, pod_specs=(lambda: specs) if api else None, registry=registry)
     manager = DevicePluginManager(dp_config(str(directory / "dp"), serve_gpus=joint), topology, registry=registry,
                                   **FAST, plugin_registry_dir=str(directory / "reg"), cdi_spec_dir=str(directory / "c"))
     lookups: list[float] = []
@@ -166,25 +177,44 @@ async def run(profile: str, topology: Topology, scenario: str, steps: int, seed:
             "nic-first": sum(pix["nic-first"]) / max(1, len(pix["nic-first"])),
             "lookups": lookups, "rpc": preference_rpc,
             "exact": registry.get_sample_value("gpu_node_agent_pod_resources_lookups_total", {"result": "exact"}),
-            "failed": registry.get_sample_value("gpu_node_agent_pod_resources_lookups_total", {"result": "failed"})}
+            "failed": registry.get_sample_value("gpu_node_agent_pod_resources_lookups_total", {"result": "failed"}),
+            "fallbacks": ",".join(f"{s.labels['reason']}={int(s.value)}" for m in registry.collect()
+                                  if m.name == "gpu_node_agent_preference_fallbacks" for s in m.samples
+                                  if s.name.endswith("_total") and s.value) or "-"}
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--load", type=int, default=0)
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
+    stop = multiprocessing.Event()
+    spinners = [multiprocessing.Process(target=spin, args=(stop,), daemon=True) for _ in range(args.load)]
+    for process in spinners:
+        process.start()
+    try:
+        await report(args)
+    finally:
+        stop.set()
+        for process in spinners:
+            process.join()
+    print(f"{args.load} busy processes beside it; 1-min load average at the end {os.getloadavg()[0]:.1f}")
+
+
+async def report(args: argparse.Namespace) -> None:
     print(f"{'profile':<11} {'scenario':<16} {'containers':>10} {'PIX':>6} {'GPU-first':>10} {'NIC-first':>10}"
-          f" {'lookups exact/failed':>21}")
+          f" {'lookups exact/failed':>21} {'fallbacks':>9}")
     rpc: dict[str, list[float]] = {}
     lookups: list[float] = []
     for profile in PROFILES:
         topology = simulated_topology(profile, Path(tempfile.mkdtemp(prefix="gnabt")))
-        for scenario in SCENARIOS:
+        for scenario in args.scenarios:
             r = await run(profile, topology, scenario, args.steps, args.seed)
             print(f"{profile:<11} {scenario:<16} {r['n']:>10} {r['pix']:>6.1%} {r['gpu-first']:>10.1%} "
-                  f"{r['nic-first']:>10.1%} {int(r['exact'] or 0):>12}/{int(r['failed'] or 0)}")
+                  f"{r['nic-first']:>10.1%} {int(r['exact'] or 0):>12}/{int(r['failed'] or 0):<8} {r['fallbacks']:>9}")
             if scenario.startswith("joint"):
                 rpc.setdefault(scenario, []).extend(r["rpc"])
                 lookups.extend(r["lookups"])

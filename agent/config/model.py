@@ -197,8 +197,11 @@ class PodResourcesConfig:
     poll_interval_seconds: float = setting(10.0, help="seconds between reads of who holds which device (metrics, "
                                                       "free devices after a restart)")
     lookup_timeout_seconds: float = setting(
-        0.005, help="deadline of the PodResources lookup inside a GetPreferredAllocation call; on time-out the "
-                    "agent answers with its own policy")
+        0.05, flag="--pod-resources-lookup-timeout", env="GPU_NODE_AGENT_POD_RESOURCES_LOOKUP_TIMEOUT",
+        help="seconds the PodResources lookup inside a GetPreferredAllocation call may take (token wait included); "
+             "past it the agent answers with its own policy, and the late reply still becomes its reading. The "
+             "default is about twice the lookup's p99 measured with both cores of a 2-core VM busy "
+             "(bench/podresources_lookup.py)")
 
     def check(self) -> None:
         """An absolute socket path and positive intervals."""

@@ -2,8 +2,16 @@
 and the free devices per kind, from `agent.ownership`.
 
 Partner resources are the served pools of the other kind and, when GPUs are not served here (NIC-only mode),
-the other plugin's GPU resource (`--gpu-resource-name`). Free devices count only while the ownership reading
-is fresh (three poll intervals); an older one, or none, is "unknown" and the allocator keeps its estimate.
+the other plugin's GPU resource (`--gpu-resource-name`). Several containers newly holding partner devices (no
+pod spec tells them apart) are paired with only when their partner devices sit under the same switches, where
+the choice is the same whichever is the one under admission.
+
+When the partner is not known (`gpu_node_agent_preference_fallbacks_total{reason}` counts why), the policy still
+prefers devices under switches where the other kind is free: the kubelet's free devices at the last reading,
+however old (after a failed lookup the container's partner, allocated since, is among them), or, when several
+containers newly hold partner devices, only theirs (the one under admission is among them). Without any
+reading the other kind is unknown and all of it counts as free. For a kind served here (joint mode) the
+reading is intersected with the allocator's own estimate, and only while fresh (three poll intervals).
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from collections.abc import Callable, Iterable
 from agent.deviceplugin.pools import ResourcePool
 from agent.ownership.service import OwnershipService
 from agent.placement.policy import DeviceKind
+from agent.placement.tree import switch_groups
 
 STALE_POLLS = 3
 
@@ -25,6 +34,7 @@ class OwnershipFacts:
         self.service = service
         self._pools = pools
         self.gpu_resource_name = gpu_resource_name
+        self._likely: tuple[DeviceKind, frozenset[str]] | None = None  # the current fallback's partner hint
 
     def _resources(self, kind: DeviceKind) -> list[str]:
         names = [p.resource_name for p in self._pools() if p.kind == kind.value]
@@ -35,16 +45,32 @@ class OwnershipFacts:
     async def partner(self, pool: ResourcePool) -> frozenset[str] | None:
         """Devices of the other kind the container under admission holds; None when not known in time."""
         other = DeviceKind.NIC if pool.kind == DeviceKind.GPU.value else DeviceKind.GPU
-        found = await self.service.admission(pool.resource_name, self._resources(other))
-        return None if found is None else found.partner_ids
+        self._likely = None
+        found = await self.service.lookup(pool.resource_name, self._resources(other))
+        if found.found is not None:
+            return found.found.partner_ids
+        held = [c.partner_ids for c in found.candidates]
+        if held and pool.topology is not None:
+            groups = {switch_groups(pool.topology, other is DeviceKind.GPU, ids) for ids in held}
+            if len(groups) == 1 and None not in groups:
+                return min(held, key=sorted)  # same switches: the same choice whichever it is
+            self._likely = (other, frozenset().union(*held))
+        self.service.fell_back(found.reason)
+        return None
 
     def known_free(self, kind: DeviceKind) -> frozenset[str] | None:
-        """The kubelet's free devices of `kind` at the last fresh reading; None when unknown or stale."""
+        """The other kind's devices to align with when the partner is not known: the kubelet's free devices of
+        `kind` at the last reading, or the candidates' partner devices after an ambiguous lookup; None when the
+        kubelet was never read."""
+        likely, self._likely = self._likely, None
+        served = any(p.kind == kind.value for p in self._pools())
+        if likely is not None and likely[0] is kind and not served:
+            return frozenset(i.partition("::")[0] for i in likely[1])
         latest, read_at = self.service.latest, self.service.read_at
         if latest is None or read_at is None:
             return None
-        if self.service.monotonic() - read_at > STALE_POLLS * self.service.poll_interval:
-            return None
+        if served and self.service.monotonic() - read_at > STALE_POLLS * self.service.poll_interval:
+            return None  # the allocator's own estimate of its own devices is better than an old reading
         free: set[str] = set()
         for resource in self._resources(kind):
             of_resource = latest.free(resource)

@@ -10,6 +10,11 @@ that could not be given.
   call shows it had no partner (at once when the other kind is not served here). Which allocations form a
   container is the admission context's guess (`placement.admission`, `placement.joint`): a single-resource pod followed
   within its time-out by a pod of the other resource is counted as one container with the other's level.
+- `gpu_node_agent_allocations_pix_missed_total{resource}`: allocations counted above with a level worse than `pix`
+  although, at the container's second resource's preference call, the kubelet offered a device at PIX to the
+  container's devices of the other kind as the agent knew them (the kubelet's facts, or the admission context's
+  guess). `pix / (pix + pix_missed)` is the PIX fraction where PIX was possible; containers whose partner was
+  unknown are in neither. NIC-only mode counts the NIC resource only (the GPUs are another plugin's).
 - `gpu_node_agent_preferred_allocation_failures_total{resource,reason}`: GetPreferredAllocation container
   requests answered with no or a partial preference (never an error; the kubelet then picks itself).
   `reason` (`placement.policy.Reason`, decided by its one validation): `invalid_request` (the kubelet's request
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter
 
-from agent.placement.joint import NO_PAIR
+from agent.placement.joint import NO_PAIR, PIX_MISSED
 from agent.placement.policy import Reason
 from agent.topology.model import Level
 
@@ -43,6 +48,9 @@ class AllocationMetrics:
             "gpu_node_agent_allocations", "Successful Allocate calls by the worst GPU-NIC PCIe level of the "
             "container (none: no devices of the other kind seen for it)", ["resource", "level"],
             registry=self.registry)
+        self.pix_missed = Counter(
+            "gpu_node_agent_allocations_pix_missed", "Allocations worse than PIX to the container's other-kind "
+            "devices although the kubelet offered a device at PIX to them", ["resource"], registry=self.registry)
         self.preference_failures = Counter(
             "gpu_node_agent_preferred_allocation_failures",
             "GetPreferredAllocation container requests answered with no or a partial preference",
@@ -52,12 +60,17 @@ class AllocationMetrics:
         """Create the resource's series at zero, so rates work from the first allocation on."""
         for label in LEVEL_LABELS:
             self.allocations.labels(resource, label)
+        self.pix_missed.labels(resource)
         for reason in FAILURE_REASONS:
             self.preference_failures.labels(resource, reason)
 
     def allocated(self, resource: str, level: str) -> None:
-        """One Allocate of `resource` for a container whose level is `level` (a LEVEL_LABELS value)."""
-        self.allocations.labels(resource, level).inc()
+        """One Allocate of `resource` for a container whose level is `level` (a LEVEL_LABELS value), or, for
+        `PIX_MISSED`, one of them that could have been PIX."""
+        if level == PIX_MISSED:
+            self.pix_missed.labels(resource).inc()
+        else:
+            self.allocations.labels(resource, level).inc()
 
     def no_preference(self, resource: str, reason: str) -> None:
         """One container request answered with no or a partial preference, for `reason` (FAILURE_REASONS)."""

@@ -13,6 +13,10 @@ is the one being admitted (the kubelet finishes a container before the next); if
 candidate holding partner devices. A device-plugin call carries no pod identity, so this is the closest the
 API lets a plugin get; ordinary init containers are not listed and are never found (their preference calls
 fall back).
+
+Without a pod spec (no API access, or a pod the watch has not delivered yet) `Listings` and `new_holders` tell
+the container from the kubelet's records alone: the one whose holding of partner devices (and none of R) is new
+since the previous reading. The caller pairs with it when there is exactly one (see `Listings`).
 """
 
 from __future__ import annotations
@@ -71,3 +75,70 @@ def admitted_container(containers: Iterable[ContainerDevices], resource: str, pa
         return None
     chosen, held = holding[0] if holding else (candidates[0][0], {})
     return Admission(chosen.namespace, chosen.pod, chosen.container, held)
+
+
+SETTLE_S = 1.0  # a state first shown only by a poll is old after this long (an admission takes milliseconds)
+
+
+@dataclass
+class _Seen:
+    devices: Mapping[str, frozenset[str]]
+    since: float  # start of the first List that showed the container holding exactly `devices`
+    lookup_since: float | None  # start of the first admission lookup's List that showed it so
+
+
+class Listings:
+    """What earlier `List` replies showed of each container, to tell the container under admission without a pod
+    spec (rule of the module docstring's second half).
+
+    Without specs, the container under admission for resource R is a listed container holding partner devices
+    and none of R whose holding was not so at the previous reading: the kubelet allocates a container's
+    resources one after another and asks about R right after the partner's Allocate, so the state "holds the
+    partner, none of R" is new at R's preference call. A state counts as seen before when an earlier admission
+    lookup's List showed it, or a background poll did more than `settle` seconds before (a poll may land between
+    the partner's Allocate and R's call; a GPU-only pod admitted since the last lookup is not new for long).
+    Listings are applied in the order their Lists were sent, so a reply that comes back late never overwrites a
+    newer one.
+    """
+
+    def __init__(self, settle: float = SETTLE_S) -> None:
+        self.settle = settle
+        self.applied_at: float | None = None  # start of the newest List applied
+        self._seen: dict[tuple[str, str, str], _Seen] = {}
+
+    def apply(self, containers: Iterable[ContainerDevices], started: float, *, lookup: bool) -> bool:
+        """Remember one List reply sent at `started`; False (ignored) when a newer one is already applied."""
+        if self.applied_at is not None and started < self.applied_at:
+            return False
+        self.applied_at = started
+        seen: dict[tuple[str, str, str], _Seen] = {}
+        for listed in containers:
+            before = self._seen.get(listed.key)
+            if before is None or before.devices != listed.devices:
+                before = _Seen(listed.devices, started, None)
+            if lookup and before.lookup_since is None:
+                before.lookup_since = started
+            seen[listed.key] = before
+        self._seen = seen
+        return True
+
+    def is_new(self, listed: ContainerDevices, started: float) -> bool:
+        """Whether `listed` (from a List sent at `started`) holds what it holds since that reading only."""
+        before = self._seen.get(listed.key)
+        if before is None or before.devices != listed.devices:
+            return True
+        if before.lookup_since is not None and before.lookup_since < started:
+            return False
+        return before.since >= started - self.settle
+
+
+def new_holders(containers: Iterable[ContainerDevices], resource: str, partners: Iterable[str],
+                is_new: Callable[[ContainerDevices], bool]) -> list[Admission]:
+    """Listed containers holding partner devices and none of `resource` whose holding `is_new` (no spec needed)."""
+    partner_names = frozenset(partners)
+    found: list[Admission] = []
+    for listed in containers:
+        held = {name: listed.of(name) for name in partner_names if listed.of(name)}
+        if held and not listed.of(resource) and is_new(listed):
+            found.append(Admission(listed.namespace, listed.pod, listed.container, held))
+    return found

@@ -4,8 +4,15 @@ bounded lookup for the preference path.
 The poll (`run`) reads `List` and `GetAllocatableResources` every `poll_interval` seconds (10 s by default:
 `gpu_node_agent_device_pod_info` follows the kubelet within 30 s at 4 of the kubelet's 100 calls a second per
 minute) and right after `start`, so that after an agent restart the free devices come from the kubelet, not
-from an "everything is free" assumption. `admission()` is one `List` with a deadline of `lookup_timeout`
-(a few milliseconds): it answers None on any failure, and the caller keeps its own policy.
+from an "everything is free" assumption.
+
+`lookup()` (the preference path) sends one `List` and waits `lookup_timeout` for it; it never waits on an older
+List (one sent before the call could predate the partner's Allocate). A reply that comes after the deadline is
+not lost: every List reply, on time or late, poll or lookup, becomes `latest` (free devices) and the
+`Listings` memory the next call compares with, unless a newer reply is already there. A poll joins a List in
+flight instead of sending its own. The container under admission comes from the pod specs when the own-node
+pod watch has them, else from the kubelet's records alone (`admitted.new_holders`): exactly one container
+newly holding partner devices is it; several leave the choice to the caller (`Lookup.candidates`).
 
 Decisions that name pods by device (isolate: who holds it, is the drain over; pod Events; a GPU reset's "no pod
 holds it") never use the poll's reading, which can be `poll_interval` old and miss a pod admitted since or name one
@@ -20,22 +27,38 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 
 from agent import aio
-from agent.host.podresources import PodResourcesError, PodResourcesPort
+from agent.host.podresources import ContainerDevices, PodResourcesError, PodResourcesPort
 from agent.kube.model import PodView
-from agent.ownership.admitted import Admission, admitted_container
+from agent.ownership.admitted import Admission, Listings, admitted_container, new_holders
 from agent.ownership.book import Holder, Ownership
 from agent.ownership.metrics import DevicePodInfo
 
 log = logging.getLogger(__name__)
 
 DEFAULT_POLL_S = 10.0
-DEFAULT_LOOKUP_S = 0.005
+DEFAULT_LOOKUP_S = 0.05  # ~2x the lookup's p99 with both cores of a 2-core VM busy (bench/podresources_lookup.py)
+LATE_S = 2.0  # a lookup's List may still answer this long after its deadline, and teach the next call
 
 PodSpecs = Callable[[], Mapping[tuple[str, str], PodView] | None]  # None: no pod watch (no API access)
+Containers = tuple[ContainerDevices, ...]
+
+# Why a preference call had no exact partner facts (`gpu_node_agent_preference_fallbacks_total{reason}`)
+FALLBACK_REASONS = ("timeout", "rate_limited", "unavailable", "invalid", "ambiguous", "no_new_holder")
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """One admission lookup: the container (`found`), or why not (`reason`, a FALLBACK_REASONS value) and, when
+    several containers newly hold partner devices, all of them (`candidates`)."""
+
+    found: Admission | None
+    reason: str = ""
+    candidates: tuple[Admission, ...] = ()
 
 
 class OwnershipService:
@@ -54,22 +77,56 @@ class OwnershipService:
         self.latest: Ownership | None = None
         self.read_at: float | None = None  # monotonic time of `latest`
         self.refreshed = asyncio.Event()
+        self.listings = Listings()
+        self._inflight: asyncio.Future[Containers] | None = None  # the newest List not answered yet
         self._info = DevicePodInfo(lambda: self.latest, registry)
         self._lookups = Counter("gpu_node_agent_pod_resources_lookups",
                                 "Admission lookups in the kubelet's PodResources API during preference calls, by "
                                 "result: exact (container found), unknown (not identifiable), failed (error or "
                                 "time-out: the agent's own policy answered)", ["result"], registry=registry)
+        self._fallbacks = Counter("gpu_node_agent_preference_fallbacks",
+                                  "Preference calls answered without the container's partner devices, by reason",
+                                  ["reason"], registry=registry)
+        for reason in FALLBACK_REASONS:
+            self._fallbacks.labels(reason)
+
+    def fell_back(self, reason: str) -> None:
+        """Count one preference call answered without partner facts (the device plugin decides, see `facts`)."""
+        self._fallbacks.labels(reason).inc()
+
+    def _list(self, timeout: float, *, patient: bool, lookup: bool = False, join: bool = False,
+              started: float | None = None) -> asyncio.Future[Containers]:
+        """A List, or with `join` the one in flight; every reply is remembered (`lookup`: as an admission
+        lookup's, see `Listings`). `started`: when the caller's reading began (default now)."""
+        inflight = self._inflight
+        if join and inflight is not None and not inflight.done():
+            return inflight
+        sent = self.monotonic() if started is None else started
+        task = asyncio.ensure_future(self.port.list(timeout, patient=patient))
+        task.add_done_callback(lambda done: self._listed(done, sent, lookup))
+        self._inflight = task
+        return task
+
+    def _listed(self, done: asyncio.Future[Containers], started: float, lookup: bool) -> None:
+        if self._inflight is done:
+            self._inflight = None
+        if done.cancelled() or done.exception() is not None:
+            return  # the caller that waited sees the error; a late failure has nothing to teach
+        containers = done.result()
+        if self.listings.apply(containers, started, lookup=lookup):
+            self.latest = Ownership(containers, self.latest.allocatable if self.latest is not None else {})
+            self.read_at = started
 
     async def refresh(self) -> Ownership | None:
         """Read the kubelet once; the new reading replaces `latest` (kept as it was on failure)."""
         try:
-            containers = await self.port.list(self.poll_timeout, patient=True)
+            containers = await asyncio.shield(self._list(self.poll_timeout, patient=True, join=True))
             allocatable = await self.port.allocatable(self.poll_timeout, patient=True)
         except PodResourcesError as exc:
             log.debug("ownership poll: %s", exc)
             return None
-        self.latest = Ownership(containers, allocatable)
-        self.read_at = self.monotonic()
+        # the reply is in `latest` already, unless a newer one came meanwhile (then that one stays)
+        self.latest = Ownership(self.latest.containers if self.latest is not None else containers, allocatable)
         self.refreshed.set()
         return self.latest
 
@@ -90,14 +147,12 @@ class OwnershipService:
         """One `List` now (bounded by `poll_timeout`, rate-limited with the rest); it also becomes `latest`, keeping
         the last allocatable reading. None when the kubelet does not answer in time."""
         try:
-            containers = await asyncio.wait_for(self.port.list(self.poll_timeout, patient=True),
-                                                self.poll_timeout * 2)
+            containers = await asyncio.wait_for(
+                asyncio.shield(self._list(self.poll_timeout, patient=True)), self.poll_timeout * 2)
         except (PodResourcesError, TimeoutError) as exc:
             log.warning("cannot read the kubelet's device holders now: %s", exc or "timed out")
             return None
-        self.latest = Ownership(containers, self.latest.allocatable if self.latest is not None else {})
-        self.read_at = self.monotonic()
-        return self.latest
+        return Ownership(containers, self.latest.allocatable if self.latest is not None else {})
 
     async def holders_now(self, device_id: str) -> tuple[Holder, ...] | None:
         """Containers holding `device_id` according to the kubelet now; None when it cannot be asked."""
@@ -119,16 +174,30 @@ class OwnershipService:
 
     async def admission(self, resource: str, partners: Iterable[str]) -> Admission | None:
         """The container under admission for `resource` and its partner devices; None when not known in time."""
-        specs = self.pod_specs()
-        if specs is None:
-            self._lookups.labels("unknown").inc()
-            return None
+        return (await self.lookup(resource, partners)).found
+
+    async def lookup(self, resource: str, partners: Iterable[str]) -> Lookup:
+        """One List (at most), waited on for `lookup_timeout`: the container under admission for `resource`."""
+        partner_names = frozenset(partners)
+        started = self.monotonic()
+        listing = self._list(max(LATE_S, self.lookup_timeout), patient=False, lookup=True, started=started)
         try:
-            containers = await asyncio.wait_for(self.port.list(self.lookup_timeout), self.lookup_timeout * 2)
+            containers = await asyncio.wait_for(asyncio.shield(listing), self.lookup_timeout)
         except (PodResourcesError, TimeoutError) as exc:
-            log.debug("admission lookup for %s: %s", resource, exc)
+            log.debug("admission lookup for %s: %s", resource, exc or "timed out")
             self._lookups.labels("failed").inc()
-            return None
-        found = admitted_container(containers, resource, partners, lambda ns, name: specs.get((ns, name)))
-        self._lookups.labels("exact" if found is not None else "unknown").inc()
-        return found
+            return Lookup(None, exc.reason if isinstance(exc, PodResourcesError) else "timeout")
+        specs = self.pod_specs()
+        found = None if specs is None else admitted_container(
+            containers, resource, partner_names, lambda ns, name: specs.get((ns, name)))
+        if found is not None:
+            self._lookups.labels("exact").inc()
+            return Lookup(found)
+        # no spec for the container under admission (no pod watch, or it lags): the kubelet's records alone
+        holders = tuple(new_holders(containers, resource, partner_names,
+                                    lambda listed: self.listings.is_new(listed, started)))
+        if len(holders) == 1:
+            self._lookups.labels("exact").inc()
+            return Lookup(holders[0])
+        self._lookups.labels("unknown").inc()
+        return Lookup(None, "ambiguous" if holders else "no_new_holder", holders)

@@ -64,6 +64,9 @@ from agent.topology.model import Level, Topology
 log = logging.getLogger(__name__)
 
 NO_PAIR = "none"  # the level label of a container with devices of one kind only (as far as the agent saw)
+# Not a level: an extra entry beside a pair's levels when it ended worse than PIX although the kubelet's offer at
+# its second resource's preference call held a device at PIX to its first (`gpu_node_agent_allocations_pix_missed`)
+PIX_MISSED = "pix_missed"
 
 
 def level_label(levels: Iterable[Level]) -> str:
@@ -143,6 +146,7 @@ class JointAllocator:
         self._holder: dict[str, _Container] = {}  # device ID -> the container believed to hold it
         self._open: _Container | None = None  # its other resource may still come
         self._exact: tuple[DeviceKind, frozenset[str]] | None = None  # the last preference's partner fact
+        self._pix_possible: DeviceKind | None = None  # the last preference (of this kind) could have been PIX
         self._unmapped: set[str] = set()  # partner IDs not in the topology, logged once
 
     def prefer(self, pool: ServedPool, request: ContainerRequest) -> Preference:
@@ -159,6 +163,8 @@ class JointAllocator:
             self._exact = (kind, context)
         self._offered(pool.resource_name, request.served, checked.offered, must_include)
         levels = self._preference_started(kind, context)
+        self._pix_possible = kind if self._pix_offered(pool.topology, kind, context, checked.offered,
+                                                        checked.size) else None
         if pool.topology is None:  # a pool built by hand, not from a scan: nothing to align with
             return checked.answered(in_served_order(request.served, checked.offered, must_include, checked.size),
                                     levels)
@@ -174,6 +180,7 @@ class JointAllocator:
         self.admission.record_allocation(kind, ids)
         self._taken[resource] = self._taken.get(resource, frozenset()) | ids
         levels: list[AllocationLevel] = []
+        possible, self._pix_possible = self._pix_possible is kind, None
         exact, self._exact = self._exact, None
         partner = exact[1] if exact is not None and exact[0] is kind else None
         container = self._open
@@ -205,7 +212,24 @@ class JointAllocator:
                     held.discard(device_id)
             self._holder[device_id] = container
         container.held.setdefault(resource, set()).update(ids)
+        if possible:
+            levels += [(r, PIX_MISSED) for r, label in levels if label not in (Level.PIX.name.lower(), NO_PAIR)]
         return levels
+
+    @staticmethod
+    def _pix_offered(topology: Topology | None, kind: DeviceKind, context: frozenset[str],
+                     offered: Sequence[str], size: int) -> bool:
+        """Whether `size` of the offered devices could each sit at PIX with one of `context` (the container's
+        devices of the other kind, as far as known)."""
+        if topology is None or not context or size <= 0:
+            return False
+        gpus, nics = (offered, context) if kind is DeviceKind.GPU else (context, offered)
+        try:
+            best = achieved_levels(topology, gpus, nics)[:min(size, len(context))]
+        except Exception:  # the metric must never fail a preference
+            log.exception("cannot tell whether PIX was possible")
+            return False
+        return bool(best) and best[-1] is Level.PIX
 
     def other_free(self, kind: DeviceKind) -> frozenset[str] | None:
         """Healthy devices of the other kind believed free; None when no pool of the other kind is served."""

@@ -252,3 +252,18 @@ def matched_levels(tree: PcieTree, gpu_nodes: dict[int, int], unit_nodes: dict[i
         here = matched[index] - sum(matched[c] for c in node.children)
         levels.extend([node.level] * here)
     return sorted(levels)
+
+
+def switch_groups(topology: Topology, gpu: bool, device_ids: frozenset[str]) -> frozenset[int] | None:
+    """The locations (a PCIe switch, or a root port) of GPUs (`gpu`) or NIC devices, as tree nodes; None when
+    one is not on the topology. Two sets of devices with the same groups sit under the same switches, so the
+    other kind's best choice is the same for either."""
+    tree = tree_for(topology)
+    groups: set[int] = set()
+    for device_id in device_ids:
+        found = tree.locate(gpu, device_id.partition("::")[0])
+        if found is None:
+            return None
+        node = found[0]
+        groups.add(node if gpu else tree.nodes[node].parent)  # a unit sits at its PF, under the PF's location
+    return frozenset(groups)

@@ -41,6 +41,8 @@ async def test_device_pod_info_and_pod_resources_up_follow_the_kubelet():
                                and all(v.lists for v in kubelet.plugins.values()), timeout=60)
         got = await kubelet.admit({GPU_RESOURCE: 1, NIC_RESOURCE: 1}, pod=("ml", "trainer-0"))
         gpu, vf = got[GPU_RESOURCE][0], got[NIC_RESOURCE][0]
+        # both rows: one can show first, from the second resource's preference call's own List
+        await _metrics_until(agent, rf'gpu_node_agent_device_pod_info\{{.*device="{vf}".*\}} 1\.0')
         text = await _metrics_until(agent, rf'gpu_node_agent_device_pod_info\{{.*device="{gpu}".*\}} 1\.0')
         for resource, device in ((GPU_RESOURCE, gpu), (NIC_RESOURCE, vf)):
             assert (f'gpu_node_agent_device_pod_info{{container="main",device="{device}",namespace="ml",'

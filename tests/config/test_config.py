@@ -123,3 +123,14 @@ def test_run_help_documents_every_flag(capsys):
 def test_bad_metrics_address_exits_2(capsys):
     assert cli.main(["config", "--metrics-address", "9400"]) == 2
     assert "'9400'" in capsys.readouterr().err
+
+
+def test_the_lookup_deadline_is_a_setting_with_a_flag_and_an_env_variable(tmp_path):
+    assert config.load(_parse([]), {}).pod_resources.lookup_timeout_seconds == 0.05  # sized by a measured p99
+    path = tmp_path / "agent.yaml"
+    path.write_text(yaml.safe_dump({"podResources": {"lookupTimeoutSeconds": 0.02}}))
+    assert config.load(_parse(["--config", str(path)]), {}).pod_resources.lookup_timeout_seconds == 0.02
+    env = {"GPU_NODE_AGENT_POD_RESOURCES_LOOKUP_TIMEOUT": "0.03"}
+    assert config.load(_parse(["--config", str(path)]), env).pod_resources.lookup_timeout_seconds == 0.03
+    flags = _parse(["--config", str(path), "--pod-resources-lookup-timeout", "0.1"])
+    assert config.load(flags, env).pod_resources.lookup_timeout_seconds == 0.1

@@ -27,7 +27,7 @@ REQUIRED_ALERTS = {"GpuXidNeedsAction", "GpuDeviceUnhealthy", "GpuNodeCordonedBy
                    "GpuNodeNeedsHumanAttention", "GpuNodeAgentDown", "GpuNodeAgentSubsystemDown",
                    "GpuNodeAgentAccountingDown", "GpuNodeAgentDcgmUnreadable", "GpuMissing", "PcieLinkDowntrained",
                    "NicPortErrors", "NicLinkFlapping", "PodInternetBandwidthAtLimit", "NvlinkInactive",
-                   "GpuFabricUnhealthy", "GpuRecoveryActionRequested", "GpuResetFailed"}
+                   "GpuFabricUnhealthy", "GpuRecoveryActionRequested", "GpuResetFailed", "GpuNicPixAlignmentLow"}
 
 
 def _write_rules(path: Path, *, annotations: bool = True) -> Path:
@@ -230,6 +230,17 @@ UNIT_TESTS: list[dict[str, Any]] = [
             *_alerts("GpuRecoveryActionRequested", ("4m", []),
                      ("5m", [{**AGENT, **GPU0, "action": "gpu_reset", "severity": "critical"}]), ("10m", [])),
         ],
+    },
+    {   # NICs: one PIX allocation a minute, and from 10 min on one missed PIX every 5 minutes (17 %); GPUs: PIX
+        # only. Two misses within the first 10 minutes are not enough to say anything.
+        "input_series": [
+            _series("gpu_node_agent_allocations_total", "0+1x90", resource="nic", level="pix"),
+            _series("gpu_node_agent_allocations_pix_missed_total", "0x9 0+0.2x80", resource="nic"),
+            _series("gpu_node_agent_allocations_total", "0+1x90", resource="gpu", level="pix"),
+            _series("gpu_node_agent_allocations_pix_missed_total", "0x90", resource="gpu"),
+        ],
+        "alert_rule_test": _alerts("GpuNicPixAlignmentLow", ("20m", []),
+                                   ("50m", [{"node": "n1", "resource": "nic", "severity": "info"}])),
     },
     {   # link_downed grows at 5 min; mlx5_1/1 goes down and up three times within the hour
         "input_series": [

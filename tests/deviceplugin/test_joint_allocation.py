@@ -274,3 +274,27 @@ def test_pairing_and_believed_free_follow_the_admission_context(pairs: Topology)
     assert gpu0.uuid in allocator.other_free(DeviceKind.NIC)
     assert allocator.other_free(DeviceKind.GPU) is not None
     assert JointAllocator(lambda: plugins[1:]).other_free(DeviceKind.NIC) is None  # GPUs not served here
+
+
+def test_an_allocation_worse_than_an_offered_pix_is_counted_as_missed(pairs: Topology) -> None:
+    registry = CollectorRegistry()
+    metrics = AllocationMetrics(registry)
+    pools = build_pools(pairs, dp_config("/unused")).by_name()
+    gpus, vfs = pools[GPU], pools[RDMA]
+    allocator = JointAllocator(lambda: [DevicePlugin(vfs)])  # NIC-only: GPUs are another plugin's
+    gpu0 = pairs.gpus[0]
+    near = next(d.id for d in vfs.devices if d.pf.location == gpu0.location)
+    far = next(d.id for d in vfs.devices if d.pf.numa != gpu0.numa)
+
+    def admit(vf: str) -> None:  # the kubelet knows the container's GPU; it may ignore the preference
+        preference = allocator.prefer(vfs, ContainerRequest(served=vfs.ids, available=vfs.ids, size=1,
+                                                            partner=frozenset([gpu0.uuid or ""])))
+        assert preference.devices == (near,)
+        for resource, level in (*preference.levels, *allocator.allocated(vfs, [vf])):
+            metrics.allocated(resource, level)
+
+    admit(near)
+    admit(far)  # PIX was offered and not taken
+    missed = registry.get_sample_value("gpu_node_agent_allocations_pix_missed_total", {"resource": RDMA})
+    assert counted(registry, RDMA, "pix") == 1 and counted(registry, RDMA, "sys") == 1 and missed == 1
+    assert gpus.kind == "gpu"

@@ -16,121 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import shutil
-import tempfile
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
 
-from agent.deviceplugin.facts import OwnershipFacts
-from agent.deviceplugin.manager import DevicePluginManager
-from agent.host.podresources import Reachability
-from agent.host.podresources.client import KubeletPodResources
-from agent.host.podresources.ratelimit import TokenBucket
-from agent.kube.model import PodView
-from agent.ownership.service import OwnershipService
-from agent.placement.policy import achieved_levels
-from agent.simulate.kubelet import AdmissionError, LocalKubelet
-from agent.simulate.node import simulated_topology
-from agent.topology.model import Level, Topology
-from tests.deviceplugin.conftest import FAST, dp_config
-from tests.fakes.apiserver import container_spec
-from tests.fakes.standin_plugin import StandInPlugin
+from agent.simulate.kubelet import AdmissionError
+from tests.ownership.rig import GPU, NIC, Node, node_factory, offered_only, pix
 
-GPU, NIC = "nvidia.com/gpu", "gpunodeagent.io/sriov_rdma"
-
-
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory: pytest.TempPathFactory) -> Topology:
-    return simulated_topology("pcie-pairs", Path(tmp_path_factory.mktemp("pairs")))
-
-
-def pix(topology: Topology, gpu: str, vf: str) -> bool:
-    return achieved_levels(topology, [gpu], [vf]) == [Level.PIX]
-
-
-@dataclass
-class Node:
-    """Stand-in kubelet (with PodResources), the agent's manager with ownership facts, optionally NVIDIA's plugin."""
-
-    directory: Path
-    topology: Topology
-    serve_gpus: bool
-    kubelet: LocalKubelet = field(init=False)
-    specs: dict[tuple[str, str], PodView] = field(default_factory=dict)
-    manager: DevicePluginManager | None = None
-    service: OwnershipService | None = None
-    nvidia: StandInPlugin | None = None
-    now: float = 0.0  # the client's rate-limit clock: the kubelet admits a pod every 0.1 s here
-    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
-
-
-    def __post_init__(self) -> None:
-        self.kubelet = LocalKubelet(self.directory / "dp", rng=random.Random(7),  # noqa: S311
-                                    pod_resources_socket=self.directory / "pr" / "kubelet.sock")
-        assert self.kubelet.pod_resources is not None  # its rate limit runs on the same admission clock
-        self.kubelet.pod_resources.bucket = TokenBucket(100, 10, monotonic=lambda: self.now)
-
-    async def start_agent(self) -> None:
-        """A (re)started agent: a fresh manager, allocator and ownership service."""
-        assert self.kubelet.pod_resources is not None
-        self.registry = registry = CollectorRegistry()
-        client = KubeletPodResources(self.kubelet.pod_resources.socket_path,
-                                     reachability=Reachability(registry, "test"),
-                                     bucket=TokenBucket(monotonic=lambda: self.now))
-        self.service = OwnershipService(client, pod_specs=lambda: self.specs, registry=registry, lookup_timeout=1.0)
-        config = dp_config(str(self.directory / "dp"), serve_gpus=self.serve_gpus)
-        self.manager = DevicePluginManager(config, self.topology, registry=registry, **FAST,
-                                           plugin_registry_dir=str(self.directory / "reg"),
-                                           cdi_spec_dir=str(self.directory / "cdi"))
-        self.manager.use_ownership(OwnershipFacts(self.service, self.manager.pools, GPU))
-        await self.manager.start()
-        await self.kubelet.wait_for(lambda: all(r in self.kubelet.plugins and self.kubelet.plugins[r].lists > 0
-                                                and self.kubelet.plugins[r].connected for r in (GPU, NIC)))
-        await self.service.refresh()  # what the ownership subsystem does first
-
-    async def stop_agent(self) -> None:
-        if self.manager is not None:
-            await self.manager.stop()
-        if self.service is not None:
-            await self.service.port.aclose()
-
-    def gpu_ids(self) -> list[str]:
-        return sorted(g.uuid for g in self.topology.gpus if g.uuid)
-
-    def free(self, resource: str) -> set[str]:
-        return self.kubelet.plugins[resource].healthy() - self.kubelet.allocated.get(resource, set())
-
-    def pod(self, name: str, requests: dict[str, int]) -> tuple[str, str]:
-        self.specs[("ml", name)] = PodView.from_dict({"metadata": {"namespace": "ml", "name": name},
-                                                      "spec": {"containers": [container_spec("main", requests)]}})
-        return "ml", name
-
-
-@pytest.fixture
-async def node_factory(pairs: Topology) -> AsyncIterator:
-    made: list[Node] = []
-
-    async def make(serve_gpus: bool) -> Node:
-        node = Node(Path(tempfile.mkdtemp(prefix="gnapair")), pairs, serve_gpus)
-        made.append(node)
-        await node.kubelet.start()
-        if not serve_gpus:
-            node.nvidia = StandInPlugin(node.directory / "dp", GPU, node.gpu_ids(), rng=random.Random(3))  # noqa: S311
-            await node.nvidia.start()
-        await node.start_agent()
-        return node
-
-    yield make
-    for node in made:
-        await node.stop_agent()
-        if node.nvidia is not None:
-            await node.nvidia.stop()
-        await node.kubelet.stop()
-        shutil.rmtree(node.directory, ignore_errors=True)
+__all__ = ["node_factory"]  # the fixture
 
 
 async def churn(node: Node, steps: int, seed: int) -> dict[str, list[bool]]:
@@ -167,11 +59,6 @@ async def churn(node: Node, steps: int, seed: int) -> dict[str, list[bool]]:
         elif first == "gpu-first":  # NIC-only: the promise is about VFs under the GPU the other plugin chose
             held[first].append(pix(node.topology, gpu, vf) or not any(pix(node.topology, gpu, v) for v in free_vfs))
     return held
-
-
-def offered_only(node: Node) -> None:
-    for resource, offered, preferred in node.kubelet.preferences:
-        assert set(preferred) <= offered, f"{resource}: preferred {preferred} outside the offer"
 
 
 async def test_joint_mode_every_pair_is_pix_when_one_was_free(node_factory) -> None:

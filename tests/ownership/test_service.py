@@ -109,10 +109,14 @@ async def test_single_resource_pods_are_not_paired(node: Node) -> None:
     assert nic_call is not None and nic_call.pod == "nic-only" and nic_call.partner_ids == frozenset()
 
 
-async def test_unknown_pod_spec_answers_none(node: Node) -> None:
-    await node.kubelet.admit({GPU: 1, NIC: 1}, order=[GPU, NIC], pod=("ml", "not-watched-yet"))
-    assert node.seen[NIC][-1] is None
-    assert node.registry.get_sample_value("gpu_node_agent_pod_resources_lookups_total", {"result": "unknown"}) == 2
+async def test_a_pod_the_watch_lags_on_is_found_from_the_kubelets_records(node: Node) -> None:
+    got = await node.kubelet.admit({GPU: 1, NIC: 1}, order=[GPU, NIC], pod=("ml", "not-watched-yet"))
+    found = node.seen[NIC][-1]  # no spec: the one container newly holding a GPU and no VF
+    assert found is not None and found.pod == "not-watched-yet" and found.partner_ids == set(got[GPU])
+    assert node.seen[GPU][-1] is None  # its GPU call: nobody newly holds a VF, unknown
+    assert node.registry.get_sample_value("gpu_node_agent_preference_fallbacks_total", {"reason": "no_new_holder"}) \
+        == 0  # counted by the device plugin, not here
+    assert node.registry.get_sample_value("gpu_node_agent_pod_resources_lookups_total", {"result": "unknown"}) == 1
 
 
 async def test_device_pod_info_follows_the_kubelet(node: Node) -> None:

@@ -2,9 +2,11 @@
 
 One channel, opened on first use and kept (gRPC reconnects by path, so a kubelet restart that recreates the
 socket in the mounted directory is picked up without help). Every call carries its own short deadline and
-takes a token from the client-side bucket first (`ratelimit`); a call without a token fails at once as
-`rate_limited` rather than queue behind the kubelet's limit. Replies are checked before they are believed:
-a device ID or name that is empty, absurdly long or not printable is `invalid`, as is a reply over 16 MiB.
+takes a token from the client-side bucket first (`ratelimit`): a background call waits for one; a preference-path
+call waits only while one comes within `token_wait` (a burst of admissions is paced at the agent's share of the
+kubelet's limit, never pushed past it) and otherwise fails at once as `rate_limited`. Replies are checked before
+they are believed: a device ID or name that is empty, absurdly long or not printable is `invalid`, as is a reply
+over 16 MiB.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ T = TypeVar("T")
 MAX_MESSAGE = 16 * 1024 * 1024  # what Multus allows for large nodes (podresources.md §1)
 MAX_ID = 253  # longest device ID or object name believed (a DNS subdomain; bus ids and UUIDs are far shorter)
 DEFAULT_TIMEOUT = 2.0
+TOKEN_WAIT_S = 0.05  # one token at the default 50/s is 20 ms away at most; 50 ms is two and a half
 
 _REASONS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
@@ -66,8 +69,10 @@ class KubeletPodResources:
     """`PodResourcesPort` over `unix://<socket>`; `reachability` hears of every call's outcome."""
 
     def __init__(self, socket_path: str, *, bucket: TokenBucket | None = None,
-                 reachability: Reachability | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+                 reachability: Reachability | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 token_wait: float = TOKEN_WAIT_S) -> None:
         self.socket_path = socket_path
+        self.token_wait = token_wait
         self.bucket = bucket or TokenBucket()
         self.reachability = reachability
         self.timeout = timeout
@@ -118,7 +123,7 @@ class KubeletPodResources:
             raise error
         if patient:
             await self.bucket.wait()
-        elif not self.bucket.take():
+        elif not await self.bucket.take_within(self.token_wait):
             raise PodResourcesError("rate_limited", "the agent's share of the kubelet's rate limit is used up")
         stub = self._connect()
         rpc = getattr(stub, method)

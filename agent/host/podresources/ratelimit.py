@@ -2,8 +2,9 @@
 
 The kubelet allows 100 calls a second with a burst of 10 for all of its PodResources clients together
 (dcgm-exporter, Multus, ...; podresources.md §1): excess calls fail with RESOURCE_EXHAUSTED for everyone. The
-agent takes half of it by default: `take()` never waits (the preference path would rather fall back than
-queue), `wait()` is for background polls.
+agent takes half of it by default. `take()` never waits; `take_within(s)` waits for a token only when one comes
+within `s` seconds (the preference path: a burst of admissions is paced at the agent's rate instead of refused,
+and a token further off fails at once); `wait()` is for background polls.
 """
 
 from __future__ import annotations
@@ -48,6 +49,16 @@ class TokenBucket:
         """Seconds until a token is there (0 when one is)."""
         self._refill()
         return 0.0 if self._tokens >= 1.0 else (1.0 - self._tokens) / self.rate
+
+    async def take_within(self, seconds: float) -> bool:
+        """Take a token if one is there or comes within `seconds` (sleeping until then); False when not."""
+        deadline = self._monotonic() + seconds
+        while not self.take():
+            delay = self.delay()
+            if self._monotonic() + delay > deadline:
+                return False
+            await asyncio.sleep(delay)
+        return True
 
     async def wait(self) -> None:
         """Take a token, sleeping until one is there."""

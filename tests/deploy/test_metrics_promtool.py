@@ -173,3 +173,49 @@ def test_the_network_and_dra_agent_passes_promtool(network_and_dra_metrics):
 def test_the_two_agents_export_every_catalogued_family(acting_metrics, network_and_dra_metrics):
     unseen = set(AGENT_METRICS) - families(acting_metrics) - families(network_and_dra_metrics)
     assert not unseen, f"families promtool never saw: {sorted(unseen)}"
+
+
+def _readme_rows() -> dict[str, set[str] | None]:
+    """README's metrics table: family -> its labels (None where the row abbreviates them with `...`)."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = text.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, set[str] | None] = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`gpu_node_agent_"):
+            continue
+        names = [name.strip().strip("`") for name in cells[0].split(",")]
+        labels = None if "..." in cells[1] else {label.strip() for label in cells[1].split(",") if label.strip()}
+        for name in names:
+            full = name if name.startswith("gpu_node_agent_") else "gpu_node_agent" + name
+            rows[full] = labels
+    return rows
+
+
+def _exposed_labels(text: str) -> dict[str, set[str]]:
+    """family -> the label names its samples carry (histogram/summary bookkeeping labels left out)."""
+    kinds = {line.split()[2]: line.split()[3] for line in text.splitlines() if line.startswith("# TYPE ")}
+    found: dict[str, set[str]] = {name: set() for name in kinds}
+    for line in text.splitlines():
+        if line.startswith("#") or "{" not in line:
+            continue
+        sample, labels = line.split("{", 1)
+        family = next((f for f in (sample, sample.rsplit("_", 1)[0]) if f in kinds), None)
+        if family is not None:
+            found[family] |= {pair.split("=", 1)[0] for pair in labels.rsplit("}", 1)[0].split('",') if "=" in pair}
+    return {name: labels - {"le", "quantile"} for name, labels in found.items()}
+
+
+def test_the_readme_documents_every_family_with_its_labels(acting_metrics, network_and_dra_metrics):
+    """Issue 29: the README's metrics table is checked against what agents with every subsystem on expose."""
+    exposed: dict[str, set[str]] = {}
+    for text in (acting_metrics, network_and_dra_metrics):
+        for name, labels in _exposed_labels(text).items():
+            exposed.setdefault(name, set()).update(labels)
+    ours = {name: labels for name, labels in exposed.items() if name.startswith("gpu_node_agent_")}
+    rows = _readme_rows()
+    undocumented = sorted(set(ours) - set(rows))
+    assert not undocumented, f"families missing from README's metrics table: {undocumented}"
+    wrong = {name: (sorted(rows[name] or ()), sorted(labels)) for name, labels in ours.items()
+             if rows.get(name) is not None and labels and rows[name] != labels}
+    assert not wrong, f"README labels (documented, exposed) differ: {wrong}"

@@ -15,8 +15,8 @@ def setting(default: Any = None, *, help: str, flag: str | None = None, env: str
             zero_ok: bool = False) -> Any:
     """A dataclass field carrying its help text, flag, environment variable and allowed values.
 
-    A number must be finite, and a `*_seconds` number must be greater than 0 unless `zero_ok` (where 0 means
-    "off" or "once" and the help says so)."""
+    A number must be finite, and a `*_seconds` number must be at least 0.01 (10 ms, `load.MIN_SECONDS`) unless
+    `zero_ok`, where 0 means "off" or "once" (the help says so) and anything else is at least 0.01 too."""
     meta = {"help": help, "flag": flag, "env": env, "choices": choices, "repeat": repeat, "zero_ok": zero_ok}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)

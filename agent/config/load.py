@@ -29,6 +29,7 @@ _FALSE = {"0", "false", "no", "off"}
 _CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
 MAX_FILE_BYTES = 1 << 20
 MAX_DEPTH = 16  # the deepest real setting is 7 levels down (devicePlugin.pools[i].selectors.pfNames[j])
+MIN_SECONDS = 0.01  # the floor of every `*_seconds` setting (interval, timeout, window): 10 ms
 MAX_NODES = 100_000  # values in a config file once YAML aliases are expanded; a real config has a few hundred
 
 
@@ -117,6 +118,9 @@ def _check_choices(f: dataclasses.Field, value: Any, where: str) -> None:
     if timed and (value < 0 or (value == 0 and not f.metadata.get("zero_ok"))):
         allowed = "0 or more" if f.metadata.get("zero_ok") else "positive"
         raise ConfigError(f"{where}: must be {allowed}, got {value!r}")
+    if timed and 0 < value < MIN_SECONDS:  # 1e-9 passed "positive" and spun a core at 76-97 %
+        allowed = f"0 (off) or at least {MIN_SECONDS}" if f.metadata.get("zero_ok") else f"at least {MIN_SECONDS}"
+        raise ConfigError(f"{where}: must be {allowed} seconds (the floor of every duration), got {value!r}")
 
 
 def from_mapping(cls: type, data: Mapping[str, Any], where: str = "") -> Any:

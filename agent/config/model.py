@@ -15,7 +15,7 @@ from agent.config.fields import PROJECT_DOMAIN, setting
 from agent.config.health import HealthConfig
 from agent.config.names import check_node_name
 from agent.config.netacct import NetacctConfig
-from agent.config.remediation import RemediationConfig
+from agent.config.remediation import RemediationConfig, check_sentinel_path
 from agent.config.resources import resource_name_problem, vf_range_problem
 from agent.config.shaping import ShapingConfig
 
@@ -305,3 +305,17 @@ class AgentConfig:
                 check_node_name(self.node_name)
             except ValueError as exc:
                 raise ValueError(f"nodeName (--node-name, NODE_NAME): {exc}") from None
+        self._resolve_sentinel_dir()
+
+    def _resolve_sentinel_dir(self) -> None:
+        """The reboot sentinel's allowed directory: rebootSentinelDir, else stateDir (filled in here, so the
+        remediation subsystem and `config --dump` see the directory in force)."""
+        rem = self.remediation
+        if not rem.reboot_sentinel_path:
+            return
+        if not rem.reboot_sentinel_dir:
+            rem.reboot_sentinel_dir = self.state_dir.rstrip("/") or "/"
+        try:
+            check_sentinel_path(rem.reboot_sentinel_path, rem.reboot_sentinel_dir)
+        except ValueError as exc:
+            raise ValueError(f"remediation.{exc}") from None

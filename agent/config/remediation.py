@@ -115,7 +115,13 @@ class RemediationConfig:
     reboot_sentinel_path: str = setting(
         "", flag="--reboot-sentinel", env="GPU_NODE_AGENT_REBOOT_SENTINEL",
         help="file to create when a fault needs a reboot, after the cordon and the drain (kured's sentinel: the "
-             "host's /var/run/reboot-required, mounted into the agent's container; empty: off)")
+             "host's /var/run/reboot-required, mounted into the agent's container; empty: off); it must lie under "
+             "rebootSentinelDir")
+    reboot_sentinel_dir: str = setting(
+        "", flag="--reboot-sentinel-dir", env="GPU_NODE_AGENT_REBOOT_SENTINEL_DIR",
+        help="the only directory the reboot sentinel may be created in, e.g. the agent's own hostPath mount "
+             "/host/run/gpu-node-agent (empty: stateDir); never /, /proc, /sys, /dev, /etc, /boot, /usr or a "
+             "directory under them")
     reboot_condition_type: str = setting(
         "", flag="--reboot-condition-type", env="GPU_NODE_AGENT_REBOOT_CONDITION_TYPE",
         help="NodeCondition set True when a fault needs a reboot and False after it (for NodeHealthCheck or "
@@ -200,7 +206,7 @@ class RemediationConfig:
                                  f"before the eviction: raise drainDeadlineSeconds or lower the timeout")
         if self.latch_count < 0:
             raise ValueError(f"latchCount: {self.latch_count} must be 0 (off) or more")
-        check_sentinel_path(self.reboot_sentinel_path)
+        check_sentinel_path(self.reboot_sentinel_path, self.reboot_sentinel_dir)
         check_reset_command(self.gpu_reset_command)
         if self.reboot_condition_type and (not _CONDITION_TYPE.match(self.reboot_condition_type)
                                            or self.reboot_condition_type == self.condition_type):
@@ -227,13 +233,30 @@ class RemediationConfig:
 _CONDITION_TYPE = re.compile(r"^[A-Z][A-Za-z0-9]{0,62}$")
 
 
-def check_sentinel_path(path: str) -> None:
-    """An absolute, normalised path with no `..` (empty: off); ValueError names the setting."""
+#: Directories the sentinel may never be written in, whatever rebootSentinelDir says: the host's system files.
+SYSTEM_DIRS = ("/proc", "/sys", "/dev", "/etc", "/boot", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/root")
+
+
+def _normalised(path: str) -> bool:
+    return (path.startswith("/") and posixpath.normpath(path) == path and ".." not in path.split("/")
+            and "\0" not in path and path != "/")
+
+
+def check_sentinel_path(path: str, directory: str = "") -> None:
+    """An absolute, normalised path with no `..` (empty: off), strictly under `directory` when one is given (the
+    loader gives stateDir when rebootSentinelDir is empty); ValueError names the setting."""
     if not path:
         return
-    if not path.startswith("/") or posixpath.normpath(path) != path or ".." in path.split("/") or "\0" in path \
-            or path == "/":
+    if not _normalised(path):
         raise ValueError(f"rebootSentinelPath: {path!r} must be an absolute, normalised file path without '..'")
+    if not directory:
+        return
+    if not _normalised(directory) or any(directory == d or directory.startswith(d + "/") for d in SYSTEM_DIRS):
+        raise ValueError(f"rebootSentinelDir: {directory!r} must be an absolute, normalised directory of the "
+                         f"agent's own (not /, {', '.join(SYSTEM_DIRS)} or under them)")
+    if not path.startswith(directory + "/"):
+        raise ValueError(f"rebootSentinelPath: {path!r} is not under rebootSentinelDir {directory!r} (empty "
+                         f"rebootSentinelDir means stateDir): set rebootSentinelDir to the directory mounted for it")
 
 
 #: The placeholders a GPU reset argument may hold; each is replaced by a value the agent checked itself.

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -151,19 +152,90 @@ def keep_line(line: str) -> bool:
     return name is None or wanted(name.group(0))
 
 
-def relevant_lines(text: str) -> str:
-    """The lines `keep_line` keeps; everything else is dropped."""
-    return "\n".join(line for line in text.splitlines() if keep_line(line)) + "\n"
+def relevant_lines(text: str, keep: Callable[[str], bool] = keep_line) -> str:
+    """The lines `keep` keeps; everything else is dropped."""
+    return "\n".join(line for line in text.splitlines() if keep(line)) + "\n"
 
 
-def parse_scrape(text: str) -> Scrape:
-    """Prometheus text -> GPU samples (prometheus-client's parser); MalformedScrapeError when it is not."""
+_LABELS = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+MAX_FOREIGN = 4096  # foreign GPUs named per scrape (the `dcgm_unknown_gpus` gauge stops there)
+MAX_SERIES = 50_000  # series whose last value is kept; past it only the last scrape's are (a real node: ~2,000)
+
+
+def _identity(labels: str) -> tuple[str, str] | None:
+    """(uuid, raw pci_bus_id) of a sample line's label text `{...}`; None when the line names no GPU or its
+    labels cannot be read (kept: the parser then says what is wrong with it)."""
+    found: dict[str, str] = {}
+    pos = 1
+    while pos < len(labels) and labels[pos] != "}":
+        m = _LABELS.match(labels, pos)
+        if m is None:
+            return None
+        found.setdefault(m.group(1), m.group(2))
+        pos = m.end()
+    uuid = next((found[k] for k in _UUID_LABELS if found.get(k)), "")
+    return uuid, found.get("pci_bus_id", "")
+
+
+class NodeLines:
+    """Which lines of an exporter page to keep while it streams in: HELP/TYPE and samples of a metric the agent
+    reads (`keep_line`) that are about one of this node's GPUs, matched as `DcgmInterpreter.match` does (UUID, or
+    the bus id of a GPU whose UUID is unknown). A foreign GPU's samples are dropped line by line, before any
+    parsing, and never held; only the names of at most MAX_FOREIGN foreign GPUs and a count of their samples are
+    kept per scrape. Samples that name no GPU (NVSwitch, CPU) are dropped too: the parser skips them anyway.
+
+    `start()` begins a scrape; `keep` is applied by the HTTP port as bytes arrive and again by `parse_scrape`
+    (idempotent: what the first pass dropped is gone)."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.update_topology(topology)
+        self.start()
+
+    def update_topology(self, topology: Topology) -> None:
+        """Match against a rescanned topology from the next scrape on."""
+        self._uuids = frozenset(g.uuid for g in topology.gpus if g.uuid)
+        self._buses = frozenset(g.bus_id for g in topology.gpus if not g.uuid)
+
+    def start(self) -> None:
+        """A new scrape: forget the last one's foreign GPUs."""
+        self.foreign: set[str] = set()  # identities as `Sample.identity` writes them, at most MAX_FOREIGN
+        self.foreign_samples = 0
+        self._seen: set[tuple[str, str]] = set()
+
+    def keep(self, line: str) -> bool:
+        """Whether `line` is kept (see the class docstring)."""
+        if not keep_line(line):
+            return False
+        if line.startswith("#"):
+            return True
+        name = _METRIC_NAME.match(line)
+        if name is None or line[name.end():name.end() + 1] != "{":
+            return True  # no labels: the parser decides (a sample without a GPU is skipped there)
+        ident = _identity(line[name.end():])
+        if ident is None:
+            return True
+        uuid, bus = ident
+        if not uuid and not bus:
+            return False
+        if uuid in self._uuids or (self._buses and bus and _canonical(bus) in self._buses):
+            return True
+        self.foreign_samples += 1
+        if len(self._seen) < 2 * MAX_FOREIGN and ident not in self._seen:
+            self._seen.add(ident)
+            if len(self.foreign) < MAX_FOREIGN:
+                self.foreign.add(f"{uuid or '?'} ({_canonical(bus) if bus else 'no bus id'})")
+        return False
+
+
+def parse_scrape(text: str, keep: Callable[[str], bool] = keep_line) -> Scrape:
+    """Prometheus text -> GPU samples (prometheus-client's parser) of the lines `keep` keeps;
+    MalformedScrapeError when it is not Prometheus text."""
     if text and not text.endswith("\n"):
         raise MalformedScrapeError("not Prometheus text (the answer ends mid-line: cut short)")
     metrics: set[str] = set()
     samples: list[Sample] = []
     try:
-        for family in text_string_to_metric_families(relevant_lines(text)):
+        for family in text_string_to_metric_families(relevant_lines(text, keep)):
             metrics.add(family.name)
             for sample in family.samples:
                 labels = sample.labels
@@ -241,6 +313,7 @@ class DcgmInterpreter:
         pcie: dict[Gpu, float] = {}
         ecc: dict[tuple[Gpu, str], tuple[float, str]] = {}
         flags: dict[tuple[Gpu, str], bool] = {}
+        keys: list[tuple[str, str, str, tuple[tuple[str, str], ...]]] = []
         for sample in scrape.samples:
             gpu = self.match(sample)
             if gpu is None:
@@ -248,6 +321,7 @@ class DcgmInterpreter:
                 continue
             reading.matched.add(gpu.index)
             key = (sample.metric, gpu.bus_id, sample.instance, sample.series)
+            keys.append(key)
             before = self._last.get(key)
             self._last[key] = sample.value
             if sample.metric in (XID_TOTAL, XID_COUNT):
@@ -279,10 +353,13 @@ class DcgmInterpreter:
         if not reading.baseline:
             reading.growth = [Growth(gpu, kind, grew, detail) for (gpu, kind), (grew, detail) in ecc.items()]
             self._rates(reading, nvlink, pcie, elapsed)
-        self._finish(reading, counted, now)
+        self._finish(reading, counted, now, keys)
         return reading
 
-    def _finish(self, reading: Reading, counted: dict[tuple[Gpu, str, int, str], float], now: float) -> None:
+    def _finish(self, reading: Reading, counted: dict[tuple[Gpu, str, int, str], float], now: float,
+                keys: list[tuple[str, str, str, tuple[tuple[str, str], ...]]]) -> None:
+        if len(self._last) > MAX_SERIES:  # ever new series (a hostile exporter): forget all but this scrape's
+            self._last = {k: self._last[k] for k in keys}
         # Xid totals saved before an agent restart are exact: what grew since is news even at the first scrape.
         if not reading.baseline or (self._restored and reading.xid_metric == XID_TOTAL):
             self._xids(reading, counted, now)

@@ -17,12 +17,13 @@ import logging
 from collections import Counter
 
 from agent import aio
+from agent.config.health import HealthConfig
 from agent.health.assess import HealthAssessor
 from agent.health.checks import Checks, CheckState
-from agent.health.dcgm import XID_LAST, DcgmInterpreter, MalformedScrapeError, Reading, parse_scrape
+from agent.health.dcgm import XID_LAST, DcgmInterpreter, MalformedScrapeError, NodeLines, Reading, parse_scrape
 from agent.health.findings import GpuRef
 from agent.host.busid import bus_key
-from agent.host.dcgm_exporter import DcgmExporterPort, DcgmScrapeError
+from agent.host.dcgm_exporter import DcgmExporterPort, DcgmScrapeError, HttpDcgmExporter
 from agent.topology.model import Gpu, Topology
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,9 @@ class DcgmWatcher:
 
     def __init__(self, port: DcgmExporterPort, assessor: HealthAssessor, topology: Topology, interval: float, *,
                  nvlink_errors_per_minute: float = 0.0, pcie_replays_per_minute: float = 8.0,
-                 checks: Checks | None = None) -> None:
+                 checks: Checks | None = None, lines: NodeLines | None = None) -> None:
         self.port = port
+        self.lines = lines if lines is not None else NodeLines(topology)  # the port's `keep`, when it streams
         self.checks = checks if checks is not None else Checks()
         self.assessor = assessor
         self.interval = interval
@@ -52,6 +54,7 @@ class DcgmWatcher:
     def update_topology(self, topology: Topology) -> None:
         """GPUs found by a rescan are matched from the next scrape on."""
         self.interpreter.update_topology(topology)
+        self.lines.update_topology(topology)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Scrape until `stop`."""
@@ -65,9 +68,10 @@ class DcgmWatcher:
 
     async def scrape_once(self) -> bool:
         """One scrape; True when it was good and its changes were applied."""
+        self.lines.start()
         try:
             text = await self.port.fetch()
-            scrape = await asyncio.to_thread(parse_scrape, text)
+            scrape = await asyncio.to_thread(parse_scrape, text, self.lines.keep)
         except DcgmScrapeError as exc:
             return self._failed(exc.result, str(exc))
         except MalformedScrapeError as exc:
@@ -76,13 +80,13 @@ class DcgmWatcher:
         # baseline from it); matching nothing means the URL reaches another node's exporter, or one not yet
         # watching any GPU.
         if not any(self.interpreter.match(s) is not None for s in scrape.samples):
-            others = sorted({s.identity for s in scrape.samples})[:3]
-            why = f"none of the {len(scrape.samples)} GPU samples is about this node's GPUs" + \
-                (f" (the exporter shows {', '.join(others)})" if others else "")
+            others = sorted({s.identity for s in scrape.samples} | self.lines.foreign)[:3]
+            why = f"none of the {len(scrape.samples) + self.lines.foreign_samples} GPU samples is about this " \
+                f"node's GPUs" + (f" (the exporter shows {', '.join(others)})" if others else "")
             return self._failed("no_gpus", why)
         reading = self.interpreter.read(scrape, self.assessor.clock())
         self.results["ok"] += 1
-        self._unknown(reading.unknown)
+        self._unknown(reading.unknown | self.lines.foreign)
         self._ok(reading)
         self._apply(reading)
         return True
@@ -135,3 +139,15 @@ class DcgmWatcher:
                         self.port.url, result, message, self.interval)
             self._state = result
         return False
+
+
+def dcgm_watcher(config: HealthConfig, assessor: HealthAssessor, topology: Topology, *,
+                 checks: Checks | None = None, port: DcgmExporterPort | None = None) -> DcgmWatcher:
+    """The DCGM source as the agent builds it: an HTTP port to `dcgmExporterUrl` (unless `port` is given) that
+    keeps, while the page streams in, only the lines of this node's GPUs the agent reads (`NodeLines`)."""
+    lines = NodeLines(topology)
+    if port is None:
+        port = HttpDcgmExporter(config.dcgm_exporter_url, config.dcgm_scrape_timeout_seconds, keep=lines.keep)
+    return DcgmWatcher(port, assessor, topology, config.dcgm_scrape_interval_seconds,
+                       nvlink_errors_per_minute=config.dcgm_nvlink_errors_per_minute,
+                       pcie_replays_per_minute=config.dcgm_pcie_replays_per_minute, checks=checks, lines=lines)

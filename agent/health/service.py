@@ -26,8 +26,7 @@ from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config.health import HealthConfig
 from agent.health.assess import HealthAssessor
 from agent.health.checks import Checks, CheckState
-from agent.health.dcgm import keep_line
-from agent.health.dcgm_watch import DcgmWatcher
+from agent.health.dcgm_watch import dcgm_watcher
 from agent.health.gpu_state_metrics import GpuStateCollector
 from agent.health.gpu_state_watch import GpuStateWatcher
 from agent.health.kmsg_watch import KmsgWatcher
@@ -37,7 +36,7 @@ from agent.health.nic_metrics import NicCollector
 from agent.health.nic_watch import NicWatcher
 from agent.health.nvml_watch import NvmlEventWatcher, NvmlPoller
 from agent.health.state import SavedHealth, StateStore
-from agent.host.dcgm_exporter import DcgmExporterPort, HttpDcgmExporter
+from agent.host.dcgm_exporter import DcgmExporterPort
 from agent.host.kmsg import read_boot_id
 from agent.host.links import LinkPort, NetlinkLinkPort
 from agent.host.nic_sysfs import NicSysfs
@@ -89,12 +88,8 @@ class HealthService:
         self.assessor.recovery_action_changed = self.gpu_state.nudge
         self.links = LinkWatcher(link_port or NetlinkLinkPort("/sys"), self.assessor,
                                  config.link_check_interval_seconds, clock=clock, checks=self._checks)
-        if dcgm_port is None and config.dcgm_exporter_url:
-            dcgm_port = HttpDcgmExporter(config.dcgm_exporter_url, config.dcgm_scrape_timeout_seconds, keep=keep_line)
-        self.dcgm = DcgmWatcher(dcgm_port, self.assessor, topology, config.dcgm_scrape_interval_seconds,
-                                nvlink_errors_per_minute=config.dcgm_nvlink_errors_per_minute,
-                                pcie_replays_per_minute=config.dcgm_pcie_replays_per_minute, checks=self._checks) \
-            if dcgm_port is not None else None
+        self.dcgm = dcgm_watcher(config, self.assessor, topology, checks=self._checks, port=dcgm_port) \
+            if dcgm_port is not None or config.dcgm_exporter_url else None
         if nic_sysfs is None:
             nic_sysfs = NicSysfs(getattr(self.links.port, "sysfs_root", "/sys"))
         self.nic = NicWatcher(nic_sysfs, self.assessor, config, nvml, clock=clock, state_dir=state_dir,

@@ -17,6 +17,8 @@ import httpx2
 log = logging.getLogger(__name__)
 
 MAX_BODY = 16 << 20  # a dcgm-exporter page is tens of KiB; anything near this is not one
+MAX_KEPT = 2 << 20  # kept lines: an 8-GPU page with 7 MIG instances each and a dozen Xid codes keeps ~0.6 MiB
+MAX_LINE = 64 << 10  # one line of a page; a body without newlines is not Prometheus text
 
 
 class DcgmScrapeError(Exception):
@@ -46,7 +48,9 @@ class HttpDcgmExporter:
     trickles a byte a second used to hold a worker thread (and shutdown) for as long as it liked, because a
     socket timeout only bounds the wait for the next byte. The body is read as a stream and split into lines as
     it comes; only lines `keep` accepts are held (the agent reads a few families of a page that is mostly clocks,
-    power and utilisation), so a page of many megabytes costs its bytes in passing, not in memory.
+    power and utilisation, and only this node's GPUs' samples), so a page of many megabytes costs its bytes in
+    passing, not in memory. What is kept is capped too (`max_kept` bytes, and no line over MAX_LINE is buffered):
+    past it the scrape is `too_large`, so memory stays bounded whatever the page holds (issue 27).
 
     One client serves every scrape (kept-alive connection): building a client loads the TLS certificate store,
     ~21 ms of CPU, which a per-scrape client paid every time even for a plain-http loopback URL (issue 32: the
@@ -54,13 +58,14 @@ class HttpDcgmExporter:
     exchange drops the client, so the next scrape starts from a fresh connection."""
 
     def __init__(self, url: str, timeout: float, max_body: int = MAX_BODY,
-                 keep: Callable[[str], bool] = lambda line: True) -> None:
+                 keep: Callable[[str], bool] = lambda line: True, max_kept: int = MAX_KEPT) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"dcgm-exporter URL must be http:// or https://, got {url!r}")
         self.url = url
         self.timeout = timeout
         self.max_body = max_body
         self.keep = keep
+        self.max_kept = max_kept
         self._client: httpx2.AsyncClient | None = None
 
     def _session(self) -> httpx2.AsyncClient:
@@ -99,7 +104,7 @@ class HttpDcgmExporter:
             log.debug("closing the dcgm-exporter connection: %s", exc)
 
     async def _fetch(self) -> str:
-        lines = _Lines(self.keep, self.max_body)
+        lines = _Lines(self.keep, self.max_body, self.max_kept)
         try:
             async with self._session().stream("GET", self.url, headers={"Accept": "text/plain"}) as response:
                 if response.status_code >= 400:
@@ -116,11 +121,14 @@ class HttpDcgmExporter:
 
 
 class _Lines:
-    """Split a streamed body into lines, keep the wanted ones, count every byte against the limit."""
+    """Split a streamed body into lines, keep the wanted ones, count every byte and every kept byte against the
+    limits."""
 
-    def __init__(self, keep: Callable[[str], bool], max_body: int) -> None:
+    def __init__(self, keep: Callable[[str], bool], max_body: int, max_kept: int = MAX_KEPT) -> None:
         self._keep = keep
         self._max = max_body
+        self._max_kept = max_kept
+        self._kept_size = 0
         self._size = 0
         self._pending = b""
         self._kept: list[str] = []
@@ -132,6 +140,8 @@ class _Lines:
         *whole, self._pending = (self._pending + chunk).split(b"\n")
         for raw in whole:
             self._line(raw)
+        if len(self._pending) > MAX_LINE:
+            raise DcgmScrapeError("malformed", f"a line longer than {MAX_LINE} bytes: not Prometheus text")
 
     def _line(self, raw: bytes) -> None:
         try:
@@ -139,11 +149,15 @@ class _Lines:
         except UnicodeDecodeError as exc:
             raise DcgmScrapeError("malformed", f"not UTF-8 text: {exc}") from exc
         if self._keep(line):
+            self._kept_size += len(line) + 1
+            if self._kept_size > self._max_kept:
+                raise DcgmScrapeError("too_large", f"more than {self._max_kept} bytes of lines the agent reads "
+                                      f"(the metrics it reads, of this node's GPUs)")
             self._kept.append(line)
 
     def text(self) -> str:
-        """The kept lines; a last line without its newline stays unterminated (the parser calls that cut short)."""
+        """The kept lines. A body whose last line has no newline was cut short, whether or not that line would
+        have been kept: malformed (Prometheus text ends every line, the last one too)."""
         if self._pending:
-            self._line(self._pending)
-            return "\n".join(self._kept)
+            raise DcgmScrapeError("malformed", "not Prometheus text (the answer ends mid-line: cut short)")
         return "".join(line + "\n" for line in self._kept)

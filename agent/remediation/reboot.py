@@ -102,14 +102,19 @@ class RebootRequests:
             log.info("dry-run: would create the reboot sentinel %s (%s)", path, why)
             return True
         try:
-            await asyncio.to_thread(write_sentinel, path, f"gpu-node-agent: {why}\n")
+            created = await asyncio.to_thread(write_sentinel, self.config.reboot_sentinel_dir, path,
+                                              f"gpu-node-agent: {why}\n")
         except OSError as exc:
             self._counter.count("reboot_request", "failed")
             if self._failed_boot != boot:
                 self._failed_boot = boot
-                await self._events.emit("RebootRequestFailed", f"cannot create the reboot sentinel {path}: {exc} "
-                                        f"(is the host directory mounted?)", WARNING)
+                hint = " (is the host directory mounted?)" if isinstance(exc, FileNotFoundError) else ""
+                await self._events.emit("RebootRequestFailed", f"cannot create the reboot sentinel {path}: "
+                                        f"{exc}{hint}", WARNING)
             return False
+        if not created:
+            log.info("the reboot sentinel %s is already there (a regular file): left as it is, the request stands",
+                     path)
         return True
 
     async def _rebooted(self, record: str) -> None:

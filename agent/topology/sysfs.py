@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,14 +67,29 @@ class _Function:
     virtfns: list[tuple[int, str]] = field(default_factory=list)
 
 
+MAX_ATTRIBUTE = 64 << 10  # a sysfs text attribute is at most a page; read no more than this of anything
+
+
 def _read(path: Path) -> str | None:
-    """File content stripped, or None when the file does not exist. Other errors raise SkipDevice."""
+    """File content stripped, or None when the file does not exist. Other errors raise SkipDevice.
+
+    Opened non-blocking and refused unless a regular file (sysfs attributes are): a FIFO or device planted in a
+    tree the agent reads must not block the topology scan; at most MAX_ATTRIBUTE bytes are read."""
     try:
-        return path.read_text(encoding="ascii", errors="replace").strip()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise SkipDevice(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SkipDevice(f"{path}: cannot read (not a regular file)")
+        data = os.read(fd, MAX_ATTRIBUTE)
+    except OSError as exc:
+        raise SkipDevice(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    finally:
+        os.close(fd)
+    return data.decode("ascii", errors="replace").strip()
 
 
 def _read_optional(path: Path) -> str | None:

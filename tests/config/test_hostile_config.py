@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from agent import cli
+from agent.config.model import AgentConfig
 
 
 @pytest.mark.parametrize(("content", "named"), [
@@ -148,3 +149,31 @@ def test_modest_yaml_anchors_still_load(tmp_path) -> None:
                     "  - {resourceName: a, selectors: &rdma {vendors: ['15b3'], isRdma: true}}\n"
                     "  - {resourceName: b, selectors: *rdma}\n")
     assert cli.main(["config", "--config", str(path)]) == 0
+
+
+@pytest.mark.parametrize("flag", ["--rescan-interval=1e-9", "--link-check-interval=1e-300"])
+def test_a_tiny_interval_is_exit_2_with_one_line(flag: str) -> None:
+    """Issue 27, item 10: 1e-9 passed "positive" and the loop it paced spun 76-97 % of a core."""
+    done = subprocess.run([sys.executable, "-m", "agent", "config", flag], check=False, capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "at least 0.01 seconds" in done.stderr and "Traceback" not in done.stderr
+
+
+def _duration_flags() -> list[tuple[str, str]]:
+    from agent.config.load import _flagged_fields, camel_case
+    return [(str(item.field.metadata["flag"]), camel_case(item.path[-1])) for item in _flagged_fields(AgentConfig)
+            if item.path[-1].endswith("_seconds") and item.hint is float and item.field.metadata.get("flag")]
+
+
+def test_every_duration_flag_has_the_floor(capsys) -> None:
+    flags = _duration_flags()
+    assert len(flags) >= 30 and ("--rescan-interval", "rescanIntervalSeconds") in flags
+    for flag, name in flags:
+        assert cli.main(["config", f"{flag}=0.009"]) == 2, flag
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and name in err and "at least 0.01" in err, err
+
+
+def test_the_floor_itself_and_zero_where_it_means_off_still_load() -> None:
+    assert cli.main(["config", "--rescan-interval=0.01", "--link-check-interval=0", "--preflight-retry=0"]) == 0

@@ -17,6 +17,7 @@ def test_the_agent_writes_only_into_its_own_host_directory() -> None:
     cfg = agent_config.load(None, {k: v for k, v in env.items() if v is not None})
     sentinel = cfg.remediation.reboot_sentinel_path
     assert cfg.remediation.reboot_condition_type == "GpuNodeRebootRequired" and cfg.remediation.reboot_requests
+    assert cfg.remediation.reboot_sentinel_dir == posixpath.dirname(sentinel)
     mount = next(m for m in container["volumeMounts"] if m["mountPath"] == posixpath.dirname(sentinel))
     volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
     assert volume["hostPath"] == {"path": "/var/run/gpu-node-agent", "type": "DirectoryOrCreate"}

@@ -17,7 +17,7 @@ import pytest
 from agent.config.health import HealthConfig
 from agent.health.assess import HealthAssessor
 from agent.health.dcgm import keep_line
-from agent.health.dcgm_watch import DcgmWatcher
+from agent.health.dcgm_watch import dcgm_watcher
 from agent.host.dcgm_exporter import HttpDcgmExporter
 from agent.host.nvml import MemoryHealth
 from agent.signals import HEALTHY, DeviceHealth, DeviceHealthEvent
@@ -51,11 +51,10 @@ class Rig:
         self.now = 1000.0
         self.device_health = DeviceHealth()
         self._flips_read = 0
-        cfg = HealthConfig(kmsg="", dcgm_exporter_url=url, **config)  # type: ignore[arg-type]
+        cfg = HealthConfig(kmsg="", dcgm_exporter_url=url, dcgm_scrape_timeout_seconds=timeout,
+                           **config)  # type: ignore[arg-type]
         self.assessor = HealthAssessor(cfg, topology, self.device_health, lambda: self.now)
-        self.watcher = DcgmWatcher(HttpDcgmExporter(url, timeout), self.assessor, topology, 15.0,
-                                   nvlink_errors_per_minute=cfg.dcgm_nvlink_errors_per_minute,
-                                   pcie_replays_per_minute=cfg.dcgm_pcie_replays_per_minute)
+        self.watcher = dcgm_watcher(cfg, self.assessor, topology)  # the port and watcher HealthService builds
 
     async def scrape(self, after: float = 15.0) -> bool:
         self.now += after

@@ -166,7 +166,7 @@ async def test_a_pending_remap_is_applied_by_a_reset_once_the_gpu_is_idle(harnes
 async def test_a_failed_reset_cordons_drains_and_requests_a_reboot(harness: Harness, rig: Rig,
                                                                   host: Host) -> None:
     sentinel = host.dir / "reboot-required"
-    await host.start(harness, host.config(reboot_sentinel_path=str(sentinel)))
+    await host.start(harness, host.config(reboot_sentinel_path=str(sentinel), reboot_sentinel_dir=str(host.dir)))
     (host.dir / "exit-code").write_text("3")
     _, uuid = await _fault(harness, rig)
     await _pod_gone(harness, rig, "trainer-2")

@@ -4,10 +4,14 @@ new boot id), counted towards the needs-a-human latch; and the Xid catalog's reb
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
 
+from agent import cli
+from agent import config as agent_config
 from agent.config.load import ConfigError, from_mapping
 from agent.config.remediation import DrainRule, RemediationConfig
 from agent.health.xid import XidPolicy
@@ -33,7 +37,8 @@ def host(tmp_path: Path) -> Path:
 
 
 def config_for(host: Path, **overrides: object) -> RemediationConfig:
-    return make_config(reboot_sentinel_path=str(host / "reboot-required"), reboot_condition_type=KIND, **overrides)
+    return make_config(reboot_sentinel_path=str(host / "reboot-required"), reboot_sentinel_dir=str(host),
+                       reboot_condition_type=KIND, **overrides)
 
 
 def boot_file(host: Path) -> str:
@@ -106,7 +111,7 @@ async def test_reboot_requests_count_towards_the_latch(harness: Harness, host: P
 
 async def test_a_sentinel_that_cannot_be_written_is_reported_and_retried(harness: Harness, host: Path) -> None:
     missing = host / "not-mounted"
-    config = make_config(reboot_sentinel_path=str(missing / "reboot-required"))
+    config = make_config(reboot_sentinel_path=str(missing / "reboot-required"), reboot_sentinel_dir=str(host))
     await harness.start(config, boot_id_path=boot_file(host))
     await harness.verdict(REBOOT)
     assert harness.actions("reboot_request", "failed") >= 1 and harness.actions("reboot_request", "ok") == 0
@@ -123,7 +128,7 @@ def test_a_symlink_at_the_sentinel_is_not_followed(tmp_path: Path) -> None:
     target = tmp_path / "elsewhere"
     (tmp_path / "reboot-required").symlink_to(target)
     with pytest.raises(OSError):
-        write_sentinel(tmp_path / "reboot-required", "x")
+        write_sentinel(tmp_path, tmp_path / "reboot-required", "x")
     assert not target.exists()
 
 
@@ -131,6 +136,73 @@ def test_a_symlink_at_the_sentinel_is_not_followed(tmp_path: Path) -> None:
 def test_an_unsafe_sentinel_path_is_refused_at_load(path: str) -> None:
     with pytest.raises(ConfigError, match="rebootSentinelPath"):
         from_mapping(RemediationConfig, {"rebootSentinelPath": path})
+
+
+async def test_a_fifo_at_the_sentinel_is_refused_without_blocking(harness: Harness, host: Path) -> None:
+    """Issue 27, item 9: open() blocked on the FIFO for ever (no reader), and SIGTERM could not end the agent."""
+    os.mkfifo(host / "reboot-required")
+    await harness.start(config_for(host), boot_id_path=boot_file(host))
+    await harness.verdict(REBOOT)
+    await harness.until(lambda: "RebootRequestFailed" in harness.event_reasons(), "the FIFO refused")
+    failed = next(e["message"] for e in harness.api.events.values() if e["reason"] == "RebootRequestFailed")
+    assert "is a FIFO, not a regular file" in failed
+    assert stat.S_ISFIFO((host / "reboot-required").lstat().st_mode)  # left alone, not replaced
+    assert f"{P}/reboot-requested" not in harness.api.annotations and harness.actions("reboot_request", "ok") == 0
+
+
+async def test_a_symlinked_parent_directory_is_refused(harness: Harness, host: Path, tmp_path: Path) -> None:
+    """Issue 27, item 9: a symlinked directory under the allowed one led the write anywhere."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (host / "kured").symlink_to(elsewhere)
+    config = make_config(reboot_sentinel_path=str(host / "kured" / "reboot-required"), reboot_sentinel_dir=str(host))
+    await harness.start(config, boot_id_path=boot_file(host))
+    await harness.verdict(REBOOT)
+    await harness.until(lambda: "RebootRequestFailed" in harness.event_reasons(), "the symlink refused")
+    assert list(elsewhere.iterdir()) == [] and harness.actions("reboot_request", "ok") == 0
+
+
+async def test_an_existing_file_is_never_overwritten(harness: Harness, host: Path) -> None:
+    """Issue 27, item 9: an existing file was truncated and rewritten. A regular file already there asks kured
+    for the reboot already: the request stands and the file keeps its content."""
+    sentinel = host / "reboot-required"
+    sentinel.write_text("unattended-upgrades: linux-image\n")
+    await harness.start(config_for(host), boot_id_path=boot_file(host))
+    await harness.verdict(REBOOT)
+    assert sentinel.read_text() == "unattended-upgrades: linux-image\n"
+    assert harness.actions("reboot_request", "ok") == 1 and "RebootRequested" in harness.event_reasons()
+
+
+def test_the_writer_refuses_paths_outside_its_directory_and_devices(tmp_path: Path) -> None:
+    from agent.host.sentinel import write_sentinel
+    with pytest.raises(OSError, match="not under the allowed directory"):
+        write_sentinel(tmp_path / "run", "/etc/passwd", "x")
+    with pytest.raises(OSError, match="a character device"):
+        write_sentinel("/dev", "/dev/null", "x")
+    assert write_sentinel(tmp_path, tmp_path / "reboot-required", "why\n") is True
+    assert write_sentinel(tmp_path, tmp_path / "reboot-required", "again\n") is False
+    assert (tmp_path / "reboot-required").read_text() == "why\n"
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--reboot-sentinel=/etc/passwd"], "is not under rebootSentinelDir '/var/lib/gpu-node-agent'"),
+    (["--reboot-sentinel=/proc/sysrq-trigger", "--reboot-sentinel-dir=/proc"], "rebootSentinelDir: '/proc'"),
+    (["--reboot-sentinel=/etc/passwd", "--reboot-sentinel-dir=/etc"], "rebootSentinelDir: '/etc'"),
+    (["--reboot-sentinel=/host/run/x/reboot-required", "--reboot-sentinel-dir=/host/run/gpu-node-agent"],
+     "is not under rebootSentinelDir '/host/run/gpu-node-agent'"),
+    (["--reboot-sentinel=/var/lib/gpu-node-agent"], "is not under rebootSentinelDir"),
+])
+def test_a_sentinel_outside_the_allowed_directory_is_exit_2_with_one_line(
+        argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["config", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and named in err and "Traceback" not in err
+
+
+def test_the_sentinel_directory_defaults_to_the_state_directory() -> None:
+    cfg = agent_config.load(None, {"GPU_NODE_AGENT_STATE_DIR": "/data/gna",
+                                   "GPU_NODE_AGENT_REBOOT_SENTINEL": "/data/gna/reboot-required"})
+    assert cfg.remediation.reboot_sentinel_dir == "/data/gna"
 
 
 def test_the_catalog_and_the_lost_gpu_carry_a_reboot() -> None:
@@ -147,8 +219,8 @@ async def test_a_condition_type_no_longer_set_is_removed_at_start(harness: Harne
     assert harness.api.annotations[f"{P}/condition-types"] == f"{KIND},GpuUnhealthy"
 
     # the operator turns the reboot condition off: left as it is, the True would make NHC/Karpenter act at once
-    await harness.restart(make_config(reboot_sentinel_path=str(host / "reboot-required")),
-                          boot_id_path=boot_file(host))
+    await harness.restart(make_config(reboot_sentinel_path=str(host / "reboot-required"),
+                                      reboot_sentinel_dir=str(host)), boot_id_path=boot_file(host))
     assert harness.api.condition(KIND) is None
     assert harness.api.condition("GpuUnhealthy") is not None and harness.api.condition("Ready") is not None
     assert harness.actions("condition_removed", "ok") == 1 and "StaleConditionRemoved" in harness.event_reasons()

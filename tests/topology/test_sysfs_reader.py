@@ -263,3 +263,27 @@ def test_uuids_come_from_nvml_in_any_bus_id_form(written):
     nvml_style = {k.upper().replace("0000:", "00000000:", 1): v for k, v in node.nvml.gpu_uuids().items()}
     topology = load_topology(node.sysfs_root, SimulatedNvml(nvml_style).gpu_uuids())
     assert [g.uuid for g in topology.gpus] == [node.profile.gpu_uuids[g.bus_id] for g in topology.gpus]
+
+
+def test_a_fifo_for_a_vendor_file_is_skipped_without_blocking(tmp_path, caplog):
+    """Issue 27 (risks): a FIFO planted as a sysfs `vendor` file blocked the topology scan in open() for ever."""
+    import os
+    import threading
+
+    profile = profiles.load_profile("dgx-h100")
+    tree = profile_tree(profile)
+    tree.remove(f"{_gpu_dir(tree)}/vendor")
+    tree.write(tmp_path)
+    fifo = tmp_path / _gpu_dir(tree) / "vendor"
+    os.mkfifo(fifo)
+    found = []
+    with caplog.at_level(logging.WARNING, logger="agent.topology.sysfs"):
+        reader = threading.Thread(target=lambda: found.append(SysfsReader(tmp_path).read(profile.gpu_uuids)))
+        reader.start()
+        reader.join(10)
+        if reader.is_alive():  # the old reader: release it (a writer that closes at once), then fail
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            reader.join(10)
+            pytest.fail("reading the topology blocked on a FIFO")
+    assert GPU0 not in [g.bus_id for g in found[0].gpus] and len(found[0].gpus) == 7
+    assert "not a regular file" in caplog.text

@@ -4,8 +4,6 @@ in `run` alike, before anything starts (issue 14, item 3 and the node name of it
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -13,6 +11,7 @@ import yaml
 
 from agent import cli
 from agent.config.model import AgentConfig
+from tests.fakes.cli import run_agent
 
 
 @pytest.mark.parametrize(("content", "named"), [
@@ -115,9 +114,9 @@ def test_huge_namespace_default_bandwidths_exit_2_at_once(tmp_path, capsys, valu
     """Issue 27: `1e9999999` ended in a traceback (decimal.Overflow), `1e999999` took 25 s."""
     path = tmp_path / "shaping.yaml"
     path.write_text(f"shaping: {{namespaceDefaults: {{team: {{egress: '{value}'}}}}}}\n")
-    started = time.monotonic()
+    started = time.process_time()  # this process's CPU: not inflated by other work on a loaded machine
     assert cli.main([command, "--config", str(path)]) == 2
-    assert time.monotonic() - started < 1
+    assert time.process_time() - started < 2  # the million-digit integer took 25 s of CPU
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "namespaceDefaults.team.egress" in err and "exponent out of range" in err
@@ -132,15 +131,9 @@ def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, command: str) -> None:
     """Issue 27, item 4: 9^9 values from a 500-byte file; the depth check walked them all (a core, forever)."""
     path = tmp_path / "laughs.yaml"
     path.write_text(_LAUGHS)
-    started = time.monotonic()
-    try:
-        done = subprocess.run([sys.executable, "-m", "agent", command, "--config", str(path)], check=False,
-                              capture_output=True, text=True, timeout=20)
-    except subprocess.TimeoutExpired:
-        pytest.fail("the alias bomb was not refused within 20 s")
+    done = run_agent(command, "--config", str(path))  # it spun a core forever: the timeout fails that
     assert done.returncode == 2
     assert "expands to more than 100000 values" in done.stderr and "Traceback" not in done.stderr
-    assert time.monotonic() - started < 10
 
 
 def test_modest_yaml_anchors_still_load(tmp_path) -> None:
@@ -154,8 +147,7 @@ def test_modest_yaml_anchors_still_load(tmp_path) -> None:
 @pytest.mark.parametrize("flag", ["--rescan-interval=1e-9", "--link-check-interval=1e-300"])
 def test_a_tiny_interval_is_exit_2_with_one_line(flag: str) -> None:
     """Issue 27, item 10: 1e-9 passed "positive" and the loop it paced spun 76-97 % of a core."""
-    done = subprocess.run([sys.executable, "-m", "agent", "config", flag], check=False, capture_output=True,
-                          text=True, timeout=30)
+    done = run_agent("config", flag)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "at least 0.01 seconds" in done.stderr and "Traceback" not in done.stderr
 

@@ -12,13 +12,14 @@ import copy
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import jsonpatch
 import pytest
 import yaml
+
+from tests.fakes.cli import run_agent
 
 DATA = Path(__file__).parent / "data" / "nvidia"
 EXCLUDE = {"key": "gpunodeagent.io/drop-in", "operator": "NotIn", "values": ["true"]}
@@ -36,8 +37,7 @@ def _terms(daemonset: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _patch(daemonset: dict[str, Any]) -> list[dict[str, Any]]:
-    done = subprocess.run([sys.executable, "-m", "agent", "dropin-exclusion"], input=json.dumps(daemonset),
-                          capture_output=True, text=True, timeout=30, check=False)
+    done = run_agent("dropin-exclusion", stdin=json.dumps(daemonset))
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -88,6 +88,5 @@ def test_the_old_merge_patch_would_have_dropped_the_charts_terms() -> None:
     ("[" * 100_000, "not a DaemonSet as JSON"),
 ])
 def test_bad_input_is_one_line_and_exit_2(stdin: str, message: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "agent", "dropin-exclusion"], input=stdin, capture_output=True,
-                          text=True, timeout=30, check=False)
+    done = run_agent("dropin-exclusion", stdin=stdin)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr

@@ -39,11 +39,11 @@ def test_quantities_are_bits_per_second(text, bps):
                                   # issue 27: a million-digit integer (30 s, the loop stalled), decimal.Overflow
                                   "1e999999", "1e9999999", "1E+999999999", "1e-9999999", "9" * 60 + "e99", "0e99999"])
 def test_bad_quantities_are_refused_with_a_reason(text):
-    started = time.monotonic()
+    started = time.process_time()  # this process's CPU: not inflated by other work on a loaded machine
     with pytest.raises(ValueError) as info:
         parse_bandwidth(text)
     assert len(str(info.value)) < 200
-    assert time.monotonic() - started < 0.1
+    assert time.process_time() - started < 1  # the million-digit integer took 30 s of CPU
 
 
 def test_each_direction_stands_alone():
@@ -233,10 +233,10 @@ def test_one_hostile_annotation_is_refused_for_its_pod_only():
     registry.register(ShapingCollector(shaper))
     hostile = make_pod("team", "hostile", ["10.244.1.2"], uid="u-h",
                        annotations={EGRESS_ANNOTATION: "1e9999999", INGRESS_ANNOTATION: "1e999999"})
-    started = time.monotonic()
+    started = time.process_time()
     for _ in range(2):  # the same bad values on the next sync are not counted again
         report = shaper.sync([limited("a", "10.244.1.1"), hostile])
-    assert time.monotonic() - started < 0.5
+    assert time.process_time() - started < 2  # each sync stalled the loop for 30 s of CPU
     assert report.count("shaped") == 1 and ("team", "hostile") not in report.pods
     assert sorted(p.direction for p in report.problems[("team", "hostile")][1]) == ["egress", "ingress"]
     assert registry.get_sample_value("gpu_node_agent_shaping_sync_failures_total") == 0

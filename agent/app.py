@@ -26,7 +26,7 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
-from agent import __version__, aio, wiring
+from agent import __version__, aio, doctor, wiring
 from agent.config import AgentConfig, ConfigError
 from agent.hardware import Hardware, open_hardware
 from agent.http import MetricsServer, Readiness
@@ -71,6 +71,16 @@ def _metrics_server(cfg: AgentConfig, registry: CollectorRegistry, readiness: Re
         raise StartupError(f"cannot serve metrics on {cfg.metrics_address}: {exc.strerror or exc}") from exc
 
 
+async def _self_check(cfg: AgentConfig, hardware: Hardware, scratch: Path, readiness: Readiness) -> None:
+    """The machine's own part of `gpu-node-agent doctor` (NVML, sysfs, kernel log, state dir, clock), bounded: one
+    log line, and the failing checks named in /readyz while not ready. The kubelet, API and exporter checks are
+    left to the subsystems that use them (they log and retry on their own)."""
+    checks = await doctor.diagnose(cfg, hardware, scratch, local_only=True, check_s=3.0)
+    failing = [c for c in checks if c.status == "fail"]
+    log.log(logging.WARNING if failing else logging.INFO, "self-check: %s", doctor.summary(checks))
+    readiness.findings("; ".join(f"{c.name}: {c.detail}" for c in failing))
+
+
 async def run_agent(cfg: AgentConfig, stop: asyncio.Event | None = None,
                     on_ready: Callable[[int], None] | None = None) -> int:
     """Run until `stop` (or a signal); the exit code. `on_ready(port)` is called once the HTTP endpoint listens."""
@@ -112,6 +122,7 @@ async def _run(cfg: AgentConfig, stop: asyncio.Event, rescan: asyncio.Event, scr
     built: wiring.Wiring | None = None
     try:
         hardware = await _open_hardware(cfg, scratch)
+        await _self_check(cfg, hardware, scratch, readiness)
         up = Gauge("gpu_node_agent_subsystem_up", "1 while a subsystem runs, 0 after it failed", ["subsystem"],
                    registry=registry)
         supervisor = Supervisor(stop, up=up, restart_returned=True)

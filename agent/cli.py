@@ -1,4 +1,4 @@
-"""Command line: `gpu-node-agent run | topology | simulate-node | simulate-dcgm-exporter | config`.
+"""Command line: `gpu-node-agent run | doctor | topology | simulate-node | simulate-dcgm-exporter | config`.
 
 Flags and environment are parsed here, once, into an `AgentConfig` that is passed down; nothing below reads
 `os.environ`. Bad configuration or input exits with code 2 and a message naming what is wrong.
@@ -78,6 +78,14 @@ def _parser() -> argparse.ArgumentParser:
                           help="print a JSON patch that keeps an old device plugin's DaemonSet (kubectl get -o json on "
                                "stdin) off nodes labelled gpunodeagent.io/drop-in=true, keeping its own affinity")
     excl.add_argument("--label", default="gpunodeagent.io/drop-in", help="the node label (value true) to exclude")
+    doc = sub.add_parser("doctor", help="check once, read-only, what the agent can see on this node and why not",
+                         description="Run every probe `run` uses once, read-only and bounded (under 10 s), with the "
+                                     "same flags and config as `run`, and print one row per check: ok, warn, fail "
+                                     "or skip, what was found, and the fix. Exit 0 when no check fails, 1 when "
+                                     "one does, 2 on bad flags.")
+    config.add_flags(doc)
+    doc.add_argument("--json", action="store_true",
+                     help='print {"checks": [{"name", "status", "detail", "fix"}, ...]} instead of the table')
     dump = sub.add_parser("config", help="print the effective configuration as YAML")
     dump.add_argument("--actions", action="store_true",
                       help="print the effective action table instead (every Xid and check, defaults + overrides)")
@@ -239,6 +247,33 @@ def _cmd_dropin_exclusion(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from agent import doctor
+    from agent.hardware import Hardware, open_hardware
+    from agent.host.links import SysfsLinkPort
+    from agent.host.nvml import RealNvml
+    from agent.topology.model import Topology
+
+    cfg = _load_config(args)
+    if cfg.device_plugin.serve_gpus is None:  # as `run` resolves it
+        serve = cfg.topology.simulate is not None
+        cfg = dataclasses.replace(cfg, device_plugin=dataclasses.replace(cfg.device_plugin, serve_gpus=serve))
+    with tempfile.TemporaryDirectory(prefix="gna-doc-") as tmp:
+        scratch = Path(tmp)
+        try:
+            hardware = open_hardware(cfg.topology, scratch / "sys")
+        except OSError as exc:  # reported by the sysfs check (no PCI tree), not a crash
+            log.warning("cannot read the hardware: %s", exc)
+            root = Path(cfg.topology.sysfs_root)
+            hardware = Hardware(RealNvml(), root, None, Topology(), SysfsLinkPort(root))
+        checks = asyncio.run(doctor.diagnose(cfg, hardware, scratch,
+                                             has_credentials=bool(cfg.api_server.kubeconfig)))
+    print(doctor.to_json(checks) if args.json else doctor.to_table(checks))
+    return doctor.exit_code(checks)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from agent import app
 
@@ -258,7 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "run":
         setup_logging("warning", "text")
     handlers = {"run": _cmd_run, "topology": _cmd_topology, "simulate-node": _cmd_simulate_node,
-                "simulate-dcgm-exporter": _cmd_simulate_dcgm_exporter, "config": _cmd_config, "netacct": _cmd_netacct,
+                "simulate-dcgm-exporter": _cmd_simulate_dcgm_exporter, "config": _cmd_config, "doctor": _cmd_doctor,
+                "netacct": _cmd_netacct,
                 "shaping": _cmd_shaping, "dropin-exclusion": _cmd_dropin_exclusion}
     try:
         return handlers[args.command](args)

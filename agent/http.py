@@ -59,6 +59,7 @@ class Readiness:
 
     def __init__(self, liveness_timeout: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._conditions: dict[str, bool] = {}
+        self._findings = ""  # what the start-up self-check found failing (`gpu-node-agent doctor`'s checks)
         self._lock = threading.Lock()
         self._clock = clock
         self._heartbeat = clock()
@@ -74,6 +75,11 @@ class Readiness:
         with self._lock:
             self._conditions[name] = ok
 
+    def findings(self, text: str) -> None:
+        """The failing checks of the start-up self-check, named in the detail while not ready ("" for none)."""
+        with self._lock:
+            self._findings = text
+
     def beat(self) -> None:
         """Called from the event loop: it is alive."""
         self._heartbeat = self._clock()
@@ -87,7 +93,10 @@ class Readiness:
         """Whether every condition holds, naming the unmet ones."""
         with self._lock:
             missing = sorted(name for name, ok in self._conditions.items() if not ok)
-        return not missing, ("not ready: " + ", ".join(missing)) if missing else "ready"
+            findings = self._findings
+        if not missing:
+            return True, "ready"
+        return False, "not ready: " + ", ".join(missing) + (f" (failing check: {findings})" if findings else "")
 
 
 def make_handler(registry: CollectorRegistry, readiness: Readiness, pool: Executor) -> Handler:

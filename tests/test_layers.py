@@ -59,7 +59,7 @@ def test_subprocesses_run_only_in_the_host_ports_and_the_iptables_port():
 SOURCES = ("agent.topology", "agent.host", "agent.simulate.profiles", "agent.simulate.sysfs_writer",
            "agent.simulate.sysfs_tree", "agent.config", "agent.signals", "agent.placement")
 CONSUMERS = ("agent.deviceplugin", "agent.dra", "agent.health", "agent.remediation", "agent.netacct", "agent.shaping",
-             "agent.kube", "agent.app", "agent.wiring", "agent.cli")
+             "agent.kube", "agent.app", "agent.wiring", "agent.doctor", "agent.cli")
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -192,8 +192,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("agent.placement", "agent.ownership", "agent.health"),
     # consumers that act
     ("agent.deviceplugin", "agent.dra", "agent.remediation", "agent.netacct", "agent.shaping"),
-    # the composition root, and the choice between real and simulated hardware it makes
-    ("agent.wiring", "agent.hardware"),
+    # the composition root, the choice between real and simulated hardware it makes, and the node self-check
+    # (`doctor`) that opens the same hardware and runs the readers below once
+    ("agent.wiring", "agent.hardware", "agent.doctor"),
     ("agent.app",),
     ("agent.cli", "agent.__main__"),
 )

@@ -26,7 +26,9 @@ from lightkube.config.client_adapter import verify_cluster
 from lightkube.core.exceptions import ApiError as LightkubeApiError
 from lightkube.core.exceptions import ConfigError as LightkubeConfigError
 from lightkube.core.exceptions import NotReadyError
+from lightkube.models.authorization_v1 import ResourceAttributes, SelfSubjectAccessReviewSpec
 from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.authorization_v1 import SelfSubjectAccessReview
 from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Event, Node, Pod
 from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
@@ -291,6 +293,16 @@ class LightkubeCluster:
         claim = await self._do(lambda: self._client.get(ResourceClaim, url_segment(name),
                                                         namespace=url_segment(namespace, namespace=True)))
         return dict(claim.to_dict())
+
+    async def review_access(self, verb: str, resource: str, *, group: str = "", subresource: str = "",
+                            namespace: str = "") -> tuple[bool, str]:
+        """POST a SelfSubjectAccessReview (every authenticated identity may: system:basic-user)."""
+        attributes = ResourceAttributes(verb=verb, resource=resource, group=group, subresource=subresource or None,
+                                        namespace=namespace or None)
+        review = SelfSubjectAccessReview(spec=SelfSubjectAccessReviewSpec(resourceAttributes=attributes))
+        answer = await self._do(lambda: self._client.create(review))
+        status = answer.status
+        return bool(status and status.allowed), str((status.reason if status else "") or "")
 
     async def aclose(self) -> None:
         """Close the HTTP client."""

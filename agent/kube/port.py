@@ -106,7 +106,16 @@ class ResourceClaimApi(Protocol):
         """GET the claim (ApiNotFound when it is gone)."""
 
 
-class Cluster(NodeApi, PodApi, PodWatchApi, EventApi, LeaseApi, ResourceSliceApi, ResourceClaimApi, Protocol):
+class AccessApi(Protocol):
+    """What RBAC lets the agent's own identity do (SelfSubjectAccessReview; `gpu-node-agent doctor`)."""
+
+    async def review_access(self, verb: str, resource: str, *, group: str = "", subresource: str = "",
+                            namespace: str = "") -> tuple[bool, str]:
+        """Whether the verb on the resource is allowed, and the authorizer's reason (often empty)."""
+
+
+class Cluster(NodeApi, PodApi, PodWatchApi, EventApi, LeaseApi, ResourceSliceApi, ResourceClaimApi, AccessApi,
+              Protocol):
     """Everything the agent does on the API server; one client shared by remediation and network accounting."""
 
     async def aclose(self) -> None:

@@ -69,6 +69,11 @@ class InMemoryCluster:
         """The node."""
         return self.node
 
+    async def review_access(self, verb: str, resource: str, *, group: str = "", subresource: str = "",
+                            namespace: str = "") -> tuple[bool, str]:
+        """The in-memory cluster lets the agent do everything."""
+        return True, "in-memory cluster"
+
     async def watch_node(self, resource_version: str, timeout_seconds: int) -> AsyncIterator[WatchEvent[NodeView]]:
         """MODIFIED for every change after `resource_version`, until `timeout_seconds` pass quietly."""
         seen = resource_version

@@ -162,3 +162,13 @@ def test_metrics_are_served_plain_gzip_and_openmetrics():
             assert gzip.decompress(response.read()).endswith(b"# EOF\n")
     finally:
         server.stop()
+
+
+def test_readiness_names_the_failing_self_check_while_not_ready():
+    readiness = Readiness()
+    readiness.require("device-plugin registered")
+    readiness.findings("kmsg: cannot read /dev/kmsg: Permission denied")
+    assert readiness.ready() == (False, "not ready: device-plugin registered (failing check: kmsg: cannot read "
+                                        "/dev/kmsg: Permission denied)")
+    readiness.set("device-plugin registered")
+    assert readiness.ready() == (True, "ready")

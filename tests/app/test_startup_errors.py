@@ -63,6 +63,9 @@ def test_remediation_without_a_node_name(tmp_path: Path):
                             "--metrics-address", "127.0.0.1:0")
     assert code == 2
     assert "no node name" in the_error(lines)
+    # the start-up self-check (doctor's machine checks) ran before the wiring refused the config, as one line
+    checks = [m["msg"] for m in lines if m["msg"].startswith("self-check: ")]
+    assert len(checks) == 1 and "0 fail" in checks[0], checks
 
 
 def test_remediation_without_credentials(tmp_path: Path):

@@ -23,6 +23,8 @@ def allowed(node: str, lease_namespace: str) -> list[tuple[str, str]]:
         ("PUT", rf"/apis/resource.k8s.io/v1/resourceslices/{node}-[^/]+"),
         ("DELETE", rf"/apis/resource.k8s.io/v1/resourceslices/{node}-[^/]+"),
         ("GET", r"/apis/resource.k8s.io/v1/namespaces/[^/]+/resourceclaims/[^/]+"),
+        # doctor's RBAC check; every authenticated identity may (system:basic-user)
+        ("POST", r"/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"),
     ]
 
 

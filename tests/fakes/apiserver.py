@@ -5,7 +5,9 @@ not emulate: merge patch with the resourceVersion precondition (409), strategic 
 type, the `spec.nodeName` field selector on pod lists and watches, watches of the Node and of pods with
 resourceVersion / bookmarks / timeoutSeconds / 410 after compaction, one resourceVersion counter for every
 object (as etcd has), the Eviction subresource, Events with generateName, Leases with create-409 and
-replace-409, and resource.k8s.io/v1 ResourceSlices and ResourceClaims (`tests.fakes.apidra`). Everything
+replace-409, resource.k8s.io/v1 ResourceSlices and ResourceClaims (`tests.fakes.apidra`), and
+SelfSubjectAccessReviews (201 with `status.allowed`; `denied` holds the (group, resource[/subresource], verb)
+RBAC refuses, as an authorizer that says no without a reason). Everything
 else answers 404 and is recorded, so tests can assert the agent made no other request.
 Faults (status codes, delays for client timeouts) are scripted per method and path. Watch timeouts follow the
 injected clock.
@@ -70,6 +72,7 @@ class ApiServerDouble(EventsAndLeases, ResourceApi, HttpDouble):
         self.resource_slices: dict[str, dict[str, Any]] = {}  # resource.k8s.io/v1 (tests.fakes.apidra)
         self.resource_claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.open_watches = 0
+        self.denied: set[tuple[str, str, str]] = set()  # (API group, resource[/subresource], verb) RBAC refuses
         self._changed = asyncio.Event()
         self._expire = asyncio.Event()
         self._close = asyncio.Event()
@@ -196,9 +199,29 @@ class ApiServerDouble(EventsAndLeases, ResourceApi, HttpDouble):
             return self._event(r, m.group(1), m.group(2))
         if m := re.fullmatch(r"/apis/coordination.k8s.io/v1/namespaces/([^/]+)/leases(?:/([^/]+))?", r.path):
             return self._lease(r, m.group(1), m.group(2))
+        if r.path == "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews" and r.method == "POST":
+            return self._access_review(r.body)
         if r.path.startswith("/apis/resource.k8s.io/v1/") and (answer := self._resource(r)) is not None:
             return answer
         return 404, status_body(404, f"{r.method} {r.path} is not served by the double", "NotFound"), {}
+
+    def _access_review(self, body: Any) -> Answer:
+        """authorization.k8s.io/v1: the spec comes back with `status` filled in, 201 Created; a spec naming
+        neither resourceAttributes nor nonResourceAttributes is 400 Invalid, as the API server answers."""
+        spec = body.get("spec") if isinstance(body, dict) else None
+        attributes = spec.get("resourceAttributes") if isinstance(spec, dict) else None
+        if not isinstance(attributes, dict):
+            return 400, status_body(400, "spec.resourceAttributes: Invalid value: exactly one of "
+                                         "nonResourceAttributes or resourceAttributes must be specified", "Invalid"), {}
+        resource = str(attributes.get("resource") or "")
+        if attributes.get("subresource"):
+            resource += f"/{attributes['subresource']}"
+        allowed = (str(attributes.get("group") or ""), resource, str(attributes.get("verb") or "")) not in self.denied
+        status: dict[str, Any] = {"allowed": allowed}
+        if allowed:
+            status["reason"] = 'RBAC: allowed by ClusterRoleBinding "gpu-node-agent"'
+        return 201, {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+                     "metadata": {"creationTimestamp": None}, "spec": spec, "status": status}, {}
 
     def _patch_node(self, body: dict[str, Any]) -> Answer:
         wanted = (body.get("metadata") or {}).pop("resourceVersion", None)

@@ -56,6 +56,7 @@ class StandInLibNvml:
     def __init__(self, gpus: list[StandInGpu], *, old_driver: bool = False) -> None:
         self.gpus = gpus
         self.calls = 0
+        self.driver_version = "570.124.06"
         self.sessions = 0
         self.epoch = 0  # grows when the last session closes: what belonged to it is gone
         self.event_sets: dict[int, tuple[int, set[int]]] = {}  # set id -> (epoch, registered GPU indexes)
@@ -81,6 +82,11 @@ class StandInLibNvml:
             "nvmlEventSetFree": proto(ctypes.c_int, _VP)(self._set_free),
             "nvmlDeviceGetUUID": proto(ctypes.c_int, _VP, _VP, ctypes.c_uint)(self._uuid),
             "nvmlDeviceGetHandleByUUID": proto(ctypes.c_int, ctypes.c_char_p, _VP)(self._handle),
+            # the inventory (`gpu-node-agent doctor`): count, handle by index, names, driver version
+            "nvmlDeviceGetCount_v2": proto(ctypes.c_int, ctypes.POINTER(ctypes.c_uint))(self._count),
+            "nvmlDeviceGetHandleByIndex_v2": proto(ctypes.c_int, ctypes.c_uint, _VP)(self._handle_by_index),
+            "nvmlDeviceGetName": proto(ctypes.c_int, _VP, _VP, ctypes.c_uint)(self._name),
+            "nvmlSystemGetDriverVersion": proto(ctypes.c_int, _VP, ctypes.c_uint)(self._driver_version),
             "nvmlDeviceGetNvLinkState": proto(ctypes.c_int, _VP, ctypes.c_uint, ctypes.POINTER(ctypes.c_uint))(
                 self._link_state),
             "nvmlDeviceGetGpuFabricInfoV": proto(ctypes.c_int, _VP, ctypes.POINTER(
@@ -186,6 +192,30 @@ class StandInLibNvml:
         if gpu is None:
             return pynvml.NVML_ERROR_INVALID_ARGUMENT
         ctypes.memmove(out, gpu.uuid.encode() + b"\0", len(gpu.uuid) + 1)
+        return pynvml.NVML_SUCCESS
+
+    def _count(self, out: Any) -> int:
+        if not self.sessions:
+            return pynvml.NVML_ERROR_UNINITIALIZED
+        out[0] = len(self.gpus)
+        return pynvml.NVML_SUCCESS
+
+    def _handle_by_index(self, index: int, out: int | None) -> int:
+        if not self.sessions:
+            return pynvml.NVML_ERROR_UNINITIALIZED
+        if index >= len(self.gpus):
+            return pynvml.NVML_ERROR_INVALID_ARGUMENT
+        ctypes.cast(out, ctypes.POINTER(_VP))[0] = index + 1
+        return pynvml.NVML_ERROR_GPU_IS_LOST if self.gpus[index].lost else pynvml.NVML_SUCCESS
+
+    def _name(self, handle: int | None, out: int | None, size: int) -> int:
+        if self._gpu(handle) is None:
+            return pynvml.NVML_ERROR_INVALID_ARGUMENT
+        ctypes.memmove(out, b"NVIDIA H100 80GB HBM3\0", 22)
+        return pynvml.NVML_SUCCESS
+
+    def _driver_version(self, out: int | None, size: int) -> int:
+        ctypes.memmove(out, self.driver_version.encode() + b"\0", len(self.driver_version) + 1)
         return pynvml.NVML_SUCCESS
 
     def _gpu(self, handle: int | None) -> StandInGpu | None:

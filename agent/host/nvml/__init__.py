@@ -15,6 +15,7 @@ else is `NvmlError`.
 
 from agent.host.nvml.api import (
     GpuFabric,
+    GpuInfo,
     GpuLostError,
     GpuState,
     MemoryHealth,
@@ -23,6 +24,7 @@ from agent.host.nvml.api import (
     NvmlEvent,
     NvmlEventSet,
     NvmlHealth,
+    NvmlInventory,
     NvmlPort,
     NvmlSession,
     NvmlUnavailableError,
@@ -32,6 +34,7 @@ from agent.host.nvml.simulated import SimulatedNvml
 
 __all__ = [
     "GpuFabric",
+    "GpuInfo",
     "GpuLostError",
     "GpuState",
     "MemoryHealth",
@@ -40,6 +43,7 @@ __all__ = [
     "NvmlEvent",
     "NvmlEventSet",
     "NvmlHealth",
+    "NvmlInventory",
     "NvmlPort",
     "NvmlSession",
     "NvmlUnavailableError",

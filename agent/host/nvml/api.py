@@ -99,6 +99,35 @@ class GpuState:
     errors: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU as `nvidia-smi -q` names it; None where the GPU or driver does not answer the query."""
+
+    index: int
+    name: str
+    uuid: str
+    bus_id: str
+    mig_enabled: bool | None = None
+    ecc_enabled: bool | None = None
+    persistence: bool | None = None
+
+
+@dataclass(frozen=True)
+class NvmlInventory:
+    """What the driver is and which of the calls the agent relies on it answers (`gpu-node-agent doctor`).
+
+    `support`: call or field -> "yes", "no" (not supported by this GPU or driver) or what went wrong; asked of the
+    first GPU: `nvlink_state_field` (field 165), `recovery_action_field` (field 230), `fabric_info` (the struct
+    version the driver took: v3, v2, v1), `remapped_rows`, `process_list` (v3 or v2), `event_set`.
+    """
+
+    driver_version: str
+    nvml_version: str
+    cuda_version: str
+    gpus: tuple[GpuInfo, ...]
+    support: dict[str, str] = field(default_factory=dict)
+
+
 class Nvml(Protocol):
     """What the agent asks of NVML."""
 
@@ -161,6 +190,9 @@ class NvmlSession(Nvml, Protocol):
 
 class NvmlPort(NvmlHealth, NvmlSession, Protocol):
     """The whole port, as the hardware owner holds it: health reads and GPU-reset support."""
+
+    def inventory(self) -> NvmlInventory:
+        """Versions, each GPU's basics and which calls the driver supports. NvmlUnavailableError without NVML."""
 
 
 def _code(exc: BaseException) -> int | None:

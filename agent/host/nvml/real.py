@@ -26,12 +26,14 @@ from agent.host.nvml.api import (
     MemoryHealth,
     NvmlError,
     NvmlEventSet,
+    NvmlInventory,
     NvmlUnavailableError,
     _code,
     _text,
 )
 from agent.host.nvml.gate import SessionGate
 from agent.host.nvml.real_events import RealEventSet
+from agent.host.nvml.real_inventory import read_inventory
 
 log = logging.getLogger(__name__)
 _RETRY_INIT_SECONDS = 60.0  # a failed nvmlInit is tried again this long after (health recovers with the driver)
@@ -322,6 +324,11 @@ class RealNvml:
         if (uuid, what) not in self._unsupported_logged:
             self._unsupported_logged.add((uuid, what))
             log.info("NVML %s not supported on %s; that check is skipped", what, uuid)
+
+    @_gated
+    def inventory(self) -> NvmlInventory:
+        """Versions, each GPU's basics and the calls this driver answers (agent.host.nvml.real_inventory)."""
+        return read_inventory(self._lib())
 
     @_gated
     def open_events(self, uuids: Iterable[str]) -> NvmlEventSet:

@@ -24,12 +24,14 @@ from agent.host.nvml.api import (
     FABRIC_STATES,
     RECOVERY_ACTIONS,
     GpuFabric,
+    GpuInfo,
     GpuLostError,
     GpuState,
     MemoryHealth,
     NvmlError,
     NvmlEvent,
     NvmlEventSet,
+    NvmlInventory,
     NvmlUnavailableError,
 )
 from agent.host.nvml.gate import SessionGate
@@ -102,6 +104,23 @@ class SimulatedNvml:
     def mig_gpus(self) -> set[str]:
         """The GPUs built with MIG mode on."""
         return set(self._mig) if self._available else set()
+
+    def inventory(self) -> NvmlInventory:
+        """A simulated driver: every GPU in bus-id order, each call supported unless marked unsupported on the
+        first GPU."""
+        if not self._available:
+            raise NvmlUnavailableError(self._reason)
+        with self._lock:
+            gpus = tuple(GpuInfo(index, "simulated GPU", self._uuids[bus_id], bus_id, bus_id in self._mig, True, True)
+                         for index, bus_id in enumerate(sorted(self._uuids)))
+            first = self._gpus[gpus[0].uuid] if gpus else None
+        off = first.unsupported if first is not None else set()
+        support = {"nvlink_state_field": "no" if "nvlink" in off else "yes",
+                   "recovery_action_field": "no" if "recovery_action" in off else "yes",
+                   "fabric_info": "no" if "fabric" in off else "v3",
+                   "remapped_rows": "no" if "remapped_rows" in off else "yes",
+                   "process_list": "v3", "event_set": "no" if "events" in off else "yes"} if first else {}
+        return NvmlInventory("simulated", "simulated", "simulated", gpus, support)
 
     def open_events(self, uuids: Iterable[str]) -> NvmlEventSet:
         """An event set fed by the inject_* methods."""

@@ -31,12 +31,36 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+#: A log message longer than this is cut (text from outside, a device name or an annotation, can be megabytes)
+MAX_MESSAGE = 8192
+
+
+def cut(text: str, limit: int) -> str:
+    """`text` within `limit` characters, saying how much was left out (for logs, Events and errors)."""
+    if len(text) <= limit:
+        return text
+    tail = f"... ({len(text) - limit} more characters)"
+    return text[:max(0, limit - len(tail))] + tail
+
+
+class BoundedMessages(logging.Filter):
+    """Cuts every record's message to `MAX_MESSAGE` characters, saying how much was left out."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Always keeps the record; only its message may be shortened."""
+        message = record.getMessage()
+        if len(message) > MAX_MESSAGE:
+            record.msg, record.args = cut(message, MAX_MESSAGE), None
+        return True
+
+
 def setup_logging(level: str = "info", fmt: str = "auto") -> None:
     """Configure the root logger once; `fmt` is json, text, or auto (text on a terminal)."""
     use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if use_json else
                          logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    handler.addFilter(BoundedMessages())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

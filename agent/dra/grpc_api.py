@@ -25,10 +25,13 @@ from agent.dra.v1 import api_pb2 as v1_pb2
 from agent.dra.v1 import api_pb2_grpc as v1_grpc
 from agent.dra.v1beta1 import api_pb2 as v1beta1_pb2
 from agent.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from agent.logs import cut
 from agent.pluginregistration.v1 import api_pb2 as reg_pb2
 from agent.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 
 log = logging.getLogger(__name__)
+
+ERROR_MAX = 4096  # a claim's error as the kubelet shows it: names from outside can be any size
 
 PLUGIN_TYPE = "DRAPlugin"
 SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth")
@@ -54,13 +57,13 @@ class _DraServicer:
     async def NodePrepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         outcomes = await self._preparer.prepare(_refs(request.claims))
         return self.pb2.NodePrepareResourcesResponse(claims={
-            uid: self.pb2.NodePrepareResourceResponse(devices=_devices(self.pb2, o), error=o.error)
+            uid: self.pb2.NodePrepareResourceResponse(devices=_devices(self.pb2, o), error=cut(o.error, ERROR_MAX))
             for uid, o in outcomes.items()})
 
     async def NodeUnprepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         outcomes = await self._preparer.unprepare(_refs(request.claims))
         return self.pb2.NodeUnprepareResourcesResponse(claims={
-            uid: self.pb2.NodeUnprepareResourceResponse(error=o.error) for uid, o in outcomes.items()})
+            uid: self.pb2.NodeUnprepareResourceResponse(error=cut(o.error, ERROR_MAX)) for uid, o in outcomes.items()})
 
 
 class DraV1(_DraServicer, v1_grpc.DRAPluginServicer):

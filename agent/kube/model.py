@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from agent.logs import cut
+
 T = TypeVar("T")
 
 # --- time -------------------------------------------------------------------------------------------------------
@@ -264,7 +266,8 @@ class ObjectRef:
 @dataclass(frozen=True)
 class EventRecord:
     """A core/v1 Event about the Node (or `involved`); `name` is set once created, and `count` grows as repeats
-    are folded in."""
+    are folded in. The message is cut to `EVENT_MESSAGE_MAX` characters: text from outside (a device name, an
+    annotation) can be any size, and an Event is for a person to read."""
 
     reason: str
     message: str
@@ -274,6 +277,14 @@ class EventRecord:
     first_time: float = 0.0
     last_time: float = 0.0
     involved: ObjectRef | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.message) > EVENT_MESSAGE_MAX:
+            object.__setattr__(self, "message", cut(self.message, EVENT_MESSAGE_MAX))
+
+
+#: events.k8s.io/v1 allows a note of at most 1 kB; core/v1 messages are kept to the same
+EVENT_MESSAGE_MAX = 1024
 
 
 @dataclass(frozen=True)

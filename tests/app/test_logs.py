@@ -35,3 +35,12 @@ async def test_api_requests_are_not_logged_at_info(capsys, restore_logging) -> N
     logging.getLogger("agent.test").info("the agent's own INFO still shows")
     err = capsys.readouterr().err
     assert "HTTP Request" not in err and "the agent's own INFO still shows" in err
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_a_huge_message_from_outside_is_cut(capsys, restore_logging, fmt: str) -> None:
+    """Issue 27: a 1 MiB device name or a 200 KB annotation was copied whole into every log line about it."""
+    setup_logging("info", fmt)
+    logging.getLogger("agent.test").warning("claim device %s is not on this node", "x" * (1 << 20))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert len(line) < 9000 and "more characters)" in line

@@ -174,3 +174,14 @@ async def test_a_pod_name_that_is_no_kubernetes_name_never_reaches_a_request_pat
     await notifier.device_unhealthy(VF, "link down")
     assert notifier.posted == 0 and not api.events
     assert not [r for r in api.requests if "events" in r.path]
+
+
+async def test_a_huge_event_message_is_cut(api: ApiServerDouble, port: LightkubeCluster) -> None:
+    """Issue 27: text from outside (a device name, an annotation) reached Events whole."""
+    from agent.kube.model import EVENT_MESSAGE_MAX, EventRecord, ObjectRef
+
+    api.add_pod("team", "job", containers=[container_spec("main", {GPU: 1})])
+    await port.write_event(EventRecord("GpuDeviceUnhealthy", "device " + "y" * 200_000, "Warning",
+                                       involved=ObjectRef("Pod", "team", "job", "uid-team-job")))
+    (event,) = api.events.values()
+    assert len(event["message"]) <= EVENT_MESSAGE_MAX and event["message"].endswith("more characters)")

@@ -18,6 +18,7 @@ from agent.host.nvml.api import (
     GpuLostError,
     GpuState,
     MemoryHealth,
+    MigInfo,
     Nvml,
     NvmlError,
     NvmlEvent,
@@ -26,6 +27,7 @@ from agent.host.nvml.api import (
     NvmlPort,
     NvmlSession,
     NvmlUnavailableError,
+    mig_profile_name,
 )
 from agent.host.nvml.real import RealNvml
 from agent.host.nvml.simulated import SimulatedNvml
@@ -35,6 +37,7 @@ __all__ = [
     "GpuLostError",
     "GpuState",
     "MemoryHealth",
+    "MigInfo",
     "Nvml",
     "NvmlError",
     "NvmlEvent",
@@ -45,4 +48,5 @@ __all__ = [
     "NvmlUnavailableError",
     "RealNvml",
     "SimulatedNvml",
+    "mig_profile_name",
 ]

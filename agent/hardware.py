@@ -49,7 +49,8 @@ class Hardware:
     def rescan(self) -> Topology:
         """Read the sources again (blocking: call from a thread); the new value replaces `topology`."""
         self.topology = load_topology(self.sysfs_root, self.nvml.gpu_uuids(), self.topology_file,
-                                      gpu_minors=self.nvml.gpu_minors(), mig_gpus=self.nvml.mig_gpus())
+                                      gpu_minors=self.nvml.gpu_minors(), mig_gpus=self.nvml.mig_gpus(),
+                                      mig_devices=self.nvml.mig_devices())
         return self.topology
 
     def preflight_probes(self) -> dict[str, probes.Probe]:

@@ -271,6 +271,12 @@ async def _relay_flips(device_health: DeviceHealth, dra: DraService | None,
                 copy.put_nowait(event)
 
 
+def _gpu_bus_id(hardware: Hardware, device_id: str) -> str | None:
+    """The bus id of the GPU a GPU or MIG UUID names (a MIG device's parent), None for other IDs."""
+    gpu = hardware.topology.gpu_of(device_id) if device_id.startswith(("GPU-", "MIG-")) else None
+    return gpu.bus_id if gpu is not None else None
+
+
 def ownership(cfg: AgentConfig, registry: CollectorRegistry, cluster: ClusterPort,
               kubelet: LocalKubelet | None) -> OwnershipSubsystem:
     """Who holds which device: the kubelet's PodResources API (the stand-in kubelet's records when the agent
@@ -412,6 +418,7 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
         wiring.subsystems.append(driver)
     if cfg.pod_resources.socket:
         wiring.ownership = ownership(cfg, registry, wiring.cluster, kubelet)
+        wiring.ownership.pod_events.gpu_of = lambda device_id: _gpu_bus_id(hardware, device_id)
         wiring.subsystems.append(Subsystem("ownership", wiring.ownership.run))
         if wiring.device_plugin is not None:
             from agent.deviceplugin.facts import OwnershipFacts

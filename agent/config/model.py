@@ -141,6 +141,11 @@ class DevicePluginConfig:
     device_id_strategy: str = setting("uuid", flag="--device-id-strategy", env="GPU_NODE_AGENT_DEVICE_ID_STRATEGY",
                                       choices=("uuid", "index"),
                                       help="GPU IDs in NVIDIA_VISIBLE_DEVICES, mounts and CDI names: uuid or index")
+    mig_strategy: str = setting(
+        "none", flag="--mig-strategy", env="GPU_NODE_AGENT_MIG_STRATEGY", choices=("none", "single", "mixed"),
+        help="GPUs in MIG mode, as NVIDIA's plugin: none serves every GPU whole; single serves the MIG devices of "
+             "an all-MIG, one-profile node as the GPU resource; mixed serves nvidia.com/mig-<profile> per profile "
+             "beside whole GPUs")
     pass_device_specs: bool = setting(
         False, flag="--pass-device-specs", env="GPU_NODE_AGENT_PASS_DEVICE_SPECS",
         help="also return the /dev/nvidia* nodes a container needs when no runtime hook adds them (NVIDIA's "

@@ -4,7 +4,7 @@ An operator replacing NVIDIA's plugin often carries its DaemonSet environment ov
 (cmd/nvidia-device-plugin/main.go, api/config/v1/flags.go; `../shared/reference/dropin.md` §1.2) are read as
 aliases of the agent's own: the agent's name wins when both are set, and every alias used is said once in the log.
 A name whose setting the agent does not have either changes nothing about the devices (a warning says it is
-ignored) or would change what is served (MIG strategies, sharing, GDS/MOFED, a config file): that is refused
+ignored) or would change what is served (sharing, GDS/MOFED, a config file): that is refused
 (exit 2, naming it), since serving otherwise than the operator asked hands out the wrong devices.
 """
 
@@ -42,6 +42,7 @@ ALIASES: Mapping[str, tuple[str, Callable[[str], str]]] = {
     "DEVICE_ID_STRATEGY": ("GPU_NODE_AGENT_DEVICE_ID_STRATEGY", _same),
     "PASS_DEVICE_SPECS": ("GPU_NODE_AGENT_PASS_DEVICE_SPECS", _same),
     "CDI_ANNOTATION_PREFIX": ("GPU_NODE_AGENT_CDI_ANNOTATION_PREFIX", _same),
+    "MIG_STRATEGY": ("GPU_NODE_AGENT_MIG_STRATEGY", _same),
     # NVIDIA: exit when NVML cannot start (default true there). The agent's equivalent is --require-nvml,
     # default false: it also serves NICs and watches links, which need no NVML.
     "FAIL_ON_INIT_ERROR": ("GPU_NODE_AGENT_REQUIRE_NVML", _same),
@@ -49,7 +50,6 @@ ALIASES: Mapping[str, tuple[str, Callable[[str], str]]] = {
 }
 # NVIDIA's name -> the values that serve what the agent serves (anything else is refused)
 REFUSED_UNLESS: Mapping[str, frozenset[str]] = {
-    "MIG_STRATEGY": frozenset({"none"}),
     "GDS_ENABLED": frozenset({"false", "0"}),
     "MOFED_ENABLED": frozenset({"false", "0"}),
     "GDRCOPY_ENABLED": frozenset({"false", "0"}),

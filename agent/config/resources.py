@@ -11,13 +11,17 @@ import re
 # Extended resource names: a DNS-subdomain prefix (not kubernetes.io) and a name as SR-IOV DP allows it.
 PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 NAME = re.compile(r"^[a-zA-Z0-9_-]+$")
+# The kubelet's own rule (a qualified name), which NVIDIA's MIG resources need for their dots: `mig-1g.10gb`
+QUALIFIED = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _RANGE = re.compile(r"^\s*(\d{1,4})\s*(?:-\s*(\d{1,4})\s*)?$")
 
 
-def resource_name_problem(prefix: str, name: str) -> str | None:
-    """Why `prefix/name` is not an extended resource name the kubelet accepts, or None."""
-    if not NAME.match(name):
-        return f"resource name {name!r} must match {NAME.pattern}"
+def resource_name_problem(prefix: str, name: str, *, dots: bool = False) -> str | None:
+    """Why `prefix/name` is not an extended resource name the kubelet accepts, or None (`dots`: the kubelet's
+    qualified-name rule, else SR-IOV DP's stricter one)."""
+    rule = QUALIFIED if dots else NAME
+    if not rule.match(name):
+        return f"resource name {name!r} must match {rule.pattern}"
     if len(name) > 63:
         return f"resource name {name!r} is longer than 63 characters"
     if len(prefix) > 253 or not PREFIX.match(prefix):

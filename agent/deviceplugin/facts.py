@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from agent.deviceplugin.pools import ResourcePool
+from agent.deviceplugin.pools import ResourcePool, mig_resource_name
 from agent.ownership.service import OwnershipService
 from agent.placement.policy import DeviceKind
 from agent.placement.tree import switch_groups
@@ -37,9 +37,14 @@ class OwnershipFacts:
         self._likely: tuple[DeviceKind, frozenset[str]] | None = None  # the current fallback's partner hint
 
     def _resources(self, kind: DeviceKind) -> list[str]:
-        names = [p.resource_name for p in self._pools() if p.kind == kind.value]
+        pools = list(self._pools())
+        names = [p.resource_name for p in pools if p.kind == kind.value]
         if kind is DeviceKind.GPU and not names:
-            names.append(self.gpu_resource_name)  # GPUs served by another plugin
+            names.append(self.gpu_resource_name)  # GPUs served by another plugin, with its MIG resources (mixed)
+            topology = next((p.topology for p in pools if p.topology is not None), None)
+            prefix = self.gpu_resource_name.rpartition("/")[0]
+            profiles = {m.profile for g in (topology.gpus if topology else ()) for m in g.mig_devices}
+            names.extend(f"{prefix}/{mig_resource_name(profile)}" for profile in sorted(profiles))
         return names
 
     async def partner(self, pool: ResourcePool) -> frozenset[str] | None:

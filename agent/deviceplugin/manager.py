@@ -37,7 +37,7 @@ from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
 
-NOT_SERVED_REASONS = ("not_ready", "mig", "default_route", "no_uuid")
+NOT_SERVED_REASONS = ("not_ready", "mig", "mig_strategy", "default_route", "no_uuid")
 # node paths shared with the DRA driver; set by --plugin-registry-dir and --cdi-spec-dir (config section `dra`)
 DEFAULT_PLUGIN_REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
 DEFAULT_CDI_SPEC_DIR = "/var/run/cdi"
@@ -72,7 +72,9 @@ class DevicePluginManager:
         self.metrics = AllocationMetrics(registry)
         self.not_served = Gauge("gpu_node_agent_devices_not_served",
                                 "Devices found but not advertised, by reason (not_ready: VF without driver, RDMA "
-                                "device or known link; mig: GPU in MIG mode; default_route; no_uuid)",
+                                "device or known link; mig: a MIG device, or a MIG-mode GPU without one, that the "
+                                "MIG strategy does not serve; mig_strategy: GPUs held back on a node that breaks "
+                                "mig-strategy single; default_route; no_uuid)",
                                 ["reason"], registry=self.metrics.registry)
         for reason in NOT_SERVED_REASONS:
             self.not_served.labels(reason).set(0)

@@ -14,8 +14,11 @@ the same way (NVIDIA/k8s-device-plugin:internal/plugin/server.go `getAllocateRes
 `deviceIDStrategy` picks the ID form in those places (`uuid`, or the NVML `index`); the kubelet's device IDs
 stay UUIDs. `passDeviceSpecs` adds `/dev/nvidiactl`, `/dev/nvidia-uvm`, `/dev/nvidia-uvm-tools` and
 `/dev/nvidia-modeset` (each only when it exists) and `/dev/nvidia<minor>` per GPU, `rw`, host paths under the
-device root. CDI names use the kind of a spec already on the node (`nvidia-ctk cdi generate` writes
-`nvidia.com/gpu`); the agent writes no GPU CDI spec.
+device root. A MIG device is named by its MIG UUID (`index`: `<GPU index>:<MIG index>`) and passes its parent's
+`/dev/nvidia<minor>` plus the two `/dev/nvidia-caps/nvidia-cap<N>` nodes of its GPU and compute instance, N read
+from `/proc/driver/nvidia-caps/mig-minors` (internal/rm/nvml_devices.go `GetPaths`, internal/mig/mig-dp.go).
+CDI names use the kind of a spec already on the node (`nvidia-ctk cdi generate` writes `nvidia.com/gpu`); the
+agent writes no GPU CDI spec.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from agent.config.model import DEVICE_LIST_STRATEGIES
-from agent.topology.model import Gpu
+from agent.topology.model import Gpu, MigDevice
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,8 @@ ID_STRATEGIES = (ID_UUID, ID_INDEX)
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 VOLUME_MOUNTS_HOST_PATH = "/dev/null"
 VOLUME_MOUNTS_ROOT = "/var/run/nvidia-container-devices"
+MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
+MIG_CAPS_DIR = "/dev/nvidia-caps"
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
 DEFAULT_CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 ANNOTATION_PLUGIN = "nvidia-device-plugin"
@@ -94,6 +99,7 @@ class GpuServing:
     cdi_annotation_prefix: str = DEFAULT_CDI_ANNOTATION_PREFIX
     cdi_kind: str = "nvidia.com/gpu"
     dev_root: str = "/"  # where the host's /dev/nvidia* live (NVIDIA's --dev-root)
+    mig_minors: str = MIG_MINORS  # the driver's MIG capability minors
     request_id: Callable[[], str] = field(default=lambda: str(uuid.uuid4()), compare=False)
 
     def __post_init__(self) -> None:
@@ -124,8 +130,18 @@ class GpuPayload:
     cdi_devices: list[str] = field(default_factory=list)
 
 
-def _ids(gpus: Sequence[Gpu], serving: GpuServing) -> list[str]:
-    ids = [str(gpu.index) if serving.device_id_strategy == ID_INDEX else (gpu.uuid or "") for gpu in gpus]
+#: A device handed out: a whole GPU, or a MIG device with its parent
+Served = Gpu | tuple[Gpu, MigDevice | None]
+
+
+def _pairs(devices: Sequence[Served]) -> list[tuple[Gpu, MigDevice | None]]:
+    return [(d, None) if isinstance(d, Gpu) else d for d in devices]
+
+
+def _ids(devices: list[tuple[Gpu, MigDevice | None]], serving: GpuServing) -> list[str]:
+    index = serving.device_id_strategy == ID_INDEX
+    ids = [(f"{gpu.index}:{mig.index}" if index else mig.uuid) if mig is not None
+           else str(gpu.index) if index else (gpu.uuid or "") for gpu, mig in devices]
     return list(dict.fromkeys(i for i in ids if i))
 
 
@@ -133,22 +149,48 @@ def _host(dev_root: str, path: str) -> str:
     return os.path.join(dev_root, path.lstrip("/"))
 
 
-def device_specs(gpus: Sequence[Gpu], dev_root: str) -> list[tuple[str, str]]:
-    """The control nodes that exist, then `/dev/nvidia<minor>` per GPU (container path, host path)."""
+def mig_capability_minors(path: str) -> dict[str, int]:
+    """`gpu<minor>/gi<G>/access` and `gpu<minor>/gi<G>/ci<C>/access` -> capability minor, from the driver's
+    mig-minors file (empty when it is missing: not a MIG-capable node)."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as lines:
+            found: dict[str, int] = {}
+            for line in lines:
+                name, _, minor = line.strip().rpartition(" ")
+                if name and minor.isdigit():
+                    found[name] = int(minor)
+            return found
+    except OSError:
+        return {}
+
+
+def device_specs(gpus: Sequence[Served], dev_root: str, mig_minors: str = MIG_MINORS) -> list[tuple[str, str]]:
+    """The control nodes that exist, then `/dev/nvidia<minor>` per GPU and, per MIG device, its parent's node
+    and its GPU- and compute-instance capability nodes (container path, host path)."""
     specs = [(path, _host(dev_root, path)) for path in CONTROL_NODES if os.path.exists(_host(dev_root, path))]
-    for gpu in gpus:
+    pairs = _pairs(gpus)
+    caps = mig_capability_minors(mig_minors) if any(mig is not None for _, mig in pairs) else {}
+    for gpu, mig in pairs:
         if gpu.minor is None:
             log.warning("GPU %s has no known device minor; its /dev/nvidia node is not passed", gpu.bus_id)
             continue
-        path = f"/dev/nvidia{gpu.minor}"
-        specs.append((path, _host(dev_root, path)))
+        paths = [f"/dev/nvidia{gpu.minor}"]
+        if mig is not None:
+            names = (f"gpu{gpu.minor}/gi{mig.gpu_instance}/access",
+                     f"gpu{gpu.minor}/gi{mig.gpu_instance}/ci{mig.compute_instance}/access")
+            missing = [name for name in names if name not in caps]
+            if missing:
+                log.warning("MIG device %s: no capability minor for %s in %s", mig.uuid, ", ".join(missing),
+                            mig_minors)
+            paths.extend(f"{MIG_CAPS_DIR}/nvidia-cap{caps[name]}" for name in names if name in caps)
+        specs.extend((path, _host(dev_root, path)) for path in paths if (path, _host(dev_root, path)) not in specs)
     return specs
 
 
-def gpu_payload(gpus: Sequence[Gpu], serving: GpuServing) -> GpuPayload:
-    """What NVIDIA's plugin returns for these GPUs with these options."""
+def gpu_payload(gpus: Sequence[Served], serving: GpuServing) -> GpuPayload:
+    """What NVIDIA's plugin returns for these GPUs and MIG devices with these options."""
     payload = GpuPayload()
-    ids = _ids(gpus, serving)
+    ids = _ids(_pairs(gpus), serving)
     if not ids:
         return payload
     if serving.any_cdi:
@@ -166,5 +208,5 @@ def gpu_payload(gpus: Sequence[Gpu], serving: GpuServing) -> GpuPayload:
         payload.envs[VISIBLE_DEVICES] = VOLUME_MOUNTS_ROOT
         payload.mounts.extend((f"{VOLUME_MOUNTS_ROOT}/{device_id}", VOLUME_MOUNTS_HOST_PATH) for device_id in ids)
     if serving.pass_device_specs:
-        payload.devices.extend(device_specs(gpus, serving.dev_root))
+        payload.devices.extend(device_specs(gpus, serving.dev_root, serving.mig_minors))
     return payload

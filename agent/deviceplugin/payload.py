@@ -186,7 +186,7 @@ def nccl_ib_hca(pool: ResourcePool, devices: Sequence[PoolDevice], options: Allo
 def nvidia_visible_devices(pool: ResourcePool, devices: Sequence[PoolDevice], options: AllocateOptions,
                            payload: ContainerPayload) -> None:
     """The GPUs as NVIDIA's plugin passes them with the same options (env, mounts, device nodes, CDI)."""
-    part = nvidia.gpu_payload([device.gpu for device in devices if device.gpu is not None], options.gpu)
+    part = nvidia.gpu_payload([(device.gpu, device.mig) for device in devices if device.gpu is not None], options.gpu)
     payload.envs.update(part.envs)
     payload.mounts.extend((container, host, False) for container, host in part.mounts)
     for container, host in part.devices:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from agent.config.model import DevicePluginConfig, PoolConfig, SelectorConfig
 from agent.config.resources import resource_name_problem
-from agent.topology.model import BusIdError, Gpu, Nic, Topology, Vf, normalize_bus_id
+from agent.topology.model import BusIdError, Gpu, MigDevice, Nic, Topology, Vf, normalize_bus_id
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,8 @@ class PoolDevice:
     numa: int | None
     function: Vf | Nic | None = None  # NIC pools
     pf: Nic | None = None  # the physical function (itself for a VF-less PF)
-    gpu: Gpu | None = None  # GPU pool
+    gpu: Gpu | None = None  # GPU pools: the GPU, or a MIG device's parent (whose bus id and NUMA node it has)
+    mig: MigDevice | None = None  # MIG pools
 
     @property
     def rdma(self) -> str | None:
@@ -85,7 +86,7 @@ class PoolScan:
 
     pools: tuple[ResourcePool, ...]
     skipped: tuple[str, ...] = ()
-    # devices left out, by reason: not_ready, default_route, no_uuid, mig (for the metric)
+    # devices left out, by reason: not_ready, default_route, no_uuid, mig, mig_strategy (for the metric)
     not_served: dict[str, int] = field(default_factory=dict, compare=False)
 
     def by_name(self) -> dict[str, ResourcePool]:
@@ -105,9 +106,9 @@ def socket_name(resource_name: str) -> str:
     return f"gna-{name}-{digest}.sock"
 
 
-def check_resource_name(prefix: str, name: str) -> None:
+def check_resource_name(prefix: str, name: str, *, dots: bool = False) -> None:
     """Raise PoolConfigError unless `prefix/name` is an extended resource name the kubelet accepts."""
-    problem = resource_name_problem(prefix, name)
+    problem = resource_name_problem(prefix, name, dots=dots)
     if problem:
         raise PoolConfigError(problem)
 
@@ -260,16 +261,86 @@ def build_pools(topology: Topology, config: DevicePluginConfig) -> PoolScan:
                           devices=tuple(devices), exclude_topology=pool.exclude_topology, topology=topology)
              for pool, devices in zip(config.pools, members, strict=True)]
     if config.serve_gpus:
-        prefix, _, name = config.gpu_resource_name.rpartition("/")
-        gpus = []
-        for gpu in sorted(topology.gpus, key=lambda g: g.index):
-            if gpu.mig_enabled:
-                skipped.append(f"GPU {gpu.index} at {gpu.bus_id} is in MIG mode: not served as a whole GPU")
-                counts["mig"] += 1
-            elif gpu.uuid:
-                gpus.append(PoolDevice(id=gpu.uuid, bus_id=gpu.bus_id, numa=gpu.numa, gpu=gpu))
-            else:
-                skipped.append(f"GPU {gpu.index} at {gpu.bus_id} has no UUID")
-                counts["no_uuid"] += 1
-        pools.append(ResourcePool(prefix=prefix, name=name, kind="gpu", devices=tuple(gpus), topology=topology))
+        pools.extend(gpu_pools(topology, config, skipped, counts))
     return PoolScan(pools=tuple(pools), skipped=tuple(skipped), not_served=dict(counts))
+
+
+MIG_STRATEGIES = ("none", "single", "mixed")
+
+
+def mig_resource_name(profile: str) -> str:
+    """NVIDIA's resource name of a MIG profile under mixed: `mig-<profile>`, `+` replaced by `.`."""
+    return "mig-" + profile.replace("+", ".")
+
+
+def _whole(gpu: Gpu) -> PoolDevice:
+    return PoolDevice(id=gpu.uuid or "", bus_id=gpu.bus_id, numa=gpu.numa, gpu=gpu)
+
+
+def _slice(gpu: Gpu, mig: MigDevice) -> PoolDevice:
+    return PoolDevice(id=mig.uuid, bus_id=gpu.bus_id, numa=gpu.numa, gpu=gpu, mig=mig)
+
+
+def _single_problem(gpus: list[Gpu]) -> str:
+    """Why NVIDIA's plugin refuses this node under mig-strategy single (device_map.go), or ""."""
+    mig = [g for g in gpus if g.mig_enabled]
+    if not mig:
+        return ""
+    if len(mig) != len(gpus):
+        return (f"GPUs {', '.join(str(g.index) for g in mig)} are in MIG mode and "
+                f"{', '.join(str(g.index) for g in gpus if not g.mig_enabled)} are not (all devices on the node "
+                "must be configured with the same migEnabled value)")
+    if empty := [g for g in mig if not g.mig_devices]:
+        return f"GPU {empty[0].index} has no MIG devices configured"
+    if len({(m.profile, m.gpu_slices, m.compute_slices) for g in mig for m in g.mig_devices}) > 1:
+        return "more than one MIG device type present on node"
+    return ""
+
+
+def gpu_pools(topology: Topology, config: DevicePluginConfig, skipped: list[str],
+              counts: Counter[str]) -> list[ResourcePool]:
+    """The GPU resources under config.mig_strategy, as NVIDIA's plugin builds them (internal/rm/device_map.go):
+
+    - none: every GPU whole, MIG mode or not;
+    - single: the MIG devices as the GPU resource when every GPU is in MIG mode with one MIG device type (whole
+      GPUs when none is in MIG mode); any other node is refused, as NVIDIA's plugin exits on it: no GPU is
+      served, said in `skipped` and counted as `mig_strategy`;
+    - mixed: whole GPUs not in MIG mode as the GPU resource, and `<prefix>/mig-<profile>` per MIG profile.
+    """
+    prefix, _, name = config.gpu_resource_name.rpartition("/")
+    strategy = config.mig_strategy
+    gpus: list[Gpu] = []
+    for gpu in sorted(topology.gpus, key=lambda g: g.index):
+        if gpu.uuid:
+            gpus.append(gpu)
+        else:
+            skipped.append(f"GPU {gpu.index} at {gpu.bus_id} has no UUID")
+            counts["no_uuid"] += 1
+    members: dict[str, list[PoolDevice]] = {name: []}
+    if strategy == "single" and (problem := _single_problem(gpus)):
+        skipped.append(f"mig-strategy single: {problem}; NVIDIA's plugin exits on such a node, so no GPU is "
+                       "served (use mixed, or repartition)")
+        counts["mig_strategy"] += len(gpus)
+        gpus = []
+    for gpu in gpus:
+        if strategy == "none" or not gpu.mig_enabled:
+            members[name].append(_whole(gpu))
+            continue
+        if not gpu.mig_devices:
+            skipped.append(f"GPU {gpu.index} at {gpu.bus_id} is in MIG mode with no MIG devices configured")
+            counts["mig"] += 1
+        for mig in gpu.mig_devices:
+            if strategy == "single":
+                members[name].append(_slice(gpu, mig))
+            elif mig.compute_slices != mig.gpu_slices:  # NVIDIA's mixed resources are the C == G profiles only
+                skipped.append(f"MIG device {mig.uuid} of GPU {gpu.index} has profile {mig.profile}, which "
+                               "mig-strategy mixed does not serve")
+                counts["mig"] += 1
+            else:
+                members.setdefault(mig_resource_name(mig.profile), []).append(_slice(gpu, mig))
+    pools = []
+    for resource, devices in members.items():
+        check_resource_name(prefix, resource, dots=resource != name)
+        pools.append(ResourcePool(prefix=prefix, name=resource, kind="gpu", devices=tuple(devices),
+                                  topology=topology))
+    return pools

@@ -21,7 +21,7 @@ from agent.health.verdict import VerdictBook
 from agent.health.xid import RESET_ADVISED_XIDS, XidCounter, XidPolicy
 from agent.host.nvml import MemoryHealth, NvmlEvent
 from agent.signals import DeviceHealth, GpuRecoveryAction, Latest, NodeVerdict, Severity
-from agent.topology.model import Nic, Topology
+from agent.topology.model import MigDevice, Nic, Topology
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,8 @@ class HealthAssessor:
         self.xids = XidCounter(config.xid_burst_window_seconds, pair_window)
         self.book = VerdictBook()
         self.names = GpuNames(topology)
-        self.publisher = HealthPublisher(device_health, verdicts if verdicts is not None else Latest())
+        self.publisher = HealthPublisher(device_health, verdicts if verdicts is not None else Latest(),
+                                         lambda: self.names.topology)
         self.memory: dict[str, MemoryHealth] = {}  # latest poll per GPU UUID
         self.links: dict[str, LinkStatus] = {}  # by PF bus id
         self.awaiting_reset_changed = False  # persist the RESET findings when set
@@ -124,7 +125,11 @@ class HealthAssessor:
         if code == _LOST_XID:
             self._add(self._lost_finding(gpu, f"{gpu.name} fell off the bus: {describe}", action, kind))
         elif action >= Severity.ISOLATE:  # the device stays out until a reset (or reboot) is observed
-            self._add(Finding(key, action, reason, Clears.RESET, (gpu.uuid,) if gpu.uuid else (), gpu.uuid,
+            devices = (gpu.uuid,) if gpu.uuid else ()
+            if (mig := self._mig_target(gpu, code, gpu_instance)) is not None:  # that MIG device only
+                key, reason, devices = f"{key}:gi{mig.gpu_instance}", f"{reason} MIG {mig.profile} " \
+                    f"GPU-I {mig.gpu_instance}", (mig.uuid,)
+            self._add(Finding(key, action, reason, Clears.RESET, devices, gpu.uuid,
                               code=kind, hardware=hardware, recovery=self.policy.recovery(code)))
         else:
             self._add(self._hold(key, action, reason, kind, hardware))
@@ -273,6 +278,14 @@ class HealthAssessor:
         if findings:
             log.warning("still waiting for a GPU reset: %s", "; ".join(f.reason for f in findings))
         self._publish()
+
+    def _mig_target(self, gpu: GpuRef, code: int, gpu_instance: int | None) -> MigDevice | None:
+        """The MIG device an Xid naming `GPU-I:<n>` is about, unless the code is GPU-wide (then the parent GPU,
+        and with it every MIG device on it, is named)."""
+        if gpu_instance is None or not gpu.uuid or self.policy.gpu_wide(code):
+            return None
+        parent = self.topology.gpu_by_uuid(gpu.uuid)
+        return parent.mig_device(gpu_instance) if parent is not None else None
 
     def _hold(self, key: str, severity: Severity, reason: str, code: str, hardware: bool = False) -> Finding:
         expires = self.clock() + self.config.degraded_hold_seconds

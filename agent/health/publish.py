@@ -9,9 +9,11 @@ nothing, so they publish nothing: that, plus the Xid counter's bursts, keeps flo
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from agent.health.verdict import VerdictBook
 from agent.signals import HEALTHY, DeviceHealth, Latest, NodeVerdict
+from agent.topology.model import Topology
 
 log = logging.getLogger(__name__)
 
@@ -19,15 +21,24 @@ log = logging.getLogger(__name__)
 class HealthPublisher:
     """Writes what the book says into the shared contracts (`agent.signals`)."""
 
-    def __init__(self, device_health: DeviceHealth, verdicts: Latest[NodeVerdict]) -> None:
+    def __init__(self, device_health: DeviceHealth, verdicts: Latest[NodeVerdict],
+                 topology: Callable[[], Topology] | None = None) -> None:
         self.device_health = device_health
+        self.topology = topology  # the node now: an Unhealthy GPU's MIG devices are Unhealthy too
         self.verdicts = verdicts
         self.current: NodeVerdict = HEALTHY
         self._open = False
 
     def publish(self, book: VerdictBook) -> None:
-        """After every observation: device flips to the owner; a changed verdict logged (and published if open)."""
-        self.device_health.replace(book.unhealthy_devices())
+        """After every observation: device flips to the owner (an Unhealthy GPU takes its MIG devices with it);
+        a changed verdict logged (and published if open)."""
+        unhealthy = book.unhealthy_devices()
+        topology = self.topology() if self.topology is not None else None
+        for gpu in topology.gpus if topology is not None else ():
+            if gpu.uuid in unhealthy:
+                for mig in gpu.mig_devices:
+                    unhealthy.setdefault(mig.uuid, unhealthy[gpu.uuid])
+        self.device_health.replace(unhealthy)
         verdict = book.verdict()
         if verdict == self.current:
             return

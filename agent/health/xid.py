@@ -153,6 +153,14 @@ class XidPolicy:
         return None if info is None else _BUCKET_RECOVERY.get(info.bucket)
 
     @staticmethod
+    def gpu_wide(code: int) -> bool:
+        """True when the code is about the whole GPU even on a line naming a MIG GPU instance (`GPU-I:<n>`): every
+        bucket but the application-level RESTART_APP and IGNORE (those are contained to the instance, as NVIDIA's
+        plugin treats an event with a GPU instance id). An unknown code is the instance's, as there."""
+        info = CATALOG.get(code)
+        return info is not None and info.bucket not in ("RESTART_APP", "IGNORE")
+
+    @staticmethod
     def is_hardware(code: int) -> bool:
         """True when NVIDIA's bucket points at the hardware (bus loss, ECC/NVLink workflows, mechanicals)."""
         info = CATALOG.get(code)

@@ -48,6 +48,8 @@ class PodDeviceEvents:
         self._now = now
         self._told: set[tuple[str, str, str]] = set()  # (device, namespace, pod) while the device is Unhealthy
         self.posted = 0
+        # the bus id of the GPU a GPU or MIG UUID names (a MIG device's parent), for the Event's text
+        self.gpu_of: Callable[[str], str | None] | None = None
 
     def device_healthy(self, device_id: str) -> None:
         """The device recovered: a later fault is reported again."""
@@ -90,7 +92,10 @@ class PodDeviceEvents:
     async def _post(self, device_id: str, pod: PodView, containers: list[str], detail: str) -> bool:
         namespace, name = pod.namespace, pod.name
         kind = "GPU" if is_gpu_id(device_id) else "NIC"
-        message = (f"{kind} {device_id} used by container {', '.join(containers)} is unhealthy: "
+        bus_id = self.gpu_of(device_id) if kind == "GPU" and self.gpu_of is not None else None
+        where = f" (MIG device of the GPU at {bus_id})" if bus_id and device_id.startswith("MIG-") \
+            else f" (at {bus_id})" if bus_id else ""
+        message = (f"{kind} {device_id}{where} used by container {', '.join(containers)} is unhealthy: "
                    f"{detail or 'health check failed'}")
         now = self._now()
         record = EventRecord(GPU_REASON if kind == "GPU" else NIC_REASON, message[:1024], "Warning",

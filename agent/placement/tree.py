@@ -71,6 +71,8 @@ class PcieTree:
     # Where every GPU, and every assumed unit, sits: the other kind's free devices when the caller does not know
     every_gpu: Located = field(default_factory=dict)
     every_unit: Located = field(default_factory=dict)
+    # MIG UUID -> (parent GPU index, identity): a MIG device sits where its parent GPU sits
+    _mig_by_id: dict[str, tuple[int, str]] = field(default_factory=dict)
 
     def everyone(self, gpu: bool) -> Located:
         """identity -> node of every GPU (`gpu`) or of every assumed NIC unit."""
@@ -82,11 +84,16 @@ class PcieTree:
         return found if found is not None else self._gpu_by_id.get(_canonical(device_id) or "")
 
     def locate(self, gpu: bool, device_id: str) -> tuple[int, int | str] | None:
-        """(node, identity) of a GPU (UUID or bus id) or a NIC device (VF or PF bus id); None if unknown.
+        """(node, identity) of a GPU (UUID or bus id), a MIG device (MIG UUID: its parent's node) or a NIC device
+        (VF or PF bus id); None if unknown.
 
-        The identity is what makes two spellings the same device: the GPU index, the canonical bus id.
+        The identity is what makes two spellings the same device: the GPU index, `<GPU index>/<MIG index>` (a
+        string that sorts by GPU index), the canonical bus id.
         """
         if gpu:
+            mig = self._mig_by_id.get(device_id)
+            if mig is not None:
+                return self.gpu_node[mig[0]], mig[1]
             index = self.gpu_index(device_id)
             return None if index is None else (self.gpu_node[index], index)
         pf = self._pf_by_unit.get(device_id)  # canonical ids, the kubelet's case, skip parsing
@@ -148,6 +155,8 @@ def build_tree(topology: Topology) -> PcieTree:
         gpu_by_id[gpu.bus_id] = index
         if gpu.uuid:
             gpu_by_id[gpu.uuid] = index
+    mig_by_id = {mig.uuid: (index, f"{index:04d}/{mig.index:02d}") for index, gpu in enumerate(gpus)
+                 for mig in gpu.mig_devices}
     pf_by_unit: dict[str, int] = {}
     assumed: list[str] = []
     for index, nic in enumerate(pfs):
@@ -170,6 +179,7 @@ def build_tree(topology: Topology) -> PcieTree:
         _pf_by_unit=pf_by_unit,
         every_gpu=every_gpu,
         every_unit=every_unit,
+        _mig_by_id=mig_by_id,
     )
 
 

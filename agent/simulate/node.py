@@ -6,10 +6,11 @@ paths as a real host, only the sources differ.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.host.nvml import SimulatedNvml
+from agent.host.nvml import MigInfo, SimulatedNvml, mig_profile_name
 from agent.simulate import profiles, sysfs_writer
 from agent.topology.load import load_topology
 from agent.topology.model import Topology
@@ -31,7 +32,8 @@ class SimulatedNode:
     def topology(self) -> Topology:
         """Read the written tree back with the real readers."""
         return load_topology(self.sysfs_root, self.nvml.gpu_uuids(), self.topology_file,
-                             gpu_minors=self.nvml.gpu_minors(), mig_gpus=self.nvml.mig_gpus())
+                             gpu_minors=self.nvml.gpu_minors(), mig_gpus=self.nvml.mig_gpus(),
+                             mig_devices=self.nvml.mig_devices())
 
 
 # NVLinks and NVSwitch fabric of the GPU models the profiles use, by PCI device id: H100 SXM5 has 18 NVLink4 links
@@ -40,11 +42,37 @@ class SimulatedNode:
 GPU_INTERCONNECT: dict[str, tuple[int, bool]] = {"0x2330": (18, True), "0x1db1": (6, False)}
 
 
+# Memory of the GPU models the profiles use (MiB, as NVML reports an H100 SXM5 80GB); MIG devices are named from it.
+GPU_MEMORY_MIB: dict[str, int] = {"0x2330": 81559}
+_DEFAULT_MEMORY_MIB = 81559
+_MIG_NAMESPACE = uuid.UUID("2f0c7d4e-8d3a-4d8e-9c51-6b1f0e2a7c33")
+
+
+def simulated_mig_devices(gpu_uuid: str, profile: str, count: int,
+                          memory_mib: int = _DEFAULT_MEMORY_MIB) -> list[MigInfo]:
+    """`count` MIG devices of `profile` (`<G>g.<GB>gb`) on one GPU: GPU instances 1..count, compute instance 0,
+    stable `MIG-<uuid5>` UUIDs, and a memory size NVIDIA's naming turns back into `profile`."""
+    slices, gb = (int(part.rstrip("gb")) for part in profile.split("."))
+    total_gb = -(-memory_mib // 1024)
+    memory_mb = memory_mib * gb // total_gb - 200  # a little under the share, as a real MIG device has
+    found = [MigInfo(uuid=f"MIG-{uuid.uuid5(_MIG_NAMESPACE, f'{gpu_uuid}/{gi}/0')}", gpu_instance=gi,
+                     compute_instance=0, gpu_slices=slices, compute_slices=slices, memory_mb=memory_mb,
+                     profile=mig_profile_name(slices, slices, memory_mb, memory_mib << 20))
+             for gi in range(1, count + 1)]
+    if any(m.profile != profile for m in found):
+        raise ValueError(f"MIG profile {profile!r} does not fit a GPU of {memory_mib} MiB")
+    return found
+
+
 def simulated_nvml(profile: profiles.Profile, overrides_dir: Path | None = None) -> SimulatedNvml:
-    """The profile's NVML: its UUIDs, and the NVLinks and fabric of its GPU model."""
+    """The profile's NVML: its UUIDs, the NVLinks and fabric of its GPU model, and its GPUs' MIG devices."""
     models = {dev.model.device for _, _, dev in profile.walk() if dev.model.is_gpu}
     links, fabric = GPU_INTERCONNECT.get(min(models), (0, False)) if models else (0, False)
-    return SimulatedNvml(profile.gpu_uuids, nvlinks=links, fabric=fabric, overrides_dir=overrides_dir)
+    memory = GPU_MEMORY_MIB.get(min(models), _DEFAULT_MEMORY_MIB) if models else _DEFAULT_MEMORY_MIB
+    mig = {bus_id: simulated_mig_devices(profile.gpu_uuids[bus_id], name, count, memory)
+           for bus_id, (name, count) in profile.gpu_mig.items()}
+    return SimulatedNvml(profile.gpu_uuids, nvlinks=links, fabric=fabric, overrides_dir=overrides_dir,
+                         mig=profile.gpu_mig, mig_devices=mig)
 
 
 def build_simulated_node(name: str, root: Path, nvml_overrides: Path | None = None) -> SimulatedNode:

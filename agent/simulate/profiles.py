@@ -31,12 +31,13 @@ Schema (unknown keys are errors, so typos fail loudly):
 
     DEVICE = {"bdf": "0000:10:01.0", "model": "root-port", "children": [DEVICE, ...]}  # a bridge
            | {"bdf": "0000:18:00.0", "model": "cx7-ib", "netdev": "ibp24s0", "vfs": 8, "link_up": true}
-           | {"bdf": "0000:1b:00.0", "model": "h100", "uuid": "GPU-..."}
+           | {"bdf": "0000:1b:00.0", "model": "h100", "uuid": "GPU-...", "mig": {"profile": "1g.10gb", "count": 7}}
 
 Only bridge models (class 0x0604xx) take `children`; children of a root complex sit on its bus, children of
 a bridge all on one bus above the bridge's, and the bus ranges of sibling subtrees do not overlap. `netdev`
 is required for network models; VFs are expanded from `vfs` (VF i: devfn = PF devfn + 1 + i, netdev
-`<pf netdev>v<i>`). GPUs (class 0x03xxxx) get `uuid` or a stable `GPU-<uuid5(profile/bus id)>`.
+`<pf netdev>v<i>`). GPUs (class 0x03xxxx) get `uuid` or a stable `GPU-<uuid5(profile/bus id)>`; `mig` puts a GPU
+in MIG mode with `count` MIG devices of one profile (NVIDIA's name, `<G>g.<GB>gb`), which the simulated NVML serves.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import json
 import re
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ _HEX4 = re.compile(r"^0x[0-9a-f]{4}$")
 _HEX6 = re.compile(r"^0x[0-9a-f]{6}$")
 _ROOT = re.compile(r"^pci([0-9a-f]{4}):([0-9a-f]{2})$")
 _IFNAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
+_MIG_PROFILE = re.compile(r"^[1-7]g\.[0-9]+gb$")
 
 
 class ProfileError(ValueError):
@@ -138,6 +140,7 @@ class Profile:
     root_complexes: tuple[RootComplex, ...]
     gpu_uuids: dict[str, str]
     topology_xml: Path | None = None
+    gpu_mig: dict[str, tuple[str, int]] = field(default_factory=dict)  # GPU bus id -> (MIG profile, count)
 
     def walk(self) -> Iterator[tuple[RootComplex, tuple[Device, ...], Device]]:
         """Every listed function, depth first: (root complex, ancestor bridges top down, device)."""
@@ -221,6 +224,7 @@ class _Parser:
         self.bdfs: set[str] = set()
         self.netdevs: set[str] = set()
         self.uuids: dict[str, str] = {}
+        self.mig: dict[str, tuple[str, int]] = {}
         self.name = ""
 
     def profile(self, data: object, expect_name: str | None) -> Profile:
@@ -245,7 +249,8 @@ class _Parser:
         for ranges in spans.values():
             self._disjoint(ranges)
         description = _typed(top["description"], str, "description")
-        return Profile(self.name, description, tuple(rcs), dict(sorted(self.uuids.items())), xml)
+        return Profile(self.name, description, tuple(rcs), dict(sorted(self.uuids.items())), xml,
+                       dict(sorted(self.mig.items())))
 
     def _model(self, raw: dict[str, Any], name: str, seen: tuple[str, ...]) -> Model:
         if name in self.models:
@@ -316,7 +321,7 @@ class _Parser:
         return devs
 
     def _device(self, raw: object, where: str) -> Device:
-        d = _obj(raw, where, {"bdf", "model"}, {"children", "netdev", "vfs", "uuid", "link_up"})
+        d = _obj(raw, where, {"bdf", "model"}, {"children", "netdev", "vfs", "uuid", "link_up", "mig"})
         try:
             bdf = normalize_bus_id(_typed(d["bdf"], str, f"{where}.bdf"))
         except BusIdError as exc:
@@ -340,6 +345,12 @@ class _Parser:
             self.uuids[bdf] = _typed(d["uuid"], str, f"{where}.uuid")
         elif model.is_gpu:
             self.uuids[bdf] = f"GPU-{uuid.uuid5(_UUID_NAMESPACE, f'{self.name}/{bdf}')}"
+        if "mig" in d:
+            mig = _obj(d["mig"], f"{where}.mig", {"profile", "count"}, set())
+            profile, count = _typed(mig["profile"], str, f"{where}.mig.profile"), _typed(mig["count"], int, where)
+            if not model.is_gpu or not _MIG_PROFILE.match(profile) or not 0 <= count <= 7:
+                raise _Invalid(f"{where}.mig", "a GPU's MIG profile (<G>g.<GB>gb) and 0..7 devices")
+            self.mig[bdf] = (profile, count)
         try:
             ids = [bdf, *(vf_bus_id(bdf, i) for i in range(vfs))]
         except ValueError as exc:

@@ -103,6 +103,23 @@ class RdmaPort:
 
 
 @dataclass(frozen=True)
+class MigDevice:
+    """One MIG device (a compute instance of a GPU instance) of a GPU in MIG mode, as NVML names it.
+
+    It sits where its parent GPU sits: placement, NIC alignment and health go by the parent's bus id.
+    `profile` is NVIDIA's name (`1g.10gb`, `1c.2g.20gb`), `index` its position among the parent's MIG devices.
+    """
+
+    uuid: str  # MIG-<uuid>
+    index: int
+    gpu_instance: int
+    compute_instance: int
+    profile: str
+    gpu_slices: int = 1
+    compute_slices: int = 1
+
+
+@dataclass(frozen=True)
 class Gpu:
     """One GPU. `index` is its position in bus-id order (what nvidia-smi shows without MIG)."""
 
@@ -111,7 +128,12 @@ class Gpu:
     location: Location
     uuid: str | None = None
     minor: int | None = None  # N of /dev/nvidiaN, from NVML
-    mig_enabled: bool = False  # MIG mode on: served as MIG devices or not at all, never as a whole GPU
+    mig_enabled: bool = False  # MIG mode on (NVML's current mode)
+    mig_devices: tuple[MigDevice, ...] = ()  # its MIG devices, in NVML's order (MIG mode only)
+
+    def mig_device(self, gpu_instance: int) -> MigDevice | None:
+        """The MIG device of this GPU instance (the first compute instance of it), or None."""
+        return next((m for m in self.mig_devices if m.gpu_instance == gpu_instance), None)
 
     @property
     def bus_id(self) -> str:
@@ -216,6 +238,25 @@ class Topology:
     def gpu_by_uuid(self, uuid: str) -> Gpu | None:
         """The GPU with this NVML UUID, or None."""
         return next((gpu for gpu in self.gpus if gpu.uuid == uuid), None)
+
+    @cached_property
+    def _mig_parents(self) -> dict[str, tuple[Gpu, MigDevice]]:
+        return {mig.uuid: (gpu, mig) for gpu in self.gpus for mig in gpu.mig_devices}
+
+    def mig_device(self, uuid: str) -> tuple[Gpu, MigDevice] | None:
+        """The parent GPU and the MIG device with this MIG UUID, or None."""
+        return self._mig_parents.get(uuid)
+
+    def gpu_of(self, device_id: str) -> Gpu | None:
+        """The GPU a device ID names: a GPU UUID, a MIG UUID (its parent), or a GPU bus id; None otherwise."""
+        found = self._mig_parents.get(device_id)
+        if found is not None:
+            return found[0]
+        gpu = self.gpu_by_uuid(device_id)
+        if gpu is None:
+            located = self.find(device_id)
+            gpu = located if isinstance(located, Gpu) else None
+        return gpu
 
     def location(self, bus_id: str) -> Location:
         """Location of a GPU, NIC or VF; VFs answer with their PF's. KeyError for unknown devices."""

@@ -158,15 +158,14 @@ def test_comma_separated_strategies_from_config() -> None:
     assert config.device_list_strategy == ["envvar", "cdi-annotations"]
 
 
-async def test_mig_gpus_are_not_served_and_counted(sockdir: str, kubelet: LocalKubelet, make_manager: MakeManager,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING):
-        manager = await make_manager(dp_config(sockdir), with_minors(small_topology(), mig=(1,)))
-        await manager.update_topology(with_minors(small_topology(), mig=(1,)))  # same again: no second line
+async def test_mig_strategy_none_serves_mig_gpus_whole(sockdir: str, kubelet: LocalKubelet,
+                                                       make_manager: MakeManager) -> None:
+    """NVIDIA's default (migStrategy none): a GPU in MIG mode is still served as a whole GPU (device_map.go
+    buildGPUDeviceMap skips MIG-enabled GPUs only under single and mixed)."""
+    manager = await make_manager(dp_config(sockdir), with_minors(small_topology(), mig=(1,)))
     await kubelet.wait_for(lambda: GPU in kubelet.plugins and kubelet.plugins[GPU].lists > 0)
-    assert set(kubelet.plugins[GPU].devices) == {GPU_UUIDS[0], GPU_UUIDS[2], GPU_UUIDS[3]}
-    assert manager.metrics.registry.get_sample_value("gpu_node_agent_devices_not_served", {"reason": "mig"}) == 1
-    assert caplog.text.count("is in MIG mode") == 1
+    assert set(kubelet.plugins[GPU].devices) == set(GPU_UUIDS)
+    assert manager.metrics.registry.get_sample_value("gpu_node_agent_devices_not_served", {"reason": "mig"}) == 0
 
 
 async def test_missing_gpu_cdi_spec_is_one_warning(sockdir: str, kubelet: LocalKubelet, make_manager: MakeManager,
@@ -207,6 +206,9 @@ async def test_nvidias_environment_name_changes_the_payload_as_the_agents_flag_d
     ({"KUBELET_SOCKET": "/var/lib/k/dp/kubelet.sock"}, lambda c: c.device_plugin.device_plugin_dir == "/var/lib/k/dp"),
     ({"DP_DISABLE_HEALTHCHECKS": "109,63"}, lambda c: c.health.xid_actions == ["109=none", "63=none"]),
     ({"MIG_STRATEGY": "none", "NVIDIA_DRIVER_ROOT": "/run/nvidia/driver"}, lambda c: True),
+    ({"MIG_STRATEGY": "mixed"}, lambda c: c.device_plugin.mig_strategy == "mixed"),
+    ({"MIG_STRATEGY": "single", "GPU_NODE_AGENT_MIG_STRATEGY": "none"},
+     lambda c: c.device_plugin.mig_strategy == "none"),
 ])
 def test_nvidias_environment_names_are_aliases(env: dict[str, str], check: Callable[..., bool]) -> None:
     from agent.config.load import load
@@ -214,7 +216,14 @@ def test_nvidias_environment_names_are_aliases(env: dict[str, str], check: Calla
     assert check(load(None, env))
 
 
-@pytest.mark.parametrize("env", [{"MIG_STRATEGY": "mixed"}, {"MIG_STRATEGY": "single"}, {"GDS_ENABLED": "true"},
+def test_an_unknown_mig_strategy_is_refused() -> None:
+    from agent.config.load import load
+
+    with pytest.raises(ConfigError, match="migStrategy: 'partial' is not one of none, single, mixed"):
+        load(None, {"MIG_STRATEGY": "partial"})
+
+
+@pytest.mark.parametrize("env", [{"GDS_ENABLED": "true"},
                                  {"CONFIG_FILE": "/etc/nvidia/config.yaml"}, {"DP_DISABLE_HEALTHCHECKS": "109;rm"}])
 def test_nvidia_settings_the_agent_cannot_serve_are_refused_by_name(env: dict[str, str]) -> None:
     from agent.config.load import load

@@ -69,3 +69,35 @@ def test_simulated_nvml_minors_follow_bus_order_and_mig_is_configurable():
     nvml = SimulatedNvml({"0000:86:00.0": "GPU-b", "0000:1b:00.0": "GPU-a"}, mig=["0000:86:00.0"])
     assert nvml.gpu_minors() == {"0000:1b:00.0": 0, "0000:86:00.0": 1}
     assert nvml.mig_gpus() == {"0000:86:00.0"}
+
+
+def test_real_nvml_reads_mig_devices_and_names_their_profiles():
+    """nvmlDeviceGetMaxMigDeviceCount slots (NOT_FOUND: empty), GI/CI ids, and the profile from the slice counts
+    and memory as go-nvlib names it: an H100 80GB's 1-slice device is 1g.10gb, a 1-of-2-slice CI 1c.2g.20gb."""
+    import types as _types
+
+    class _NotFound(_NvmlError):
+        value = 6
+
+    lib = _library(["00000000:3B:00.0", "00000000:86:00.0"])
+    lib.nvmlDeviceGetMigMode = lambda h: (1, 1) if h == 0 else (0, 0)
+    lib.nvmlDeviceGetMemoryInfo = lambda h: _types.SimpleNamespace(total=81559 << 20)
+    lib.nvmlDeviceGetMaxMigDeviceCount = lambda h: 3
+    migs = {0: ("MIG-a", 3, 0, 1, 1, 9984), 2: ("MIG-b", 1, 1, 2, 1, 19968)}
+
+    def handle(parent, slot):
+        if slot not in migs:
+            raise _NotFound("not found")
+        return ("mig", slot)
+
+    lib.nvmlDeviceGetMigDeviceHandleByIndex = handle
+    real_uuid = lib.nvmlDeviceGetUUID
+    lib.nvmlDeviceGetUUID = lambda h: migs[h[1]][0] if isinstance(h, tuple) else real_uuid(h)
+    lib.nvmlDeviceGetGpuInstanceId = lambda h: migs[h[1]][1]
+    lib.nvmlDeviceGetComputeInstanceId = lambda h: migs[h[1]][2]
+    lib.nvmlDeviceGetAttributes = lambda h: _types.SimpleNamespace(
+        gpuInstanceSliceCount=migs[h[1]][3], computeInstanceSliceCount=migs[h[1]][4], memorySizeMB=migs[h[1]][5])
+    found = RealNvml(lib).mig_devices()
+    assert list(found) == ["0000:3b:00.0"]
+    assert [(m.uuid, m.gpu_instance, m.compute_instance, m.profile) for m in found["0000:3b:00.0"]] == [
+        ("MIG-a", 3, 0, "1g.10gb"), ("MIG-b", 1, 1, "1c.2g.20gb")]

@@ -21,7 +21,7 @@ from agent.simulate.profiles import (
     vf_bus_id,
 )
 
-BUILT_IN = ["dgx-h100", "pcie-pairs", "pcie-pairs-dpdk", "vm-flat"]
+BUILT_IN = ["dgx-h100", "dgx-h100-mig", "pcie-pairs", "pcie-pairs-dpdk", "vm-flat"]
 
 
 def test_list_profiles_names_the_built_ins() -> None:

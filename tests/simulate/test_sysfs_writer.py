@@ -15,7 +15,7 @@ from agent.simulate.sysfs_tree import Dir, File, Symlink, SysfsTree
 from agent.simulate.sysfs_writer import functions, profile_tree, write_sysfs
 from agent.topology.model import Level, Location
 
-PROFILES = ["dgx-h100", "pcie-pairs", "pcie-pairs-dpdk", "vm-flat"]
+PROFILES = ["dgx-h100", "dgx-h100-mig", "pcie-pairs", "pcie-pairs-dpdk", "vm-flat"]
 PCI_FILES = ["vendor", "device", "class", "subsystem_vendor", "subsystem_device", "numa_node",
              "max_link_speed", "max_link_width", "current_link_speed", "current_link_width"]
 

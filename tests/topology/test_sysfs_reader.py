@@ -22,6 +22,9 @@ from agent.topology.sysfs import SysfsReader
 EXPECTED = {
     "dgx-h100": dict(gpus=8, rdma=8, vfs=64, plain=2,
                      per_gpu={Level.PIX: 1, Level.PXB: 1, Level.NODE: 2, Level.SYS: 4}),
+    # dgx-h100 with GPUs 0-3 in MIG mode (NVML's view): the same tree
+    "dgx-h100-mig": dict(gpus=8, rdma=8, vfs=64, plain=2,
+                         per_gpu={Level.PIX: 1, Level.PXB: 1, Level.NODE: 2, Level.SYS: 4}),
     "pcie-pairs": dict(gpus=8, rdma=4, vfs=16, plain=0,
                        per_gpu={Level.PIX: 1, Level.PHB: 1, Level.SYS: 2}),
     # the second socket's VFs bound to vfio-pci (DPDK): no RDMA device, no netdev, an IOMMU group

@@ -19,6 +19,7 @@ from agent.host.nvml.api import (
     GpuLostError,
     GpuState,
     MemoryHealth,
+    MigInfo,
     Nvml,
     NvmlError,
     NvmlEvent,
@@ -28,6 +29,7 @@ from agent.host.nvml.api import (
     NvmlPort,
     NvmlSession,
     NvmlUnavailableError,
+    mig_profile_name,
 )
 from agent.host.nvml.real import RealNvml
 from agent.host.nvml.simulated import SimulatedNvml
@@ -38,6 +40,7 @@ __all__ = [
     "GpuLostError",
     "GpuState",
     "MemoryHealth",
+    "MigInfo",
     "Nvml",
     "NvmlError",
     "NvmlEvent",
@@ -49,4 +52,5 @@ __all__ = [
     "NvmlUnavailableError",
     "RealNvml",
     "SimulatedNvml",
+    "mig_profile_name",
 ]

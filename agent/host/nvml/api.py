@@ -128,6 +128,32 @@ class NvmlInventory:
     support: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class MigInfo:
+    """One MIG device of a GPU in MIG mode: its UUID, GPU and compute instance ids, and NVIDIA's profile name
+    (`mig_profile_name`: from the slice counts and the memory size, as go-nvlib names profiles)."""
+
+    uuid: str
+    gpu_instance: int
+    compute_instance: int
+    gpu_slices: int
+    compute_slices: int
+    memory_mb: int
+    profile: str
+
+
+def mig_profile_name(gpu_slices: int, compute_slices: int, memory_mb: int, total_memory_bytes: int) -> str:
+    """NVIDIA's MIG profile name: `<G>g.<GB>gb`, or `<C>c.<G>g.<GB>gb` when the compute instance takes fewer
+    slices than its GPU instance. GB is the MIG device's share of the GPU's memory rounded up to eighths, times
+    the GPU's memory in whole GiB (go-nvlib `getMigMemorySizeGB`), so an H100 80GB's 1-slice device is 10gb."""
+    gib, mib = 1 << 30, 1 << 20
+    eighths = -(-(memory_mb * mib * 8) // total_memory_bytes) if total_memory_bytes else 0
+    total_gb = -(-total_memory_bytes // gib)
+    gb = (eighths * total_gb * 2 + 8) // 16  # round half up of eighths/8 * total_gb
+    prefix = "" if compute_slices == gpu_slices else f"{compute_slices}c."
+    return f"{prefix}{gpu_slices}g.{gb}gb"
+
+
 class Nvml(Protocol):
     """What the agent asks of NVML."""
 
@@ -143,6 +169,9 @@ class Nvml(Protocol):
 
     def mig_gpus(self) -> set[str]:
         """Canonical bus ids of GPUs whose current MIG mode is enabled."""
+
+    def mig_devices(self) -> dict[str, list[MigInfo]]:
+        """The MIG devices of each GPU in MIG mode, keyed by the parent's canonical bus id; empty without NVML."""
 
 
 class NvmlEventSet(Protocol):

@@ -24,6 +24,7 @@ from agent.host.nvml.api import (
     GpuLostError,
     GpuState,
     MemoryHealth,
+    MigInfo,
     NvmlError,
     NvmlEventSet,
     NvmlInventory,
@@ -34,6 +35,7 @@ from agent.host.nvml.api import (
 from agent.host.nvml.gate import SessionGate
 from agent.host.nvml.real_events import RealEventSet
 from agent.host.nvml.real_inventory import read_inventory
+from agent.host.nvml.real_mig import read_mig_devices
 
 log = logging.getLogger(__name__)
 _RETRY_INIT_SECONDS = 60.0  # a failed nvmlInit is tried again this long after (health recovers with the driver)
@@ -162,6 +164,12 @@ class RealNvml:
         """GPUs whose current MIG mode (nvmlDeviceGetMigMode) is enabled; GPUs without MIG are not."""
         modes = self._per_gpu("MIG mode", lambda nvml, handle: nvml.nvmlDeviceGetMigMode(handle)[0])
         return {bus_id for bus_id, current in modes.items() if current == 1}
+
+    def mig_devices(self) -> dict[str, list[MigInfo]]:
+        """The MIG devices of each GPU in MIG mode (`real_mig`); a GPU that errors is skipped with a warning."""
+        def read(nvml: ModuleType, handle: Any) -> list[MigInfo]:
+            return read_mig_devices(nvml, handle) if nvml.nvmlDeviceGetMigMode(handle)[0] == 1 else []
+        return {bus_id: found for bus_id, found in self._per_gpu("MIG devices", read).items() if found}
 
     def _lib(self) -> ModuleType:
         nvml = self._init()

@@ -28,6 +28,7 @@ from agent.host.nvml.api import (
     GpuLostError,
     GpuState,
     MemoryHealth,
+    MigInfo,
     NvmlError,
     NvmlEvent,
     NvmlEventSet,
@@ -62,11 +63,14 @@ class SimulatedNvml:
 
     def __init__(self, uuids: Mapping[str, str], *, available: bool = True,
                  unavailable_reason: str = "NVMLError_LibraryNotFound: simulated", mig: Iterable[str] = (),
-                 nvlinks: int = 0, fabric: bool = False, overrides_dir: Path | None = None) -> None:
+                 nvlinks: int = 0, fabric: bool = False, overrides_dir: Path | None = None,
+                 mig_devices: Mapping[str, Iterable[MigInfo]] | None = None) -> None:
         """`nvlinks` active links per GPU (0: a PCIe board); `fabric`: an NVSwitch system whose fabric probe has
-        completed; `overrides_dir`: where `<uuid>.json` override files are read (module docstring)."""
+        completed; `overrides_dir`: where `<uuid>.json` override files are read (module docstring); `mig`: GPUs in
+        MIG mode, and `mig_devices` their MIG devices by bus id (a GPU named there is in MIG mode too)."""
         self._uuids = {normalize_bus_id(k): v for k, v in uuids.items()}
-        self._mig = {normalize_bus_id(bus_id) for bus_id in mig}
+        self._mig_devices = {normalize_bus_id(k): list(v) for k, v in (mig_devices or {}).items()}
+        self._mig = {normalize_bus_id(bus_id) for bus_id in mig} | set(self._mig_devices)
         self._available = available
         self._reason = "" if available else unavailable_reason
         self._lock = threading.Lock()
@@ -121,6 +125,16 @@ class SimulatedNvml:
                    "remapped_rows": "no" if "remapped_rows" in off else "yes",
                    "process_list": "v3", "event_set": "no" if "events" in off else "yes"} if first else {}
         return NvmlInventory("simulated", "simulated", "simulated", gpus, support)
+
+    def mig_devices(self) -> dict[str, list[MigInfo]]:
+        """The MIG devices the GPUs were built with."""
+        return {bus_id: list(found) for bus_id, found in self._mig_devices.items()} if self._available else {}
+
+    def set_mig_devices(self, bus_id: str, devices: Iterable[MigInfo]) -> None:
+        """Repartition one GPU (in MIG mode from now on): its MIG devices are these."""
+        bus_id = normalize_bus_id(bus_id)
+        self._mig.add(bus_id)
+        self._mig_devices[bus_id] = list(devices)
 
     def open_events(self, uuids: Iterable[str]) -> NvmlEventSet:
         """An event set fed by the inject_* methods."""

@@ -139,13 +139,7 @@ def acting_metrics() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def network_and_dra_metrics() -> Iterator[str]:
-    reason = netns.missing_prerequisite()
-    if reason:
-        pytest.skip(reason)
-    try:
-        topology = netns.build()
-    except (OSError, RuntimeError) as exc:
-        pytest.skip(f"cannot build test network namespaces: {exc}")
+    topology = netns.build_or_skip()
     directory = Path(tempfile.mkdtemp(prefix="gnl"))
     try:
         yield asyncio.run(_network_and_dra(directory, topology))

@@ -31,13 +31,7 @@ class RecordingHost(Host):
 @pytest.fixture(scope="module")
 def topology() -> Iterator[netns.Topology]:
     """One pod/node/internet network per test module (building it takes about a second)."""
-    reason = netns.missing_prerequisite()
-    if reason:
-        pytest.skip(reason)
-    try:
-        topo = netns.build()
-    except (OSError, RuntimeError) as exc:
-        pytest.skip(f"cannot build test network namespaces: {exc}")
+    topo = netns.build_or_skip()
     yield topo
     netns.destroy(topo)
 

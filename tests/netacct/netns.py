@@ -159,6 +159,19 @@ def _wait_quiet(ns: str, quiet: float = 1.0, limit: float = 10.0) -> None:
             return
 
 
+def build_or_skip() -> Topology:
+    """`build()`, or skip the calling test (with the reason) where namespaces cannot be made here."""
+    import pytest
+
+    reason = missing_prerequisite()
+    if reason:
+        pytest.skip(reason)
+    try:
+        return build()
+    except (OSError, RuntimeError) as exc:
+        pytest.skip(f"cannot build test network namespaces: {exc}")
+
+
 def destroy(topo: Topology) -> None:
     """Delete the namespaces (their links, rules and sets go with them)."""
     for ns in topo.namespaces():

@@ -51,13 +51,17 @@ class TokenBucket:
         return 0.0 if self._tokens >= 1.0 else (1.0 - self._tokens) / self.rate
 
     async def take_within(self, seconds: float) -> bool:
-        """Take a token if one is there or comes within `seconds` (sleeping until then); False when not."""
-        deadline = self._monotonic() + seconds
+        """Take a token if one is there or comes within `seconds` (sleeping until then); False when not.
+
+        Bounded by the time slept, not by reading the clock again: the bucket's clock is injected (tests use one
+        that only moves when told), and a wait must end even when that clock stands still."""
+        waited = 0.0
         while not self.take():
             delay = self.delay()
-            if self._monotonic() + delay > deadline:
+            if waited + delay > seconds:
                 return False
             await asyncio.sleep(delay)
+            waited += delay
         return True
 
     async def wait(self) -> None:

@@ -89,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     dump = sub.add_parser("config", help="print the effective configuration as YAML")
     dump.add_argument("--actions", action="store_true",
                       help="print the effective action table instead (every Xid and check, defaults + overrides)")
+    dump.add_argument("--pools", action="store_true",
+                      help="print which devices each pool takes on this node (the sysfs tree of --sysfs-root, or "
+                           "--simulate), and the devices left out with why")
     config.add_flags(dump)
     return parser
 
@@ -191,8 +194,36 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if getattr(args, "actions", False):
         print(yaml.safe_dump(_action_table(cfg), sort_keys=False), end="")
         return 0
+    if getattr(args, "pools", False):
+        print(yaml.safe_dump(_pool_table(cfg), sort_keys=False), end="")
+        return 0
     print(yaml.safe_dump(config.to_mapping(cfg), sort_keys=False), end="")
     return 0
+
+
+def _pool_table(cfg: config.AgentConfig) -> dict[str, object]:
+    """Each pool's devices on this node (as `run` would serve them), and what was left out and why."""
+    from agent.deviceplugin.pools import PoolConfigError, build_pools
+    from agent.host.nvml import RealNvml
+    from agent.simulate.node import build_simulated_node
+    from agent.topology.load import load_topology
+
+    plugin = cfg.device_plugin
+    if plugin.serve_gpus is None:  # as `run` resolves it: GPUs served only where no other GPU plugin runs
+        plugin = dataclasses.replace(plugin, serve_gpus=bool(cfg.topology.simulate))
+    with tempfile.TemporaryDirectory(prefix="gna-sysfs-") as tmp:
+        if cfg.topology.simulate:
+            node = build_simulated_node(cfg.topology.simulate, Path(tmp))
+            topology = load_topology(node.sysfs_root, node.nvml.gpu_uuids(), cfg.topology.topology_file
+                                     or node.topology_file)
+        else:
+            topology = load_topology(cfg.topology.sysfs_root, RealNvml().gpu_uuids(), cfg.topology.topology_file)
+    try:
+        scan = build_pools(topology, plugin)
+    except PoolConfigError as exc:
+        raise UsageError(str(exc)) from exc
+    return {"pools": {pool.resource_name: list(pool.ids) for pool in scan.pools},
+            "notServed": list(scan.skipped)}
 
 
 def _action_table(cfg: config.AgentConfig) -> dict[str, object]:

@@ -119,3 +119,15 @@ def test_no_iommu_mode_and_a_vf_without_a_group(dpdk_node: SimulatedNode, tmp_pa
     found = userspace_nodes(device)
     assert found is not None and found[2][1] == (f"/dev/vfio/noiommu-{first.pci.iommu_group}",
                                                  f"/dev/vfio/{first.pci.iommu_group}")
+
+
+def test_config_shows_which_devices_each_pool_takes_on_this_node(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 29: `config --pools` with the SR-IOV file shows each pool's devices on the node before any rollout."""
+    from agent import cli
+
+    path = _file(tmp_path, [CX5_VFIO, {"resourceName": "cx5_rdma", "selectors": {"isRdma": True}}])
+    assert cli.main(["config", "--pools", "--simulate", "pcie-pairs-dpdk", "--sriov-dp-config", path]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert len(shown["pools"]["intel.com/cx5_dpdk"]) == 8 and len(shown["pools"]["intel.com/cx5_rdma"]) == 8
+    assert not set(shown["pools"]["intel.com/cx5_dpdk"]) & set(shown["pools"]["intel.com/cx5_rdma"])

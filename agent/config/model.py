@@ -285,7 +285,7 @@ class AgentConfig:
     log_format: str = setting("auto", flag="--log-format", env="GPU_NODE_AGENT_LOG_FORMAT",
                               choices=("auto", "json", "text"),
                               help="json lines, plain text, or auto (text on a terminal, json otherwise)")
-    metrics_address: str = setting(":9400", flag="--metrics-address", env="GPU_NODE_AGENT_METRICS_ADDRESS",
+    metrics_address: str = setting(":10437", flag="--metrics-address", env="GPU_NODE_AGENT_METRICS_ADDRESS",
                                    help="host:port for /metrics, /healthz and /readyz (port 0 picks a free one)")
     topology: TopologyConfig = setting(factory=TopologyConfig, help="hardware model sources")
     device_plugin: DevicePluginConfig = setting(factory=DevicePluginConfig, help="kubelet device plugin")

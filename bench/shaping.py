@@ -10,15 +10,19 @@ goodput, median over rounds; shaping on and off interleaved round by round):
 2. pod1's cluster goodput with its shapers on / off (goal >= 0.95: cluster traffic passes one u32 compare per
    internal CIDR and HTB's direct queue);
 3. pod3's (unshaped) internet goodput with shaping on for the 125 others / off (goal >= 0.95);
-4. time to apply all 250 pods, to re-check them with nothing to change, one counter scrape, removal.
+4. time to apply all 250 pods, to re-check them with nothing to change, removal;
+5. the counter scrape (`Shaper.scrape`: one class dump per shaped interface, `agent.host.tc_stats`): the first
+   one, then median and p90 of `--scrapes` more; beside it, in the same run, what a scrape read before (one
+   pyroute2 dump of every qdisc of the node, decoded) for comparison.
 
-    sudo python bench/shaping.py [--rounds 3] [--seconds 3] [--backend nft]
+    sudo python bench/shaping.py [--rounds 3] [--seconds 3] [--backend nft] [--scrapes 200] [--scrape-only]
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import random
 import statistics
 import subprocess
@@ -84,11 +88,30 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
+def scrape_figures(shaper: Shaper, tc: NetlinkTc, scrapes: int) -> str:
+    """First scrape, then median/p90 of `scrapes` more; and the old full-dump read, interleaved, for comparison."""
+    first = timed(shaper.scrape)
+    new, old = [], []
+    for _ in range(scrapes):
+        new.append(timed(shaper.scrape))
+        old.append(timed(lambda: tc._leaf_counters(tc._dump())))  # the read a scrape did before
+
+    def p90(values: list[float]) -> float:
+        return statistics.quantiles(values, n=10)[-1]
+
+    return (f"scrape: first {first * 1000:.1f} ms, median {statistics.median(new) * 1000:.2f} ms, "
+            f"p90 {p90(new) * 1000:.2f} ms ({scrapes} scrapes); the old read (pyroute2 dump of every qdisc): "
+            f"median {statistics.median(old) * 1000:.1f} ms, p90 {p90(old) * 1000:.1f} ms; "
+            f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=int, default=3)
     parser.add_argument("--backend", default="nft", choices=("nft", "legacy"))
+    parser.add_argument("--scrapes", type=int, default=200, help="scrapes timed after the first (default 200)")
+    parser.add_argument("--scrape-only", action="store_true", help="apply, re-check, scrape and remove; no iperf3")
     args = parser.parse_args()
     reason = netns.missing_prerequisite()
     if reason:
@@ -98,15 +121,19 @@ def main() -> int:
     try:
         extra = add_extra_pods(net)
         netns.poke(net, "pod2", "10.244.2.1")
-        shaper = Shaper(NetlinkTc(net.node), INTERNAL, {})
+        tc = NetlinkTc(net.node)
+        shaper = Shaper(tc, INTERNAL, {})
         run = lambda role, server, reverse=False: netns.mbps(net, role, server, reverse=reverse,  # noqa: E731
                                                              seconds=args.seconds)
         apply_s = timed(lambda: shaper.sync(pod_list(extra, LIMIT_PAIRS[0])))
         report = shaper.sync(pod_list(extra, LIMIT_PAIRS[0]))
         resync_s = timed(lambda: shaper.sync(pod_list(extra, LIMIT_PAIRS[0])))
-        scrape_s = timed(shaper.scrape)
-        print(f"250 pods, {report.count('shaped')} shaped: apply {apply_s:.2f} s, re-check {resync_s * 1000:.0f} ms, "
-              f"scrape {scrape_s * 1000:.0f} ms")
+        print(f"250 pods, {report.count('shaped')} shaped: apply {apply_s:.2f} s, re-check {resync_s * 1000:.0f} ms")
+        print(scrape_figures(shaper, tc, args.scrapes))
+        if args.scrape_only:
+            print(f"removal of everything: {timed(shaper.remove_all):.2f} s")
+            shaper.close()
+            return 0
         for pair in LIMIT_PAIRS:
             shaper.sync(pod_list(extra, pair))
             ratios: dict[str, list[float]] = {}

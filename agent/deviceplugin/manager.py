@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -22,7 +23,6 @@ from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config.model import DevicePluginConfig
 from agent.deviceplugin.cdi import SPEC_DIRS, RdmaSpecWriter, find_spec, remove_stale_specs
 from agent.deviceplugin.devinfo import DeviceInfoWriter
-from agent.deviceplugin.facts import OwnershipFacts
 from agent.deviceplugin.metrics import AllocationMetrics
 from agent.deviceplugin.payload import AllocateOptions
 from agent.deviceplugin.pluginwatcher import PLUGIN_WATCHER, PluginWatcherLink, resolve_mode
@@ -34,6 +34,9 @@ from agent.placement.admission import DEFAULT_TTL_S
 from agent.placement.joint import JointAllocator
 from agent.signals import DeviceHealth
 from agent.topology.model import Topology
+
+if TYPE_CHECKING:  # the kubelet's facts (agent.ownership) are imported only where ownership is wired
+    from agent.deviceplugin.facts import OwnershipFacts
 
 log = logging.getLogger(__name__)
 

@@ -9,15 +9,18 @@ form, like everywhere else in the agent (join with dcgm-exporter's NVML form on 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from agent.health.assess import HealthAssessor
 from agent.health.checks import Checks
-from agent.health.dcgm_watch import DcgmWatcher
 from agent.health.findings import GpuRef
 from agent.signals import Severity
+
+if TYPE_CHECKING:  # imported only with a dcgm-exporter URL (agent.health.service)
+    from agent.health.dcgm_watch import DcgmWatcher
 
 PREFIX = "gpu_node_agent_"
 GPU_LABELS = ("gpu", "uuid", "pci_bus_id")

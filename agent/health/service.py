@@ -17,7 +17,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -26,17 +26,14 @@ from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config.health import HealthConfig
 from agent.health.assess import HealthAssessor
 from agent.health.checks import Checks, CheckState
-from agent.health.dcgm_watch import dcgm_watcher
 from agent.health.gpu_state_metrics import GpuStateCollector
 from agent.health.gpu_state_watch import GpuStateWatcher
-from agent.health.kmsg_watch import KmsgWatcher
 from agent.health.links import LinkWatcher
 from agent.health.metrics import HealthCollector, ResourceOf
 from agent.health.nic_metrics import NicCollector
 from agent.health.nic_watch import NicWatcher
 from agent.health.nvml_watch import NvmlEventWatcher, NvmlPoller
 from agent.health.state import SavedHealth, StateStore
-from agent.host.dcgm_exporter import DcgmExporterPort
 from agent.host.kmsg import read_boot_id
 from agent.host.links import LinkPort, NetlinkLinkPort
 from agent.host.nic_sysfs import NicSysfs
@@ -44,6 +41,11 @@ from agent.host.nvml import NvmlHealth
 from agent.signals import DeviceHealth, Latest, NodeVerdict
 from agent.supervisor import FatalError, Supervisor
 from agent.topology.model import Topology
+
+if TYPE_CHECKING:  # the kernel-log and dcgm-exporter watchers are imported only when configured
+    from agent.health.dcgm_watch import DcgmWatcher
+    from agent.health.kmsg_watch import KmsgWatcher
+    from agent.host.dcgm_exporter import DcgmExporterPort
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +80,12 @@ class HealthService:
         self._boot_id_path = Path(boot_id_path)
         self._housekeeping_interval = housekeeping_interval
         self._backoff = restart_backoff
-        self.kmsg = KmsgWatcher(config.kmsg, self.assessor, "", file_poll_interval=kmsg_file_poll_interval,
-                                checks=self._checks) \
-            if config.kmsg else None
+        self.kmsg: KmsgWatcher | None = None
+        if config.kmsg:
+            from agent.health.kmsg_watch import KmsgWatcher
+
+            self.kmsg = KmsgWatcher(config.kmsg, self.assessor, "", file_poll_interval=kmsg_file_poll_interval,
+                                    checks=self._checks)
         self.nvml_events = NvmlEventWatcher(nvml, self.assessor, config.nvml_event_timeout_seconds,
                                             checks=self._checks)
         self.nvml_poll = NvmlPoller(nvml, self.assessor, config.nvml_poll_interval_seconds, checks=self._checks)
@@ -88,8 +93,11 @@ class HealthService:
         self.assessor.recovery_action_changed = self.gpu_state.nudge
         self.links = LinkWatcher(link_port or NetlinkLinkPort("/sys"), self.assessor,
                                  config.link_check_interval_seconds, clock=clock, checks=self._checks)
-        self.dcgm = dcgm_watcher(config, self.assessor, topology, checks=self._checks, port=dcgm_port) \
-            if dcgm_port is not None or config.dcgm_exporter_url else None
+        self.dcgm: DcgmWatcher | None = None
+        if dcgm_port is not None or config.dcgm_exporter_url:  # imported only when configured (start time)
+            from agent.health.dcgm_watch import dcgm_watcher
+
+            self.dcgm = dcgm_watcher(config, self.assessor, topology, checks=self._checks, port=dcgm_port)
         if nic_sysfs is None:
             nic_sysfs = NicSysfs(getattr(self.links.port, "sysfs_root", "/sys"))
         self.nic = NicWatcher(nic_sysfs, self.assessor, config, nvml, clock=clock, state_dir=state_dir,

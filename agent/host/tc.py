@@ -155,8 +155,9 @@ class TcPort(Protocol):
     def read(self) -> TcState:
         """Our objects everywhere in the namespace, with their leaf counters, and the interfaces others own."""
 
-    def counters(self) -> dict[int, ShaperCounters]:
-        """Leaf counters of every shaper, by ifindex (one cheap read, for scrapes)."""
+    def counters(self, indexes: Iterable[int]) -> dict[int, ShaperCounters]:
+        """The limited class's counters on each of `indexes` that has our shaper, by ifindex (the scrape's read:
+        it touches only these interfaces)."""
 
     def device(self, index: int) -> DeviceShaping:
         """One interface's shaping objects, foreign owners included."""

@@ -39,6 +39,7 @@ from agent.host.tc import (
     burst_bytes,
     queue_bytes,
 )
+from agent.host.tc_stats import ClassCounters
 
 
 def _u32_keys(sel: Any) -> tuple[tuple[int, int, int], ...]:
@@ -64,6 +65,7 @@ class NetlinkTc:
     def __init__(self, netns: str | None = None) -> None:
         self.netns = netns
         self._socket: Any = None
+        self._classes: ClassCounters | None = None
 
     @property
     def _ipr(self) -> Any:
@@ -83,6 +85,9 @@ class NetlinkTc:
         if self._socket is not None:
             self._socket.close()
             self._socket = None
+        if self._classes is not None:
+            self._classes.close()
+            self._classes = None
 
     def _call(self, what: str, *args: Any, **kwargs: Any) -> Any:
         from pyroute2.netlink.exceptions import NetlinkError
@@ -246,9 +251,11 @@ class NetlinkTc:
                                                 int(queue["drops"]) if queue else 0)
         return out
 
-    def counters(self) -> dict[int, ShaperCounters]:
-        """Leaf counters from one qdisc dump."""
-        return self._leaf_counters(self._dump())
+    def counters(self, indexes: Iterable[int]) -> dict[int, ShaperCounters]:
+        """The limited classes' counters of these interfaces only (`agent.host.tc_stats`: no pyroute2)."""
+        if self._classes is None:
+            self._classes = ClassCounters(self.netns)
+        return self._classes.read(indexes)
 
     # -- changing ----------------------------------------------------------------------------------------------
 

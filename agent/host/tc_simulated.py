@@ -9,7 +9,7 @@ qdisc or hook filters that are not ours are reported as foreign. Tests add traff
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -139,9 +139,13 @@ class SimulatedTc:
                 state.counters[index] = device.counters
         return state
 
-    def counters(self) -> dict[int, ShaperCounters]:
-        """Leaf counters by ifindex."""
-        return self.read().counters
+    def counters(self, indexes: Iterable[int]) -> dict[int, ShaperCounters]:
+        """Leaf counters of these interfaces, by ifindex."""
+        if self._failures.get("read"):
+            self._failures["read"] -= 1
+            raise TcError("read: simulated failure")
+        return {i: self._devices[i].counters for i in set(indexes)
+                if i in self._devices and self._devices[i].download is not None}
 
     def shape_download(self, index: int, rate_bps: int, exempt: Sequence[Exemption]) -> None:
         """Replace our download shaper."""

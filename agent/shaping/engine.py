@@ -215,15 +215,18 @@ class Shaper:
             shaped = {k: p for k, p in self.last.pods.items() if p.state == "shaped"}
             if not shaped:
                 return {}
-            leaves = self.port.counters()
+            ingress = {key: shaping.index for key, shaping in shaped.items()
+                       if shaping.limits.ingress is not None and shaping.index is not None}
+            egress = {key: ifb for key, shaping in shaped.items() if shaping.limits.egress is not None
+                      and (ifb := self.last.ifb_index.get(shaping.ifb)) is not None}
+            leaves = self.port.counters([*ingress.values(), *egress.values()])  # only the shaped interfaces
         out: dict[PodKey, PodCounters] = {}
         for key, shaping in shaped.items():
             counters: dict[str, ShaperCounters] = {}
-            if shaping.limits.ingress is not None and shaping.index in leaves:
-                counters["ingress"] = leaves[shaping.index]
-            ifb = self.last.ifb_index.get(shaping.ifb)
-            if shaping.limits.egress is not None and ifb in leaves:
-                counters["egress"] = leaves[ifb]
+            if key in ingress and ingress[key] in leaves:
+                counters["ingress"] = leaves[ingress[key]]
+            if key in egress and egress[key] in leaves:
+                counters["egress"] = leaves[egress[key]]
             out[key] = PodCounters(shaping.limits, counters)
         return out
 

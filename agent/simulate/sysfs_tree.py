@@ -43,7 +43,7 @@ Entry = Dir | File | Symlink
 
 
 def _key(path: str | PurePosixPath) -> PurePosixPath:
-    p = PurePosixPath(path)
+    p = path if type(path) is PurePosixPath else PurePosixPath(path)
     if p.is_absolute() or not p.parts or ".." in p.parts or str(p) == ".":
         raise ValueError(f"tree paths must be relative and stay inside the tree: {str(path)!r}")
     return p
@@ -83,12 +83,20 @@ class SysfsTree:
             yield path, self._entries[path]
 
     def _ensure_parents(self, path: PurePosixPath) -> None:
-        for parent in reversed(path.parents[:-1]):  # parents[-1] is "."
+        # nearest parent first, up to the first directory already recorded: its own parents are recorded too
+        missing = []
+        parents = path.parents
+        for i in range(len(parents) - 1):  # parents[-1] is "."; indexing builds only the parents looked at
+            parent = parents[i]
             existing = self._entries.get(parent)
             if existing is None:
-                self._entries[parent] = Dir()
-            elif not isinstance(existing, Dir):
+                missing.append(parent)
+            elif isinstance(existing, Dir):
+                break
+            else:
                 raise ValueError(f"cannot create {str(path)!r}: {str(parent)!r} is not a directory")
+        for parent in missing:
+            self._entries[parent] = Dir()
 
     def _put(self, path: str | PurePosixPath, entry: Entry) -> None:
         key = _key(path)
@@ -133,11 +141,14 @@ class SysfsTree:
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
         for rel, entry in self.items():
-            dest = root.joinpath(*rel.parts)
+            dest = os.path.join(root, rel)
             if isinstance(entry, Dir):
-                dest.mkdir()
+                os.mkdir(dest)
             elif isinstance(entry, File):
-                with dest.open("xb") as handle:
-                    handle.write(entry.content)
+                fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+                try:
+                    os.write(fd, entry.content)
+                finally:
+                    os.close(fd)
             else:
                 os.symlink(entry.target, dest)

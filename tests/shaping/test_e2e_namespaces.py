@@ -87,8 +87,17 @@ def test_internet_only_shaping_end_to_end(net: netns.Net, request: pytest.Fixtur
         assert cluster_up > UNSHAPED and cluster_down > UNSHAPED, (cluster_up, cluster_down)
         assert netns.mbps(net, "pod3", INET) > UNSHAPED  # no annotation: unshaped
 
-        counters = shaper.scrape()[("team-a", "routed")].counters
+        first = shaper.scrape()
+        counters = first[("team-a", "routed")].counters
         assert counters["egress"].bytes > 2_000_000 and counters["ingress"].bytes > 4_000_000
+        # the scrape reads the limited classes; they count what their bfifo leaves (a full qdisc dump) count
+        leaves = shaper.port.read().counters
+        second = shaper.scrape()
+        for key, shaping in shaper.last.pods.items():
+            assert shaping.index is not None
+            for direction, index in (("ingress", shaping.index), ("egress", shaper.last.ifb_index[shaping.ifb])):
+                low, leaf, high = first[key].counters[direction], leaves[index], second[key].counters[direction]
+                assert low.bytes <= leaf.bytes <= high.bytes and low.drops <= leaf.drops <= high.drops, key
 
         before = netns.tc_objects(net), netns.sh("tc", "filter", "show", "dev", "cali1", "ingress", ns=net.node)
         restarted = Shaper(NetlinkTc(net.node), INTERNAL, {})  # an agent restart: adopts, duplicates nothing

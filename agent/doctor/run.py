@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from agent.config import AgentConfig
-from agent.doctor import cluster_checks, hardware_checks, node_checks
+from agent.doctor import hardware_checks, node_checks
 from agent.doctor.context import Context, resolve
 from agent.doctor.report import Check, fail
 from agent.hardware import Hardware
@@ -77,6 +77,8 @@ def _plan(ctx: Context, *, has_credentials: bool, local_only: bool) -> list[tupl
         (("kmsg",), in_thread(lambda: hardware_checks.kernel_log(ctx))),
     ]
     if not local_only:
+        from agent.doctor import cluster_checks  # the API and HTTP clients: not loaded for run's self-check
+
         plan += [
             (("kubelet.device-plugins",), in_thread(_one(lambda: node_checks.device_plugin_dir(ctx)))),
             (("kubelet.plugins-registry",), in_thread(_one(lambda: node_checks.plugin_registry(ctx)))),

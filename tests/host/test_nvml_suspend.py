@@ -54,6 +54,9 @@ def test_suspend_frees_the_event_set_and_closes_the_session_then_everything_reop
         poll.join(5)
         assert answered == [[]]
         until_blocking(lambda: len(library.holders()) == 2, "the session and the event set reopened")
+        # the set exists before it registers the GPUs: an Xid in between would reach no set (a race under load)
+        until_blocking(lambda: any(epoch == library.epoch and len(registered) == 2
+                                   for epoch, registered in library.event_sets.values()), "both GPUs registered again")
         library.inject_xid("GPU-0", 79)
         until_blocking(lambda: len(seen) == 2, "the Xid after the reset")
         halt.set()

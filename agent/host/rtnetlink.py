@@ -16,25 +16,30 @@ from __future__ import annotations
 import asyncio
 import errno
 import itertools
-import os
 import socket
 import struct
 from dataclasses import dataclass, field
 
+from agent.host.netlink import (
+    ATTR,
+    ATTR_TYPE_MASK,
+    HEADER,
+    NLM_F_DUMP,
+    NLM_F_REQUEST,
+    NLMSG_DONE,
+    NLMSG_OVERRUN,
+    NetlinkTruncated,
+    messages,
+)
 from agent.host.netns import entered
 
 RTMGRP_LINK = 1  # the multicast group bit of RTNLGRP_LINK (group 1)
 RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK = 16, 17, 18
-NLM_F_REQUEST, NLM_F_DUMP, NLM_F_MULTI = 0x1, 0x300, 0x2
-NLMSG_NOOP, NLMSG_ERROR, NLMSG_DONE, NLMSG_OVERRUN = 1, 2, 3, 4
 IFLA_IFNAME, IFLA_OPERSTATE, IFLA_CARRIER = 3, 16, 33
 # IF_OPER_* (RFC 2863), as `ip link` and /sys/class/net/<if>/operstate spell them
 OPERSTATES = ("unknown", "notpresent", "down", "lowerlayerdown", "testing", "dormant", "up")
 RECEIVE_SIZE = 1 << 16  # larger than any one link message (VF lists are only in dumps that ask for them)
-_HDR = struct.Struct("=IHHII")  # nlmsghdr
 _IFINFO = struct.Struct("=BBHiII")  # ifinfomsg
-_NLA = struct.Struct("=HH")
-_TYPE_MASK = 0x3FFF
 _seq = itertools.count(1)
 
 
@@ -59,43 +64,33 @@ def parse_links(data: bytes, news: LinkNews, seq: int | None = None) -> bool:
     """Add the link messages of one datagram to `news`; True at the end of a dump (NLMSG_DONE). A truncated or
     malformed datagram, or NLMSG_OVERRUN, sets `lost`. Only AF_UNSPEC messages describe netdevs: the bridge also
     sends AF_BRIDGE RTM_NEWLINK/RTM_DELLINK for a port joining or leaving it, which is not the netdev changing."""
-    pos = 0
-    while pos + _HDR.size <= len(data):
-        length, kind, _flags, msg_seq, _pid = _HDR.unpack_from(data, pos)
-        if length < _HDR.size or pos + length > len(data):
-            news.lost = True
-            return False
-        end, body = pos + length, pos + _HDR.size
-        pos = (end + 3) & ~3
-        if seq is not None and msg_seq != seq:
-            continue
-        if kind == NLMSG_DONE:
-            return True
-        if kind == NLMSG_ERROR:
-            code = -struct.unpack_from("=i", data, body)[0]
-            if code:
-                raise OSError(code, f"RTM_GETLINK: {os.strerror(code)}")
-            continue
-        if kind == NLMSG_OVERRUN:
-            news.lost = True
-        if kind not in (RTM_NEWLINK, RTM_DELLINK) or end - body < _IFINFO.size:
-            continue
-        family = data[body]
-        if family != socket.AF_UNSPEC:
-            continue
-        name, state = _link(data, body + _IFINFO.size, end)
-        if name:
-            news.changes[name] = state if kind == RTM_NEWLINK else None
+    try:
+        for kind, body, end in messages(data, seq, "RTM_GETLINK"):
+            if kind == NLMSG_DONE:
+                return True
+            if kind == NLMSG_OVERRUN:
+                news.lost = True
+            _add_link(data, kind, body, end, news)
+    except NetlinkTruncated:
+        news.lost = True
     return False
+
+
+def _add_link(data: bytes, kind: int, body: int, end: int, news: LinkNews) -> None:
+    if kind not in (RTM_NEWLINK, RTM_DELLINK) or end - body < _IFINFO.size or data[body] != socket.AF_UNSPEC:
+        return
+    name, state = _link(data, body + _IFINFO.size, end)
+    if name:
+        news.changes[name] = state if kind == RTM_NEWLINK else None
 
 
 def _link(data: bytes, pos: int, end: int) -> tuple[str, NetdevState]:
     name, operstate, carrier = "", "unknown", None
-    while pos + _NLA.size <= end:
-        size, kind = _NLA.unpack_from(data, pos)
-        if size < _NLA.size:
+    while pos + ATTR.size <= end:
+        size, kind = ATTR.unpack_from(data, pos)
+        if size < ATTR.size:
             break
-        kind &= _TYPE_MASK
+        kind &= ATTR_TYPE_MASK
         if kind == IFLA_IFNAME:
             name = data[pos + 4:pos + size].split(b"\0", 1)[0].decode("utf-8", "replace")
         elif kind == IFLA_OPERSTATE and size > 4:
@@ -125,7 +120,7 @@ def dump_links(netns: str | None = None, timeout: float = 5.0) -> dict[str, Netd
     with _socket(netns) as sock:
         sock.settimeout(timeout)
         seq = next(_seq)
-        request = _HDR.pack(_HDR.size + _IFINFO.size, RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
+        request = HEADER.pack(HEADER.size + _IFINFO.size, RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
         sock.send(request + _IFINFO.pack(socket.AF_UNSPEC, 0, 0, 0, 0, 0))
         news = LinkNews()
         while not parse_links(sock.recv(RECEIVE_SIZE), news, seq):

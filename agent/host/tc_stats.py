@@ -15,36 +15,40 @@ for the first, at 250 pods (`bench/shaping.py`). Layouts: `struct tcmsg` (includ
 from __future__ import annotations
 
 import itertools
-import os
 import socket
 import struct
 from collections.abc import Iterable
 
+from agent.host.netlink import (
+    ATTR,
+    ATTR_TYPE_MASK,
+    HEADER,
+    NLM_F_DUMP,
+    NLM_F_REQUEST,
+    NLMSG_DONE,
+    NetlinkTruncated,
+    messages,
+)
 from agent.host.netns import entered
 from agent.host.tc import LIMITED, ROOT, ShaperCounters, TcError
 
 RTM_NEWTCLASS, RTM_GETTCLASS = 40, 42
-NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
-NLMSG_ERROR, NLMSG_DONE = 2, 3
 TCA_STATS2 = 7
 TCA_STATS_BASIC, TCA_STATS_QUEUE = 1, 3
 RECEIVE_SIZE = 1 << 16  # one HTB class message is a few hundred bytes
-_HDR = struct.Struct("=IHHII")  # nlmsghdr
 _TCMSG = struct.Struct("=BBHiIII")  # family, pad, pad, ifindex, handle, parent, info
-_NLA = struct.Struct("=HH")
 _U64 = struct.Struct("=Q")
 _U32 = struct.Struct("=I")
-_TYPE_MASK = 0x3FFF
 _seq = itertools.count(1)
 
 
 def _attrs(data: bytes, pos: int, end: int) -> Iterable[tuple[int, int, int]]:
     """(type, payload start, payload end) of each attribute in data[pos:end]."""
-    while pos + _NLA.size <= end:
-        size, kind = _NLA.unpack_from(data, pos)
-        if size < _NLA.size or pos + size > end:
+    while pos + ATTR.size <= end:
+        size, kind = ATTR.unpack_from(data, pos)
+        if size < ATTR.size or pos + size > end:
             return
-        yield kind & _TYPE_MASK, pos + _NLA.size, pos + size
+        yield kind & ATTR_TYPE_MASK, pos + ATTR.size, pos + size
         pos += (size + 3) & ~3
 
 
@@ -65,27 +69,16 @@ def _stats(data: bytes, pos: int, end: int) -> ShaperCounters:
 def parse_classes(data: bytes, seq: int, handle: int, out: dict[int, ShaperCounters]) -> bool:
     """Add the counters of class `handle` found in one datagram of a class dump to `out` (by ifindex); True at
     the end of the dump. An error answer raises TcError."""
-    pos = 0
-    while pos + _HDR.size <= len(data):
-        length, kind, _flags, msg_seq, _pid = _HDR.unpack_from(data, pos)
-        if length < _HDR.size or pos + length > len(data):
-            raise TcError("class dump: truncated reply")
-        end, body = pos + length, pos + _HDR.size
-        pos = (end + 3) & ~3
-        if msg_seq != seq:
-            continue
-        if kind == NLMSG_DONE:
-            return True
-        if kind == NLMSG_ERROR:
-            code = -struct.unpack_from("=i", data, body)[0]
-            if code:
-                raise TcError(f"class dump: {os.strerror(code)}")
-            continue
-        if kind != RTM_NEWTCLASS or end - body < _TCMSG.size:
-            continue
-        _family, _, _, index, class_handle, _parent, _info = _TCMSG.unpack_from(data, body)
-        if class_handle == handle:
-            out[index] = _stats(data, body + _TCMSG.size, end)
+    try:
+        for kind, body, end in messages(data, seq, "class dump"):
+            if kind == NLMSG_DONE:
+                return True
+            if kind == RTM_NEWTCLASS and end - body >= _TCMSG.size:
+                _family, _, _, index, class_handle, _parent, _info = _TCMSG.unpack_from(data, body)
+                if class_handle == handle:
+                    out[index] = _stats(data, body + _TCMSG.size, end)
+    except (NetlinkTruncated, OSError) as exc:
+        raise TcError(exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)) from None
     return False
 
 
@@ -118,7 +111,7 @@ class ClassCounters:
             sock = self._sock()
             for index in sorted(set(indexes)):
                 seq = next(_seq) & 0xFFFFFFFF
-                sock.send(_HDR.pack(_HDR.size + _TCMSG.size, RTM_GETTCLASS, NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
+                sock.send(HEADER.pack(HEADER.size + _TCMSG.size, RTM_GETTCLASS, NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
                           + _TCMSG.pack(socket.AF_UNSPEC, 0, 0, index, 0, ROOT, 0))
                 while not parse_classes(sock.recv(RECEIVE_SIZE), seq, LIMITED, out):
                     pass

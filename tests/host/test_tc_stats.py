@@ -7,10 +7,9 @@ import struct
 
 import pytest
 
+from agent.host.netlink import NLMSG_DONE, NLMSG_ERROR
 from agent.host.tc import LIMITED, ROOT, ShaperCounters, TcError
 from agent.host.tc_stats import (
-    NLMSG_DONE,
-    NLMSG_ERROR,
     RTM_NEWTCLASS,
     TCA_STATS2,
     TCA_STATS_BASIC,

@@ -1,0 +1,42 @@
+"""Netlink message framing shared by the agent's raw netlink readers (rtnetlink links, tc class counters).
+
+One datagram holds whole messages, each an `nlmsghdr` and its body, aligned to 4 bytes. `messages` walks them:
+it yields (type, body start, end) for the messages of one request (`seq`), raises `NetlinkTruncated` for a cut
+message and `OSError` for an error answer; a zero error (an ACK) is skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+
+NLM_F_REQUEST, NLM_F_DUMP, NLM_F_MULTI = 0x1, 0x300, 0x2
+NLMSG_NOOP, NLMSG_ERROR, NLMSG_DONE, NLMSG_OVERRUN = 1, 2, 3, 4
+HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, seq, pid
+ATTR = struct.Struct("=HH")  # nlattr: length, type
+ATTR_TYPE_MASK = 0x3FFF
+
+
+class NetlinkTruncated(ValueError):
+    """A message runs past the end of its datagram (or claims less than a header)."""
+
+
+def messages(data: bytes, seq: int | None, what: str) -> Iterator[tuple[int, int, int]]:
+    """(type, body start, end) of each message of `data` (only those of `seq` when given). An error answer raises
+    OSError(code, "<what>: <strerror>")."""
+    pos = 0
+    while pos + HEADER.size <= len(data):
+        length, kind, _flags, msg_seq, _pid = HEADER.unpack_from(data, pos)
+        if length < HEADER.size or pos + length > len(data):
+            raise NetlinkTruncated(f"{what}: truncated message")
+        end, body = pos + length, pos + HEADER.size
+        pos = (end + 3) & ~3
+        if seq is not None and msg_seq != seq:
+            continue
+        if kind == NLMSG_ERROR:
+            code = -struct.unpack_from("=i", data, body)[0]
+            if code:
+                raise OSError(code, f"{what}: {os.strerror(code)}")
+            continue
+        yield kind, body, end

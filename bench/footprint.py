@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+from startup import stop  # run as a script, bench/ is on sys.path
 
 RSS_GOAL_MB = 64.0
 CPU_GOAL_PERCENT = 0.5
@@ -133,13 +134,7 @@ def measure(profile: str, seconds: float, window: float, start_timeout: float = 
                          cpu_percent=100.0 * (cpu_after - cpu_before) / (t_after - t_before),
                          threads=agent.num_threads())
     finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+        stop(process)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -93,6 +93,17 @@ def _read_until_registered(process: subprocess.Popen[str], started: float, timeo
                  agent_import_self=agent_self, modules=modules)
 
 
+def stop(process: subprocess.Popen[str] | subprocess.Popen[bytes]) -> None:
+    """SIGTERM, as the kubelet stops a pod, then SIGKILL after 30 s (the agent's own shutdown takes well under)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
 def run_once(profile: str, importtime: bool, env: dict[str, str], timeout: float = 60.0) -> Start:
     """Start the agent with `env`, wait for registration, stop it (SIGTERM)."""
     workdir = Path(tempfile.mkdtemp(prefix="gnast"))  # short: unix socket paths are limited to 108 bytes
@@ -106,13 +117,7 @@ def run_once(profile: str, importtime: bool, env: dict[str, str], timeout: float
     try:
         return _read_until_registered(process, started, timeout)
     finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+        stop(process)
         if process.stderr is not None:
             process.stderr.close()
         shutil.rmtree(workdir, ignore_errors=True)

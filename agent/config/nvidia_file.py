@@ -84,7 +84,7 @@ def translate(data: Mapping[str, Any], source: str) -> NvidiaLayer:
         log.warning("%s: customizing the 'resources' field is not yet supported in the config (NVIDIA's plugin "
                     "ignores it too); ignored", source)
     _check_imex(_mapping(data, "imex", "imex"))
-    env = _flag_env(_mapping(data, "flags", "flags"))
+    env = _flag_env(_mapping(data, "flags", "flags"), source)
     try:
         translated = nvidia_env.translate(env, source=source)
     except nvidia_env.NvidiaEnvError as exc:
@@ -122,7 +122,7 @@ def _check_imex(imex: Mapping[str, Any]) -> None:
                                 "not supported by gpu-node-agent; remove them or keep NVIDIA's plugin on this node")
 
 
-def _flag_env(flags: Mapping[str, Any]) -> dict[str, str]:
+def _flag_env(flags: Mapping[str, Any], source: str) -> dict[str, str]:
     """NVIDIA's environment name -> the value as its environment would spell it."""
     env: dict[str, str] = {}
     plugin = _mapping(flags, "plugin", "flags.plugin")
@@ -130,7 +130,7 @@ def _flag_env(flags: Mapping[str, Any]) -> dict[str, str]:
     unknown = [f"flags.{k}" for k in flags if k not in known] + \
               [f"flags.plugin.{k}" for k in plugin if k not in {p[-1] for p in FLAG_ENV if len(p) == 2}]
     for name in unknown:
-        log.warning("NVIDIA config: %s is not one of NVIDIA's flags; ignored", name[:60])
+        log.warning("%s: %s is not one of NVIDIA's flags; ignored", source, name[:60])
     for path, name in FLAG_ENV.items():
         value = (plugin if len(path) == 2 else flags).get(path[-1])
         if value is None:  # unset (NVIDIA's nil pointer)

@@ -32,8 +32,9 @@ Facts replace both guesses where the kubelet's PodResources API gives them (`age
 used instead of the admission context, and pairs exactly for the metric too; `known_free` (the kubelet's free
 devices from the last poll) is intersected with the estimate, so after an agent restart nothing the kubelet
 holds looks free, and nothing allocated since the poll does either. When the other kind is not served here at
-all (GPUs served by NVIDIA's plugin: NIC-only), the partner GPUs are NVIDIA's device IDs (UUIDs, `::N` replicas
-of shared GPUs): they are mapped to the topology's GPUs (an unknown one is logged once and ignored), and without
+all (GPUs served by NVIDIA's plugin: NIC-only), the partner GPUs are NVIDIA's device IDs (UUIDs, MIG UUIDs,
+`::N` replicas of shared GPUs): they are mapped to the topology's GPUs and MIG devices (an unknown one is logged
+once and ignored), and without
 a partner `other_free` is the kubelet's free GPUs, else None and the policy assumes every GPU free, which spreads
 VFs over PFs. Several NIC pools (say RDMA VFs and an Ethernet pool) all
 count as the NIC kind, and share the one admission-context slot for it. A time-sliced GPU pool (replica IDs

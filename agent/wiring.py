@@ -224,7 +224,8 @@ def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *,
     def resource_of(device_id: str) -> str | None:
         if manager is None:
             return None
-        return next((name for name in manager.resources if device_id in manager.plugin(name).pool.ids), None)
+        return next((name for name in manager.resources if manager.plugin(name).pool.serves_physical(device_id)),
+                    None)
 
     service = HealthService(hc, state_dir, hardware.topology, hardware.nvml, device_health, registry, hardware.links,
                             verdicts=verdicts, resource_of=resource_of, nic_sysfs=hardware.counters)

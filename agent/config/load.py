@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from agent.config import model, nvidia_env
+from agent.config import model, nvidia_env, nvidia_file
 from agent.config.numbers import MAX_DIGITS, NumberError, bounded_float, bounded_int, no_constant, shown
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -366,7 +366,28 @@ def load(args: argparse.Namespace | None = None, env: Mapping[str, str] | None =
             _set_path(flag_values, item.path, raw)
     _merge(merged, env_values)
     _merge(merged, flag_values)
-    return from_mapping(cls, merged)
+    return from_mapping(cls, _merge(_nvidia_layer(merged, cls), merged))
+
+
+def _nvidia_layer(merged: Mapping[str, Any], cls: type) -> dict[str, Any]:
+    """The settings NVIDIA's config file gives (`devicePlugin.nvidiaDpConfig`), the lowest layer: NVIDIA's own
+    precedence puts its file below its environment and flags (`nvidia_file`)."""
+    section = merged.get("devicePlugin")
+    path = section.get("nvidiaDpConfig") if isinstance(section, Mapping) else None
+    if not path or not isinstance(path, str):
+        return {}
+    try:
+        layer = nvidia_file.translate(read_file(path), path)
+    except nvidia_file.NvidiaConfigError as exc:
+        raise ConfigError(f"NVIDIA device plugin config {path}: {exc}") from None
+    values: dict[str, Any] = {}
+    for item in _flagged_fields(cls):
+        env_name = item.field.metadata.get("env")
+        if env_name in layer.env:
+            _set_path(values, item.path, layer.env[env_name])
+    if layer.time_slicing is not None:
+        values.setdefault("devicePlugin", {})["timeSlicing"] = layer.time_slicing
+    return values
 
 
 def to_mapping(obj: Any) -> Any:

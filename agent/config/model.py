@@ -18,6 +18,7 @@ from agent.config.netacct import NetacctConfig
 from agent.config.remediation import RemediationConfig, check_sentinel_path
 from agent.config.resources import resource_name_problem, vf_range_problem
 from agent.config.shaping import ShapingConfig
+from agent.config.sharing import ALLOCATION_POLICIES, TimeSlicingConfig
 
 CONFIG_VERSION = 1
 DEFAULT_RESOURCE_PREFIX = PROJECT_DOMAIN
@@ -146,6 +147,18 @@ class DevicePluginConfig:
         help="GPUs in MIG mode, as NVIDIA's plugin: none serves every GPU whole; single serves the MIG devices of "
              "an all-MIG, one-profile node as the GPU resource; mixed serves nvidia.com/mig-<profile> per profile "
              "beside whole GPUs")
+    nvidia_dp_config: str | None = setting(
+        None, flag="--nvidia-dp-config", env="GPU_NODE_AGENT_NVIDIA_DP_CONFIG",
+        help="NVIDIA device plugin's config file (version: v1): its flags become the agent's settings (below "
+             "this config, the environment and flags) and sharing.timeSlicing becomes timeSlicing; "
+             "sharing.mps is refused")
+    time_slicing: TimeSlicingConfig = setting(
+        factory=TimeSlicingConfig, help="GPU time-slicing as NVIDIA's sharing.timeSlicing (replicas <id>::<n>)")
+    shared_devices_allocation_policy: str = setting(
+        "distributed", flag="--shared-devices-allocation-policy",
+        env="GPU_NODE_AGENT_SHARED_DEVICES_ALLOCATION_POLICY", choices=ALLOCATION_POLICIES,
+        help="preferred allocation of time-sliced replicas, as NVIDIA's: distributed spreads them over GPUs, "
+             "packed fills the busiest GPU first")
     pass_device_specs: bool = setting(
         False, flag="--pass-device-specs", env="GPU_NODE_AGENT_PASS_DEVICE_SPECS",
         help="also return the /dev/nvidia* nodes a container needs when no runtime hook adds them (NVIDIA's "

@@ -4,8 +4,9 @@ An operator replacing NVIDIA's plugin often carries its DaemonSet environment ov
 (cmd/nvidia-device-plugin/main.go, api/config/v1/flags.go; `../shared/reference/dropin.md` §1.2) are read as
 aliases of the agent's own: the agent's name wins when both are set, and every alias used is said once in the log.
 A name whose setting the agent does not have either changes nothing about the devices (a warning says it is
-ignored) or would change what is served (sharing, GDS/MOFED, a config file): that is refused
-(exit 2, naming it), since serving otherwise than the operator asked hands out the wrong devices.
+ignored) or would change what is served (MPS, GDS/MOFED, IMEX): that is refused (exit 2, naming it), since serving
+otherwise than the operator asked hands out the wrong devices. NVIDIA's config file (`CONFIG_FILE`) is read by
+`agent.config.nvidia_file`, whose `flags` go through the same tables here.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ ALIASES: Mapping[str, tuple[str, Callable[[str], str]]] = {
     # default false: it also serves NICs and watches links, which need no NVML.
     "FAIL_ON_INIT_ERROR": ("GPU_NODE_AGENT_REQUIRE_NVML", _same),
     "KUBELET_SOCKET": ("GPU_NODE_AGENT_DEVICE_PLUGIN_DIR", _kubelet_dir),
+    "CONFIG_FILE": ("GPU_NODE_AGENT_NVIDIA_DP_CONFIG", _same),
+    "SHARED_DEVICES_ALLOCATION_POLICY": ("GPU_NODE_AGENT_SHARED_DEVICES_ALLOCATION_POLICY", _same),
 }
 # NVIDIA's name -> the values that serve what the agent serves (anything else is refused)
 REFUSED_UNLESS: Mapping[str, frozenset[str]] = {
@@ -55,17 +58,17 @@ REFUSED_UNLESS: Mapping[str, frozenset[str]] = {
     "GDRCOPY_ENABLED": frozenset({"false", "0"}),
     "IMEX_REQUIRED": frozenset({"false", "0"}),
     "DEVICE_DISCOVERY_STRATEGY": frozenset({"auto", "nvml"}),
-    "CONFIG_FILE": frozenset(),
 }
 # NVIDIA's names that change nothing the agent serves
 IGNORED = ("NVIDIA_DRIVER_ROOT", "NVIDIA_DEV_ROOT", "NVIDIA_CDI_HOOK_PATH", "NVIDIA_CTK_PATH", "DRIVER_ROOT_CTR_PATH",
            "CONTAINER_DRIVER_ROOT", "NVIDIA_MIG_MONITOR_DEVICES", "DP_ENABLE_HEALTHCHECKS",
-           "SHARED_DEVICES_ALLOCATION_POLICY")
+           "MPS_ROOT", "USE_NODE_FEATURE_API")  # MPS_ROOT matters only with MPS sharing, which is refused
 
 
-def translate(env: Mapping[str, str]) -> dict[str, str]:
+def translate(env: Mapping[str, str], source: str = "environment") -> dict[str, str]:
     """`env` with NVIDIA's names turned into the agent's (the agent's own name wins). Raises NvidiaEnvError for
-    a setting that would change what is served and that the agent does not have."""
+    a setting that would change what is served and that the agent does not have. `source` names where the
+    values came from in log lines."""
     out = dict(env)
     for name, allowed in REFUSED_UNLESS.items():
         value = env.get(name, "").strip()
@@ -77,14 +80,14 @@ def translate(env: Mapping[str, str]) -> dict[str, str]:
         if not value:
             continue
         if env.get(ours, ""):
-            log.info("environment: %s (NVIDIA's name) is set, and so is %s, which wins", name, ours)
+            log.info("%s: %s (NVIDIA's name) is set, and so is %s, which wins", source, name, ours)
             continue
         out[ours] = convert(value)
-        log.info("environment: %s (NVIDIA's name) read as %s=%s", name, ours, out[ours])
+        log.info("%s: %s (NVIDIA's name) read as %s=%s", source, name, ours, out[ours])
     _health_checks(env, out)
     for name in IGNORED:
         if env.get(name, ""):
-            log.warning("environment: %s (NVIDIA device plugin) changes nothing in gpu-node-agent; ignored", name)
+            log.warning("%s: %s (NVIDIA device plugin) changes nothing in gpu-node-agent; ignored", source, name)
     return out
 
 

@@ -82,6 +82,7 @@ class DevicePluginManager:
         for reason in NOT_SERVED_REASONS:
             self.not_served.labels(reason).set(0)
         self.allocator = JointAllocator(self._plugins.values, ttl_s=admission_ttl_s, clock=clock.monotonic)
+        self.allocator.replica_policy = config.shared_devices_allocation_policy
         self._policy = policy or self.allocator.prefer
         self._topology = topology
         self.registration_mode = resolve_mode(config.registration_mode, plugin_registry_dir)
@@ -94,6 +95,7 @@ class DevicePluginManager:
                                      backoff_max=backoff_max, clock=clock)
         self._skipped: tuple[str, ...] = ()
         self._empty: tuple[str, ...] = ()
+        self._unshared: tuple[str, ...] = ()
         self._health_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._started = False
@@ -135,6 +137,7 @@ class DevicePluginManager:
             self._skipped = scan.skipped
             if scan.skipped:
                 log.warning("devices not served: %s", "; ".join(scan.skipped))
+        self._say_unshared(scan.by_name())
         empty = tuple(sorted(p.resource_name for p in scan.pools if not p.devices))
         if empty != self._empty:
             self._empty = empty
@@ -142,6 +145,20 @@ class DevicePluginManager:
                 log.info("no devices match %s; not serving %s", ", ".join(empty),
                          "it" if len(empty) == 1 else "them")
         return {name: pool for name, pool in scan.by_name().items() if pool.devices}
+
+    def _say_unshared(self, pools: dict[str, ResourcePool]) -> None:
+        """Once per change: time-sliced resources that this node does not serve (a typo, or a MIG profile absent
+        here). NVIDIA's plugin skips them silently."""
+        sharing = self.config.time_slicing
+        unshared: tuple[str, ...] = ()
+        if self.config.serve_gpus:
+            served = {name for name, pool in pools.items() if pool.replicated}
+            unshared = tuple(r.name for r in sharing.resources if sharing.served_name(r.name) not in served)
+        if unshared != self._unshared:
+            self._unshared = unshared
+            if unshared:
+                log.warning("timeSlicing: %s %s not served on this node; nothing to replicate", ", ".join(unshared),
+                            "is" if len(unshared) == 1 else "are")
 
     def use_ownership(self, facts: OwnershipFacts) -> None:
         """Place with the kubelet's facts: each preference call looks up the container's partner devices, and the

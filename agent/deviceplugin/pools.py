@@ -4,7 +4,8 @@ This is the SR-IOV network device plugin's resource-pool model, so an operator c
 each pool has a name, a prefix and selectors; a NIC function joins the first pool whose selectors all match.
 The candidates are the VFs of each physical function, plus a physical function that has no VFs. Whole GPUs
 form one more pool when `serve_gpus` is on. The result is plain data that the servers, Allocate and the
-preferred-allocation policy read; a rescan builds a new one.
+preferred-allocation policy read; a rescan builds a new one. GPU resources named in `timeSlicing` (NVIDIA's
+`sharing.timeSlicing`) serve each device as replicas `<id>::<n>` (`share`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from agent.config.model import DevicePluginConfig, PoolConfig, SelectorConfig
 from agent.config.resources import resource_name_problem
+from agent.config.sharing import TimeSlicingConfig
 from agent.topology.model import BusIdError, Gpu, MigDevice, Nic, Topology, Vf, normalize_bus_id
 
 log = logging.getLogger(__name__)
@@ -36,7 +38,8 @@ class PoolConfigError(ValueError):
 class PoolDevice:
     """One device the kubelet can hand out: a VF, a VF-less PF, or a whole GPU.
 
-    `id` is what the kubelet sees: the function's bus id for NICs, the GPU UUID for GPUs.
+    `id` is what the kubelet sees: the function's bus id for NICs, the GPU UUID for GPUs, the MIG UUID for MIG
+    devices, and `<that id>::<n>` for replica n of a time-sliced one (NVIDIA's annotated IDs).
     """
 
     id: str
@@ -46,6 +49,13 @@ class PoolDevice:
     pf: Nic | None = None  # the physical function (itself for a VF-less PF)
     gpu: Gpu | None = None  # GPU pools: the GPU, or a MIG device's parent (whose bus id and NUMA node it has)
     mig: MigDevice | None = None  # MIG pools
+    replica: int | None = None  # time-sliced: which replica of the device `physical_id` names
+
+    @property
+    def physical_id(self) -> str:
+        """The device behind this ID: itself, or the GPU (or MIG device) a replica shares. Health is recorded
+        under it, so all replicas of a GPU go Unhealthy together."""
+        return self.id.rpartition("::")[0] if self.replica is not None else self.id
 
     @property
     def rdma(self) -> str | None:
@@ -62,6 +72,7 @@ class ResourcePool:
     kind: str  # "nic" or "gpu"
     devices: tuple[PoolDevice, ...] = ()
     exclude_topology: bool = False
+    fail_requests_greater_than_one: bool = False  # replicas: an Allocate of more than one is refused
     # the node the pool was built from, for policies that look beyond the pool (GPU <-> NIC distance)
     topology: Topology | None = field(default=None, compare=False, repr=False)
 
@@ -78,6 +89,15 @@ class ResourcePool:
     def ids(self) -> tuple[str, ...]:
         """Device IDs in pool order."""
         return tuple(d.id for d in self.devices)
+
+    @property
+    def replicated(self) -> bool:
+        """True when the pool serves time-sliced replicas."""
+        return any(d.replica is not None for d in self.devices)
+
+    def serves_physical(self, device_id: str) -> bool:
+        """Whether a device of the pool is `device_id` or one of its replicas (health events name those)."""
+        return any(d.physical_id == device_id for d in self.devices)
 
 
 @dataclass(frozen=True)
@@ -261,8 +281,24 @@ def build_pools(topology: Topology, config: DevicePluginConfig) -> PoolScan:
                           devices=tuple(devices), exclude_topology=pool.exclude_topology, topology=topology)
              for pool, devices in zip(config.pools, members, strict=True)]
     if config.serve_gpus:
-        pools.extend(gpu_pools(topology, config, skipped, counts))
+        pools.extend(share(gpu_pools(topology, config, skipped, counts), config.time_slicing))
     return PoolScan(pools=tuple(pools), skipped=tuple(skipped), not_served=dict(counts))
+
+
+def share(pools: list[ResourcePool], sharing: TimeSlicingConfig) -> list[ResourcePool]:
+    """GPU pools named in `sharing` with each device served as replicas `<id>::0` .. `<id>::<replicas-1>`, under
+    `<name>.shared` with renameByDefault (NVIDIA's `updateDeviceMapWithReplicas`: every device is replicated)."""
+    out = []
+    for pool in pools:
+        replicas = sharing.replicas(pool.resource_name)
+        if replicas is None:
+            out.append(pool)
+            continue
+        devices = tuple(replace(device, id=f"{device.id}::{n}", replica=n)
+                        for device in pool.devices for n in range(replicas))
+        out.append(replace(pool, name=sharing.served_name(pool.resource_name).rpartition("/")[2], devices=devices,
+                           fail_requests_greater_than_one=sharing.fail_requests_greater_than_one))
+    return out
 
 
 MIG_STRATEGIES = ("none", "single", "mixed")

@@ -112,7 +112,7 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
     def health_changed(self, flips: Sequence[DeviceHealthEvent] | None) -> bool:
         """Devices flipped in the health owner (None: some did, which is unknown); streams get a new list when one
         of them is served here. Returns whether one was."""
-        mine = None if flips is None else [e for e in flips if self._pool.device(e.device_id) is not None]
+        mine = None if flips is None else [e for e in flips if self._pool.serves_physical(e.device_id)]
         if mine is not None and not mine:
             return False
         for event in mine or ():
@@ -122,18 +122,21 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
         return True
 
     def health(self, device_id: str) -> str:
-        """`Healthy` or `Unhealthy`."""
-        return HEALTHY if self._device_health.is_healthy(device_id) else UNHEALTHY
+        """`Healthy` or `Unhealthy` (a replica is as healthy as the GPU it shares)."""
+        device = self._pool.device(device_id)
+        healthy = self._device_health.is_healthy(device.physical_id if device is not None else device_id)
+        return HEALTHY if healthy else UNHEALTHY
 
     def healthy_ids(self) -> frozenset[str]:
         """IDs of the pool's devices not marked Unhealthy."""
-        return frozenset(device_id for device_id in self._pool.ids if self._device_health.is_healthy(device_id))
+        return frozenset(d.id for d in self._pool.devices if self._device_health.is_healthy(d.physical_id))
 
     def device_list(self) -> list[api_pb2.Device]:
         """The full list ListAndWatch sends: every device with its health and NUMA node when known."""
         devices = []
+        healthy = self.healthy_ids()
         for device in self._pool.devices:
-            message = api_pb2.Device(ID=device.id, health=self.health(device.id))
+            message = api_pb2.Device(ID=device.id, health=HEALTHY if device.id in healthy else UNHEALTHY)
             if device.numa is not None and not self._pool.exclude_topology:
                 message.topology.nodes.add(ID=device.numa)
             devices.append(message)
@@ -186,11 +189,12 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
         """One preference per container; never an error, which would fail the pod's admission."""
         response = api_pb2.PreferredAllocationResponse()
         partner = await self._partner() if len(request.container_requests) == 1 else None
+        unhealthy = frozenset(self._pool.ids) - self.healthy_ids()
         for container in request.container_requests:
             asked = ContainerRequest(
                 served=self._pool.ids, available=tuple(container.available_deviceIDs),
                 must_include=tuple(container.must_include_deviceIDs), size=container.allocation_size,
-                unhealthy=self._device_health.unhealthy().keys(), partner=partner)
+                unhealthy=unhealthy, partner=partner)
             try:
                 preference = self._policy(self._pool, asked)
             except Exception:
@@ -229,10 +233,16 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
                 message = f"{self.resource_name}: unknown device IDs: {echo_ids(unknown)}"
                 log.warning("Allocate refused: %s", message)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-            sick = [device_id for device_id in ids if not self._device_health.is_healthy(device_id)]
+            found = [device for device in devices if device is not None]
+            if self._pool.fail_requests_greater_than_one and len(ids) > 1 and \
+                    any(device.replica is not None for device in found):  # NVIDIA's ValidateRequest, its words
+                message = (f"invalid allocation request for {self.resource_name!r}: invalid request: maximum "
+                           f"request size for shared resources is 1; found {len(ids)}")
+                log.warning("Allocate refused: %s", message)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+            sick = [device.id for device in found if not self._device_health.is_healthy(device.physical_id)]
             if sick:
                 log.warning("%s: allocating unhealthy devices %s", self.resource_name, echo_ids(sick))
-            found = [device for device in devices if device is not None]
             payload = build_container_payload(self._pool, found, self._options, self._contributors)
             if self._device_info is not None:
                 try:

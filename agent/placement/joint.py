@@ -32,11 +32,14 @@ Facts replace both guesses where the kubelet's PodResources API gives them (`age
 used instead of the admission context, and pairs exactly for the metric too; `known_free` (the kubelet's free
 devices from the last poll) is intersected with the estimate, so after an agent restart nothing the kubelet
 holds looks free, and nothing allocated since the poll does either. When the other kind is not served here at
-all (GPUs served by NVIDIA's plugin: NIC-only), the partner GPUs are NVIDIA's device IDs (UUIDs, `::N` replicas
-of shared GPUs): they are mapped to the topology's GPUs (an unknown one is logged once and ignored), and without
+all (GPUs served by NVIDIA's plugin: NIC-only), the partner GPUs are NVIDIA's device IDs (UUIDs, MIG UUIDs,
+`::N` replicas of shared GPUs): they are mapped to the topology's GPUs and MIG devices (an unknown one is logged
+once and ignored), and without
 a partner `other_free` is the kubelet's free GPUs, else None and the policy assumes every GPU free, which spreads
 VFs over PFs. Several NIC pools (say RDMA VFs and an Ethernet pool) all
-count as the NIC kind, and share the one admission-context slot for it.
+count as the NIC kind, and share the one admission-context slot for it. A time-sliced GPU pool (replica IDs
+`<id>::<n>`) is chosen as NVIDIA's plugin chooses replicas (`replicas`, `replica_policy`), nearest to the
+container's NICs first; everywhere else a replica is its GPU.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from agent.placement.policy import (
     in_served_order,
     preferred_allocation,
 )
+from agent.placement.replicas import DISTRIBUTED, physical, preferred_replicas
 from agent.topology.model import Level, Topology
 
 log = logging.getLogger(__name__)
@@ -148,6 +152,7 @@ class JointAllocator:
         self._exact: tuple[DeviceKind, frozenset[str]] | None = None  # the last preference's partner fact
         self._pix_possible: DeviceKind | None = None  # the last preference (of this kind) could have been PIX
         self._unmapped: set[str] = set()  # partner IDs not in the topology, logged once
+        self.replica_policy = DISTRIBUTED  # NVIDIA's sharedDevicesAllocationPolicy for time-sliced replicas
 
     def prefer(self, pool: ServedPool, request: ContainerRequest) -> Preference:
         """The PCIe-aware preference for one container request of `pool`'s resource, and why."""
@@ -165,6 +170,10 @@ class JointAllocator:
         levels = self._preference_started(kind, context)
         self._pix_possible = kind if self._pix_offered(pool.topology, kind, context, checked.offered,
                                                         checked.size) else None
+        if kind is DeviceKind.GPU and any("::" in device_id for device_id in checked.offered):
+            rank = self._nic_rank(pool.topology, context)
+            return checked.answered(preferred_replicas(request.served, checked.offered, must_include, checked.size,
+                                                       policy=self.replica_policy, rank=rank), levels)
         if pool.topology is None:  # a pool built by hand, not from a scan: nothing to align with
             return checked.answered(in_served_order(request.served, checked.offered, must_include, checked.size),
                                     levels)
@@ -217,6 +226,13 @@ class JointAllocator:
         return levels
 
     @staticmethod
+    def _nic_rank(topology: Topology | None, nics: frozenset[str]) -> Callable[[str], int] | None:
+        """A GPU's level to the nearest of the container's NICs (lower is nearer); None when none are known."""
+        if topology is None or not nics:
+            return None
+        return lambda gpu: int(min(achieved_levels(topology, [gpu], nics), default=Level.SYS + 1))
+
+    @staticmethod
     def _pix_offered(topology: Topology | None, kind: DeviceKind, context: frozenset[str],
                      offered: Sequence[str], size: int) -> bool:
         """Whether `size` of the offered devices could each sit at PIX with one of `context` (the container's
@@ -248,12 +264,14 @@ class JointAllocator:
 
     def _mapped(self, topology: Topology | None, kind: DeviceKind, partner: frozenset[str]) -> frozenset[str]:
         """The partner's device IDs as the topology names them: a shared GPU's replica (`<uuid>::<n>`) is the GPU;
-        an ID the topology does not know (another plugin's MIG device, a GPU without a UUID) is dropped."""
+        a MIG UUID is its MIG device (placed at its parent GPU); an ID the topology does not know (a GPU without
+        a UUID) is dropped."""
         if topology is None:
             return partner
-        ids = {g.uuid for g in topology.gpus if g.uuid} if kind is DeviceKind.NIC else \
-            {v.bus_id for n in topology.nics for v in n.vfs} | {n.bus_id for n in topology.nics}
-        mapped = {i.partition("::")[0] for i in partner}
+        ids = {g.uuid for g in topology.gpus if g.uuid} | {m.uuid for g in topology.gpus for m in g.mig_devices} \
+            if kind is DeviceKind.NIC else {v.bus_id for n in topology.nics for v in n.vfs} | \
+            {n.bus_id for n in topology.nics}
+        mapped = {physical(i) for i in partner}
         unknown = mapped - ids - self._unmapped
         if unknown:
             self._unmapped |= unknown

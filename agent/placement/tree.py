@@ -84,13 +84,14 @@ class PcieTree:
         return found if found is not None else self._gpu_by_id.get(_canonical(device_id) or "")
 
     def locate(self, gpu: bool, device_id: str) -> tuple[int, int | str] | None:
-        """(node, identity) of a GPU (UUID or bus id), a MIG device (MIG UUID: its parent's node) or a NIC device
-        (VF or PF bus id); None if unknown.
+        """(node, identity) of a GPU (UUID or bus id), a MIG device (MIG UUID: its parent's node), a replica of
+        either (`<id>::<n>`: that device) or a NIC device (VF or PF bus id); None if unknown.
 
         The identity is what makes two spellings the same device: the GPU index, `<GPU index>/<MIG index>` (a
         string that sorts by GPU index), the canonical bus id.
         """
         if gpu:
+            device_id = device_id.partition("::")[0]  # a time-sliced replica is its GPU or MIG device
             mig = self._mig_by_id.get(device_id)
             if mig is not None:
                 return self.gpu_node[mig[0]], mig[1]

@@ -224,7 +224,7 @@ def test_an_unknown_mig_strategy_is_refused() -> None:
 
 
 @pytest.mark.parametrize("env", [{"GDS_ENABLED": "true"},
-                                 {"CONFIG_FILE": "/etc/nvidia/config.yaml"}, {"DP_DISABLE_HEALTHCHECKS": "109;rm"}])
+                                 {"IMEX_REQUIRED": "true"}, {"DP_DISABLE_HEALTHCHECKS": "109;rm"}])
 def test_nvidia_settings_the_agent_cannot_serve_are_refused_by_name(env: dict[str, str]) -> None:
     from agent.config.load import load
 

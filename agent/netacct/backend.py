@@ -123,9 +123,9 @@ class Host:
         """`iptables-save [-c] -t mangle` of one family."""
         return self.run([*_tool(mode, family, "save"), *(["-c"] if counters else []), "-t", "mangle"])
 
-    def save_full(self, mode: str, family: int) -> str:
-        """A save of every table, without counters (does not create tables that do not exist)."""
-        return self.run(_tool(mode, family, "save"))
+    def save_full(self, mode: str, family: int, counters: bool = False) -> str:
+        """A save of every table (does not create tables that do not exist, as `-t mangle` does on legacy)."""
+        return self.run([*_tool(mode, family, "save"), *(["-c"] if counters else [])])
 
     def restore(self, mode: str, family: int, payload: str) -> None:
         """Apply a restore payload without flushing anything it does not name, waiting for the xtables lock."""

@@ -193,10 +193,31 @@ class Netacct:
             self.native.read(full=False)
             self.native.remove()
         else:
-            self._read(ipsets.all_names(FAMILIES))
+            self._final_iptables_read()
             self._remove_locked(MODES, native=False)
             self.book.forget(FAMILIES, ipsets.all_names(FAMILIES))
         log.info("netacct: migrated from the %s layout; its final counts carry into the totals", old)
+
+    def _final_iptables_read(self) -> None:
+        """The iptables layout's counters on whichever backend holds its chains (auto detection might name the
+        other one when the kubelet's hint is absent), and its sets, into the book."""
+        for family in FAMILIES:
+            raw: dict[str, Counts] = {}
+            for mode in MODES:
+                try:
+                    found = rules.counters(rules.parse(self.host.save_full(mode, family, counters=True)))
+                except CommandError as exc:
+                    log.debug("netacct: no iptables-%s IPv%d counters to carry: %s", mode, family, exc)
+                    continue
+                for key, (packets, octets) in found.items():
+                    old = raw.get(key, (0, 0))
+                    raw[key] = (old[0] + packets, old[1] + octets)
+            self.book.observe_rules(family, raw)
+        for role in ipsets.COUNTED:
+            for family in FAMILIES:
+                name = ipsets.set_name(role, family)
+                dump = self.host.dump_set(name)
+                self.book.observe_set(name, role, dump.members if dump is not None else {})
 
     def _sync_native(self, pods: Sequence[Pod] | None) -> None:
         state = self.native.read(full=True)

@@ -8,7 +8,8 @@ counter, in one table nobody else writes:
       set internal4 / internal6       interval sets of the internal CIDRs (no counters)
       set rx_inet4, tx_inet4, ...     the pods' addresses, one set per direction x class, each element has a counter
       counter cluster_in_host4, ...   named counters for the node series (traffic x direction x scope x family)
-      chain input / output / forward  base chains, priority -300, policy accept, rules without a verdict
+      chain input / output / forward  base chains, priority -300, policy accept; no drop, only return/goto
+      chain fwd4_from_cluster, ...    forwarded traffic by source class, then leaf chains by destination class
 
 Counts live only in named counters and set elements, never in rules: a rule or chain can be rewritten (flush and
 re-add, in the same transaction) without losing a count, and a restart adopts the table as it is (`add` of an
@@ -84,8 +85,14 @@ class NftRule:
 
 
 def desired_rules(families: Iterable[int]) -> dict[str, list[NftRule]]:
-    """Rules per chain. Each counted set is looked up at most once per packet: a lookup that matches bumps its
-    element's counter, as ipset's did."""
+    """Rules per chain (base chains first). Each packet costs at most one interval lookup per address (is the
+    peer internal?) and one counted-set lookup per direction: a lookup that matches bumps its element's counter,
+    as ipset's did, so each counted set is looked up at most once per packet.
+
+    Host traffic: a packet from (to) an internal address is counted and leaves the chain (`return` in a base
+    chain is its policy, accept, which does not stop other base chains); anything else of that family is
+    internet. Forwarded traffic: the source class picks one of two chains, the destination class one of two
+    leaf chains, and each leaf counts exactly what the iptables layout's six FORWARD rules count for that pair."""
     chains: dict[str, list[NftRule]] = {"input": [NftRule("input", 'iifname "lo" return')],
                                         "output": [NftRule("output", 'oifname "lo" return')], "forward": []}
     for family in families:
@@ -95,24 +102,32 @@ def desired_rules(families: Iterable[int]) -> dict[str, list[NftRule]]:
         def count(key: str, fam: int = family) -> str:
             return f'counter name "{counter_name(key, fam)}"'
 
+        nfproto = f"meta nfproto ipv{family}"
         chains["input"] += [
-            NftRule("input", f"{ip} saddr {internal} {count('traffic=cluster-in scope=host')}"),
-            NftRule("input", f"{ip} saddr != {internal} {count('traffic=internet-in scope=host')}")]
+            NftRule("input", f"{ip} saddr {internal} {count('traffic=cluster-in scope=host')} return"),
+            NftRule("input", f"{nfproto} {count('traffic=internet-in scope=host')} return")]
         chains["output"] += [
-            NftRule("output", f"{ip} daddr {internal} {count('traffic=cluster-out scope=host')}"),
-            NftRule("output", f"{ip} daddr != {internal} {count('traffic=internet-out scope=host')}")]
+            NftRule("output", f"{ip} daddr {internal} {count('traffic=cluster-out scope=host')} return"),
+            NftRule("output", f"{nfproto} {count('traffic=internet-out scope=host')} return")]
         # Internet traffic is counted for the node whether or not a pod owns the address; the pod's own set
         # lookup follows the counter, so its element counts the same packets. Cluster traffic is counted only
         # for this node's pods, as in the iptables layout.
-        chains["forward"] += [
-            NftRule("forward", f"{ip} saddr != {internal} {count('traffic=internet-in scope=pod')} "
-                               f"{ip} daddr {s['rx-inet']}"),
-            NftRule("forward", f"{ip} daddr != {internal} {count('traffic=internet-out scope=pod')} "
-                               f"{ip} saddr {s['tx-inet']}"),
-            NftRule("forward", f"{ip} saddr {internal} {ip} daddr {s['rx-clus']} "
-                               f"{count('traffic=cluster-in scope=pod')}"),
-            NftRule("forward", f"{ip} daddr {internal} {ip} saddr {s['tx-clus']} "
-                               f"{count('traffic=cluster-out scope=pod')}")]
+        inet_in = f"{count('traffic=internet-in scope=pod')} {ip} daddr {s['rx-inet']}"
+        inet_out = f"{count('traffic=internet-out scope=pod')} {ip} saddr {s['tx-inet']}"
+        clus_in = f"{ip} daddr {s['rx-clus']} {count('traffic=cluster-in scope=pod')}"
+        clus_out = f"{ip} saddr {s['tx-clus']} {count('traffic=cluster-out scope=pod')}"
+        from_c, from_i = f"fwd{family}_from_cluster", f"fwd{family}_from_internet"
+        leaves = {f"fwd{family}_cluster_cluster": [clus_in, clus_out],
+                  f"fwd{family}_cluster_internet": [clus_in, inet_out],
+                  f"fwd{family}_internet_cluster": [inet_in, clus_out],
+                  f"fwd{family}_internet_internet": [inet_in, inet_out]}
+        chains["forward"] += [NftRule("forward", f"{ip} saddr {internal} goto {from_c}"),
+                              NftRule("forward", f"{nfproto} goto {from_i}")]
+        for origin in ("cluster", "internet"):
+            chain = f"fwd{family}_from_{origin}"
+            chains[chain] = [NftRule(chain, f"{ip} daddr {internal} goto fwd{family}_{origin}_cluster"),
+                             NftRule(chain, f"goto fwd{family}_{origin}_internet")]
+        chains.update({name: [NftRule(name, text) for text in texts] for name, texts in leaves.items()})
     return chains
 
 
@@ -193,15 +208,17 @@ def plan(state: NftState, pod_members: Mapping[int, set[ipsets.Member]], network
     lines.append(f"add table inet {TABLE}")
     lines += [_set_line(n, fam, role) for n, (fam, role, _) in sets.items() if n not in have_sets]
     lines += [f"add counter inet {TABLE} {n}" for n in counters if n not in current.counters]
-    for name, hook_rules in rules.items():
-        if name not in current.chains:
-            lines.append(f"add chain inet {TABLE} {name} {{ type filter hook {name} priority {PRIORITY}; "
-                         f"policy accept; }}")
-        elif current.chains[name].comments == [r.comment for r in hook_rules]:
-            continue
-        else:
+    # Every chain exists before any rule jumps to it; base chains are listed first and filled last.
+    for name in [n for n in rules if n not in current.chains]:
+        hook = f" {{ type filter hook {name} priority {PRIORITY}; policy accept; }}" if name in HOOKS else ""
+        lines.append(f"add chain inet {TABLE} {name}{hook}")
+    for name in sorted(rules, key=lambda n: n in HOOKS):
+        chain_rules = rules[name]
+        if name in current.chains:
+            if current.chains[name].comments == [r.comment for r in chain_rules]:
+                continue
             lines.append(f"flush chain inet {TABLE} {name}")
-        lines += [r.line() for r in hook_rules]
+        lines += [r.line() for r in chain_rules]
         result.rewritten_chains.append(name)
     for name, (family, role, _) in sets.items():
         found = current.elements.get(name) if name in have_sets else None

@@ -23,8 +23,9 @@ def matching_state() -> NftState:
         state.elements[name] = Elements(ranges=nft_layout.internal_ranges(NETWORKS, family)) if internal else \
             Elements(counted={m[0]: (3, 300) for m in MEMBERS[family]})
     for chain, rules in nft_layout.desired_rules((4, 6)).items():
-        state.chains[chain] = ChainInfo(chain, nft_layout.HOOKS[chain], nft_layout.PRIORITY, "filter",
-                                        [rule.comment for rule in rules])
+        base = chain in nft_layout.HOOKS  # the kernel reports no hook, priority or type for a regular chain
+        state.chains[chain] = ChainInfo(chain, nft_layout.HOOKS.get(chain), nft_layout.PRIORITY if base else None,
+                                        "filter" if base else "", [rule.comment for rule in rules])
     state.counters = dict.fromkeys(nft_layout.counter_keys((4, 6)), (1, 2))
     return state
 
@@ -37,7 +38,9 @@ def test_an_empty_namespace_gets_the_whole_table_in_one_transaction() -> None:
     assert f"add element inet {nft_layout.TABLE} rx_inet4 {{ 10.244.1.2 }}" in lines
     assert sum(line.startswith("add counter") for line in lines) == 16
     assert sum(line.startswith("add chain") and "priority -300;" in line for line in lines) == 3
-    assert not plan.rebuilt and sorted(plan.rewritten_chains) == ["forward", "input", "output"]
+    assert not plan.rebuilt and plan.rewritten_chains[-3:] == ["input", "output", "forward"]  # base chains last
+    assert lines.index(f"add chain inet {nft_layout.TABLE} fwd4_from_cluster") < \
+        lines.index(next(line for line in lines if "goto fwd4_from_cluster" in line))
 
 
 def test_a_matching_table_needs_no_transaction() -> None:
@@ -46,11 +49,12 @@ def test_a_matching_table_needs_no_transaction() -> None:
 
 def test_only_what_differs_is_changed() -> None:
     state = matching_state()
-    state.chains["forward"].comments.pop()
+    state.chains["fwd4_internet_cluster"].comments.pop()
     other = ipaddress.ip_address("10.244.1.9").packed
     plan = nft_layout.plan(state, {4: {(other, 32)}}, NETWORKS, (4, 6))
     lines = plan.payload.splitlines()
-    assert f"flush chain inet {nft_layout.TABLE} forward" in lines and plan.rewritten_chains == ["forward"]
+    assert f"flush chain inet {nft_layout.TABLE} fwd4_internet_cluster" in lines
+    assert plan.rewritten_chains == ["fwd4_internet_cluster"]
     assert f"delete element inet {nft_layout.TABLE} rx_inet4 {{ 10.244.1.2 }}" in lines
     assert f"add element inet {nft_layout.TABLE} tx_clus4 {{ 10.244.1.9 }}" in lines
     assert not any("counter " in line and line.startswith("add counter") for line in lines)  # counters kept

@@ -233,8 +233,9 @@ def plan(state: NftState, pod_members: Mapping[int, set[ipsets.Member]], network
         lines += _elements("delete", name, (str(ipaddress.ip_address(m)) for m in sorted(have - want)))
         lines += _elements("add", name, (str(ipaddress.ip_address(m)) for m in sorted(want - have)))
     # What an older configuration left (IPv6 turned off, a chain of another version): rules first, then objects.
-    for name in sorted(set(current.chains) - set(rules)):
-        lines += [f"flush chain inet {TABLE} {name}", f"delete chain inet {TABLE} {name}"]
+    stale = sorted(set(current.chains) - set(rules))  # flush all before deleting any: they may jump to each other
+    lines += [f"flush chain inet {TABLE} {name}" for name in stale]
+    lines += [f"delete chain inet {TABLE} {name}" for name in stale]
     lines += [f"delete set inet {TABLE} {n}" for n in sorted(set(have_sets) - set(sets))]
     lines += [f"delete counter inet {TABLE} {n}" for n in sorted(set(current.counters) - set(counters))]
     if state.exists and len(lines) == 1 and not result.rebuilt:

@@ -111,7 +111,7 @@ def test_repairs_tampering_and_rebuilds_an_incompatible_set(topology: netns.Topo
     engine.sync(pods())
     send_all(topology)
     old = series(registry)
-    nft(node, "flush", "chain", "inet", T, "forward")
+    nft(node, "flush", "chain", "inet", T, "fwd4_internet_cluster")
     nft(node, "delete", "element", "inet", T, "rx_inet4", f"{{ {POD4} }}")
     engine.sync(pods())
     assert POD4 in netns.nft_members(node, "rx_inet4")
@@ -125,8 +125,7 @@ def test_repairs_tampering_and_rebuilds_an_incompatible_set(topology: netns.Topo
 
     # A set of the right name but without counters (an older or foreign definition): the table is re-created.
     before = series(registry)
-    for chain in ("forward", "input", "output"):
-        nft(node, "flush", "chain", "inet", T, chain)
+    nft(node, "flush", "table", "inet", T)  # every rule, so that the set can go
     nft(node, "delete", "set", "inet", T, "rx_inet4")
     nft(node, "add", "set", "inet", T, "rx_inet4", "{ type ipv4_addr; }")
     engine.sync(pods())

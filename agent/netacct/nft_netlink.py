@@ -262,34 +262,69 @@ class NftReader:
                 out[chain].comments.append(comment)
         return out
 
-    def elements(self, set_name: str) -> Elements | None:
-        """One set's elements (counted keys, or the ranges of an interval set); None when the set does not exist."""
+    def elements(self, set_name: str, ranges: bool = False) -> Elements | None:
+        """One set's elements with their counters (and, when `ranges`, the ranges of an interval set); None when
+        the set does not exist."""
         attrs = _attr(ELEM_LIST_TABLE, _cstr(self.table)) + _attr(ELEM_LIST_SET, _cstr(set_name))
         dump = self._dump(MSG_GETSETELEM, attrs, f"nft list set inet {self.table} {set_name}")
         if dump is None:
             return None
         out = Elements()
-        bounds: list[tuple[int, int, int]] = []  # (address, 0 = end / 1 = start, width in bits)
+        bounds: list[tuple[int, int, int]] | None = [] if ranges else None  # (address, 0 end / 1 start, bits)
         for data, start, end in dump:
             for kind, s, e in _attrs(data, start, end):
-                if kind != ELEM_LIST_ELEMENTS:
-                    continue
-                for _, a, b in _attrs(data, s, e):
-                    key, flags, counts = b"", 0, (0, 0)
-                    for inner, x, y in _attrs(data, a, b):
-                        if inner == ELEM_KEY:
-                            key = next((data[p:q] for t, p, q in _attrs(data, x, y) if t == DATA_VALUE), b"")
-                        elif inner == ELEM_FLAGS:
-                            flags = _BE32.unpack_from(data, x)[0]
-                        elif inner == ELEM_EXPR:
-                            counts = _counter(data, x, y) or counts
-                        elif inner == ELEM_EXPRESSIONS:
-                            for _, p, q in _attrs(data, x, y):
-                                counts = _counter(data, p, q) or counts
-                    out.counted[key] = counts
-                    bounds.append((int.from_bytes(key, "big"), 0 if flags & ELEM_INTERVAL_END else 1, len(key) * 8))
-        out.ranges = _ranges(bounds)
+                if kind == ELEM_LIST_ELEMENTS:
+                    _elements(data, s, e, out.counted, bounds)
+        if bounds is not None:
+            out.ranges = _ranges(bounds)
         return out
+
+
+def _elements(data: bytes, pos: int, end: int, counted: dict[bytes, Counts],
+              bounds: list[tuple[int, int, int]] | None) -> None:
+    """Decode a NFTA_SET_ELEM_LIST_ELEMENTS payload. The hot loop of a scrape (8,000 elements at 1,000 pods), so
+    it walks the attributes inline instead of through `_attrs`, and checks every length against `end`."""
+    unpack, be32, be64 = _NLA.unpack_from, _BE32.unpack_from, _BE64.unpack_from
+    while pos + 4 <= end:
+        size, _ = unpack(data, pos)
+        elem_end = pos + size
+        if size < 4 or elem_end > end:
+            raise NetlinkTruncated("nftables: truncated set element")
+        key, flags, packets, octets = b"", 0, 0, 0
+        inner = pos + 4
+        while inner + 4 <= elem_end:
+            isize, ikind = unpack(data, inner)
+            iend = inner + isize
+            if isize < 4 or iend > elem_end:
+                raise NetlinkTruncated("nftables: truncated set element attribute")
+            ikind &= 0x3FFF
+            if ikind == ELEM_KEY and isize >= 8:
+                vsize, _ = unpack(data, inner + 4)
+                key = data[inner + 8:inner + 4 + vsize]
+            elif ikind == ELEM_FLAGS:
+                flags = be32(data, inner + 4)[0]
+            elif ikind == ELEM_EXPR and data[inner + 8:inner + 16] == b"counter\0":
+                # NFTA_EXPR_NAME "counter" (12 bytes with its header), then NFTA_EXPR_DATA {BYTES, PACKETS}
+                data_at = inner + 4 + 12
+                cend = data_at + unpack(data, data_at)[0]
+                if cend > iend:
+                    raise NetlinkTruncated("nftables: truncated counter")
+                c = data_at + 4
+                while c + 12 <= cend:
+                    csize, ckind = unpack(data, c)
+                    if ckind & 0x3FFF == COUNTER_BYTES:
+                        octets = be64(data, c + 4)[0]
+                    elif ckind & 0x3FFF == COUNTER_PACKETS:
+                        packets = be64(data, c + 4)[0]
+                    c += (csize + 3) & ~3
+            elif ikind == ELEM_EXPRESSIONS:
+                for _, a, b in _attrs(data, inner + 4, iend):
+                    packets, octets = _counter(data, a, b) or (packets, octets)
+            inner += (isize + 3) & ~3
+        counted[key] = (packets, octets)
+        if bounds is not None:
+            bounds.append((int.from_bytes(key, "big"), 0 if flags & ELEM_INTERVAL_END else 1, len(key) * 8))
+        pos += (size + 3) & ~3
 
 
 def _ranges(bounds: list[tuple[int, int, int]]) -> list[Range]:

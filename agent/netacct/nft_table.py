@@ -60,7 +60,8 @@ class NativeTable:
         names = [nft_layout.set_name(role, f) for f in self.families for role in ipsets.ROLES
                  if full or role != ipsets.INTERNAL]
         for name in names:
-            state.elements[name] = reader.elements(name) if not full or name in (state.sets or {}) else None
+            wanted = not full or name in (state.sets or {})
+            state.elements[name] = reader.elements(name, ranges=name.startswith(ipsets.INTERNAL)) if wanted else None
         self._observe(state)
         return state
 

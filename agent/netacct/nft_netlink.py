@@ -13,11 +13,13 @@ counter and chain dumps come back empty. The engine uses it to decide what to cr
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import ParamSpec, TypeVar
 
 from agent.host.netlink import NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NetlinkTruncated, messages
 from agent.netacct.ipset_netlink import open_socket
@@ -50,6 +52,21 @@ Range = tuple[int, int]  # first address, one past the last (an integer of the f
 
 class NftNetlinkError(OSError):
     """The kernel refused a dump, or its answer could not be decoded."""
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _decoding(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """A malformed answer becomes NftNetlinkError (an OSError, which the engine reports), never an IndexError."""
+    @functools.wraps(method)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return method(*args, **kwargs)
+        except (NetlinkTruncated, struct.error, IndexError, UnicodeDecodeError) as exc:
+            raise NftNetlinkError(errno.EPROTO, f"nftables: malformed answer: {exc}") from exc
+    return wrapper
 
 
 @dataclass
@@ -173,6 +190,7 @@ class NftReader:
             self.close()
             raise NftNetlinkError(errno.EPROTO, f"{what}: malformed reply: {exc}") from exc
 
+    @_decoding
     def counters(self) -> dict[str, Counts]:
         """The table's named counters (empty when the table does not exist: the kernel filters, it does not
         refuse)."""
@@ -200,6 +218,7 @@ class NftReader:
                 out[name] = value
         return out
 
+    @_decoding
     def sets(self) -> dict[str, SetInfo] | None:
         """The table's set definitions, or None when the table does not exist."""
         dump = self._dump(MSG_GETSET, _attr(SET_TABLE, _cstr(self.table)), f"nft list sets table inet {self.table}")
@@ -227,6 +246,7 @@ class NftReader:
                 out[info.name] = info
         return out
 
+    @_decoding
     def chains(self) -> dict[str, ChainInfo]:
         """The table's chains with their hooks and their rules' comments (empty when the table does not exist)."""
         dump = self._dump(MSG_GETCHAIN, _attr(CHAIN_TABLE, _cstr(self.table)), f"nft list chains inet {self.table}")
@@ -262,6 +282,7 @@ class NftReader:
                 out[chain].comments.append(comment)
         return out
 
+    @_decoding
     def elements(self, set_name: str, ranges: bool = False) -> Elements | None:
         """One set's elements with their counters (and, when `ranges`, the ranges of an interval set); None when
         the set does not exist."""

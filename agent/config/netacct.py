@@ -1,4 +1,5 @@
-"""Settings of the netacct subsystem: network accounting with iptables mangle rules and ipset counters.
+"""Settings of the netacct subsystem: network accounting with a native nftables table (counted sets, named
+counters) or, on nodes where that does not work, iptables mangle rules and ipset counters.
 
 The internal set decides what is "cluster" traffic; everything else is "internet". It lives in an ipset, not in
 rules, so changing it never rewrites a rule nor resets a counter. `check()` rejects malformed CIDRs here, at load
@@ -23,6 +24,7 @@ DEFAULT_INTERNAL_CIDRS: tuple[str, ...] = (
     "fe80::/10",
 )
 BACKENDS = ("auto", "nft", "legacy")
+LAYOUTS = ("auto", "nft", "iptables")
 
 
 def _default_internal() -> list[str]:
@@ -48,9 +50,15 @@ class NetacctConfig:
     per_pod_metrics: bool = setting(True, flag="--netacct-per-pod", env="GPU_NODE_AGENT_NETACCT_PER_POD",
                                     help="export per-pod byte counters (one series per pod, traffic class and "
                                          "direction); turn off to save Prometheus cardinality")
+    layout: str = setting("auto", flag="--netacct-layout", env="GPU_NODE_AGENT_NETACCT_LAYOUT", choices=LAYOUTS,
+                          help="where the counting rules live: nft (one native nftables table with counted sets), "
+                               "iptables (mangle chains and ipsets, for nodes without a usable nf_tables), or auto "
+                               "(nft when a probe packet through a counted set is counted, else iptables); a "
+                               "change migrates on the next start, counters carried over")
     backend: str = setting("auto", flag="--netacct-backend", env="GPU_NODE_AGENT_NETACCT_BACKEND",
                            choices=BACKENDS,
-                           help="iptables backend: auto follows the kubelet's hint chain (default nft)")
+                           help="iptables backend of the iptables layout: auto follows the kubelet's hint chain "
+                                "(default nft)")
     ipv6: bool = setting(True, flag="--netacct-ipv6", env="GPU_NODE_AGENT_NETACCT_IPV6",
                          help="also account IPv6 with ip6tables (turn off on nodes without IPv6)")
     sync_interval_seconds: float = setting(

@@ -1,4 +1,4 @@
-"""The host port of netacct: the only code that runs iptables, ip6tables and ipset.
+"""The host port of netacct: the only code that runs iptables, ip6tables, ipset and nft.
 
 Every command is an argv list with a timeout, never a shell; what varies in a payload (IP addresses, CIDRs) is
 validated by `ipaddress` before it gets here, and pod names never get here at all. Writes go through
@@ -8,7 +8,8 @@ while the ipset members are dumped over netlink in this thread (the fastest read
 
 Backend detection follows kubernetes-sigs/iptables-wrappers: look for the kubelet's hint chains in the nft
 mangle table first, then in a *full* legacy save (`-t mangle` would make the legacy kernel table exist), and
-default to nft. `netns` runs everything inside a named network namespace (tests, benchmarks).
+default to nft. The native layout's writes are one `nft -f -` transaction each (payload on stdin); its reads go
+over nfnetlink (nft_netlink). `netns` runs everything inside a named network namespace (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from agent.netacct.ipset_netlink import IpsetReader, SetDump
+from agent.netacct.nft_netlink import NftReader
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +68,18 @@ def _resolve(mode: str, family: int, verb: str) -> tuple[str, ...]:
 class Host:
     """Runs the netacct commands on this host, or inside network namespace `netns`."""
 
-    def __init__(self, netns: str | None = None, lock_wait: int = 5, timeout: float = 10.0) -> None:
+    def __init__(self, netns: str | None = None, lock_wait: int = 5, timeout: float = 10.0,
+                 nft_table: str = "gpu_node_agent_netacct") -> None:
         self.netns = netns
         self.lock_wait = lock_wait
         self.timeout = timeout
         self._reader = IpsetReader(netns, timeout)
+        self.nft_reader = NftReader(nft_table, netns, timeout)
 
     def close(self) -> None:
-        """Release the netlink socket."""
+        """Release the netlink sockets."""
         self._reader.close()
+        self.nft_reader.close()
 
     def _argv(self, argv: Sequence[str]) -> list[str]:
         if self.netns is None:
@@ -118,9 +123,9 @@ class Host:
         """`iptables-save [-c] -t mangle` of one family."""
         return self.run([*_tool(mode, family, "save"), *(["-c"] if counters else []), "-t", "mangle"])
 
-    def save_full(self, mode: str, family: int) -> str:
-        """A save of every table, without counters (does not create tables that do not exist)."""
-        return self.run(_tool(mode, family, "save"))
+    def save_full(self, mode: str, family: int, counters: bool = False) -> str:
+        """A save of every table (does not create tables that do not exist, as `-t mangle` does on legacy)."""
+        return self.run([*_tool(mode, family, "save"), *(["-c"] if counters else [])])
 
     def restore(self, mode: str, family: int, payload: str) -> None:
         """Apply a restore payload without flushing anything it does not name, waiting for the xtables lock."""
@@ -134,6 +139,10 @@ class Host:
         if payload:
             self.run([_ipset(), "restore", "-exist"], stdin=payload)
 
+    def has_ipset(self) -> bool:
+        """Whether the ipset tool is installed (an nft-only node has nothing of the iptables layout to remove)."""
+        return shutil.which("ipset") is not None
+
     def ipset_names(self) -> set[str]:
         """Names of every set in the namespace."""
         return set(self.run([_ipset(), "list", "-n"]).split())
@@ -141,6 +150,21 @@ class Host:
     def dump_set(self, name: str) -> SetDump | None:
         """One set's members and counters over netlink; None when it does not exist."""
         return self._reader.dump(name)
+
+    # -- nft ------------------------------------------------------------------------------------------------------
+
+    def nft_apply(self, payload: str) -> None:
+        """Apply one `nft -f -` transaction (all of it or nothing)."""
+        if payload:
+            self.run([_nft(), "-f", "-"], stdin=payload)
+
+    def nft_usable(self) -> str | None:
+        """None when `nft` is installed and answers, else why not."""
+        try:
+            self.run([_nft(), "list", "tables"])
+        except CommandError as exc:
+            return str(exc)
+        return None
 
     # -- one read of everything ---------------------------------------------------------------------------------
 
@@ -187,4 +211,11 @@ def _ipset() -> str:
     path = shutil.which("ipset")
     if path is None:
         raise CommandError("ipset is not installed (Debian/Ubuntu package: ipset)")
+    return path
+
+
+def _nft() -> str:
+    path = shutil.which("nft")
+    if path is None:
+        raise CommandError("nft is not installed (Debian/Ubuntu package: nftables)")
     return path

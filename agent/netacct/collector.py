@@ -4,7 +4,7 @@ A custom collector, not instrumented Counters updated in the background: each sc
 (engine.scrape), folds the raw values into the monotonic book and renders the totals, so concurrent scrapes cannot
 race and departed pods simply stop appearing (prometheus writing_exporters; reference netacct.md §7.3). Every
 (traffic, scope) series is always present, zero before the first packet, so dashboards need no `or vector(0)`.
-Self-metrics say whether the read was complete, how long it took, and which backend is used.
+Self-metrics say whether the read was complete, how long it took, and which layout and backend are used.
 """
 
 from __future__ import annotations
@@ -90,11 +90,16 @@ class NetacctCollector:
                                  "Seconds the last read of every netacct counter took")
         syncs = CounterMetricFamily(f"{PREFIX}_netacct_sync_failures",
                                     "Syncs of netacct rules and sets that failed (retried with backoff)")
-        backend = GaugeMetricFamily(f"{PREFIX}_netacct_backend_info", "The iptables backend netacct uses",
-                                    labels=["backend"])
+        backend = GaugeMetricFamily(f"{PREFIX}_netacct_backend_info",
+                                    "The backend netacct uses: nftables (native layout), or nft / legacy (the "
+                                    "iptables layout's backend)", labels=["backend"])
+        layout = GaugeMetricFamily(f"{PREFIX}_netacct_layout_info",
+                                   "Where netacct's counting rules live: nft (native table) or iptables",
+                                   labels=["layout"])
         if reading is not None:
             up.add_metric([], 1.0 if reading.ok else 0.0)
             took.add_metric([], reading.seconds)
             syncs.add_metric([], self.engine.sync_failures)
             backend.add_metric([reading.mode], 1.0)
-        yield from (up, took, syncs, backend)
+            layout.add_metric([reading.layout], 1.0)
+        yield from (up, took, syncs, backend, layout)

@@ -4,7 +4,10 @@ Kernel counters restart when a rule is rewritten or a set element is re-created,
 of an exported (summed) counter as a reset of the whole sum. So this book keeps, per stable identity, the last raw
 value it saw and an accumulated total, and only ever adds deltas (reference netacct.md §7.4):
 
-- rules are identified by (family, comment key), e.g. (4, "traffic=internet-in scope=host");
+- rules are identified by (source, key): the source is the IP family for the iptables layout's rules (4) and
+  `nft4`/`nft6` for the native layout's named counters, the key e.g. "traffic=internet-in scope=host". Both
+  layouts add into the same totals per key, so a migration carries the old layout's final counts (the old
+  source is forgotten once its objects are gone);
 - set elements by (set name, member), and each element belongs to the pod that owns its address; its deltas go to
   that pod's totals, so an address that moves to another pod starts counting for the new pod from that moment.
   An element nobody owns yet (after a restart, before the pod list arrives) keeps its raw value for its first
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from agent.netacct import ipsets
 
 PodKey = tuple[str, str]  # namespace, name
+Source = int | str  # an IP family (iptables layout) or "nft4" / "nft6" (native layout)
 Counts = tuple[int, int]  # packets, bytes
 
 
@@ -43,7 +47,7 @@ class _Element:
 class CounterBook:
     """Accumulated packets/bytes per rule key (summed over families) and per pod and set role."""
 
-    _rule_last: dict[tuple[int, str], Counts] = field(default_factory=dict)
+    _rule_last: dict[tuple[Source, str], Counts] = field(default_factory=dict)
     _rule_total: dict[str, Counts] = field(default_factory=dict)
     _elements: dict[str, dict[ipsets.Member, _Element]] = field(default_factory=dict)
     _owners: dict[bytes, PodKey] = field(default_factory=dict)
@@ -51,8 +55,8 @@ class CounterBook:
 
     # -- feeding ------------------------------------------------------------------------------------------------
 
-    def observe_rules(self, family: int, raw: Mapping[str, Counts]) -> None:
-        """A complete read of one family's rule counters (keys missing now are forgotten)."""
+    def observe_rules(self, family: Source, raw: Mapping[str, Counts]) -> None:
+        """A complete read of one source's rule counters (keys missing now are forgotten)."""
         for key, value in raw.items():
             last = self._rule_last.get((family, key), (0, 0))
             delta = _delta(value, last)
@@ -78,7 +82,7 @@ class CounterBook:
             totals[role] = (total[0] + delta[0], total[1] + delta[1])
         self._elements[name] = new
 
-    def rules_restarted(self, family: int, keys: Iterable[str]) -> None:
+    def rules_restarted(self, family: Source, keys: Iterable[str]) -> None:
         """These rules were just re-created: their next raw value is all new traffic."""
         for key in keys:
             self._rule_last[(family, key)] = (0, 0)
@@ -87,6 +91,15 @@ class CounterBook:
         """Every rule and set was re-created (cleanup then install): forget raw values, keep totals."""
         self._rule_last.clear()
         self._elements.clear()
+
+    def forget(self, sources: Iterable[Source], set_names: Iterable[str]) -> None:
+        """These rule sources and sets are gone (a layout removed or re-created): their next sight, if any, is new
+        traffic. Totals are kept."""
+        gone = set(sources)
+        for key in [k for k in self._rule_last if k[0] in gone]:
+            del self._rule_last[key]
+        for name in set_names:
+            self._elements.pop(name, None)
 
     def set_pods(self, owners: Mapping[bytes, PodKey]) -> None:
         """The current pods, as address owners; departed pods lose their totals, moved addresses change owner."""

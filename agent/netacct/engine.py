@@ -6,8 +6,15 @@ reads (feeding the book), changes, and marks under the same lock that `scrape` t
 Scrapes wait at most one sync (tens of milliseconds).
 
 `sync` is idempotent: it only changes what differs from the desired state, so a restart adds no duplicates and
-keeps the kernel's counters. `remove_all` removes exactly what netacct creates, on both backends and both
-families, whatever the current configuration says.
+keeps the kernel's counters. `remove_all` removes exactly what netacct creates, in both layouts, on both iptables
+backends and both families, whatever the current configuration says.
+
+Two layouts count the same series: `nft` (one native table, nft_layout) and `iptables` (mangle chains and ipsets,
+rules and ipsets). Migration: when the configured layout differs from the one found in the kernel (typically after
+a restart with another `layout`), a sync with the pod list known installs the new layout, then reads the old one
+a final time (the book adds its counts into the same totals, per pod too, since the owners are known), then
+removes it. No count is lost; packets in the milliseconds between the install and that final read are counted
+by both. Until the pod list is known the old layout keeps counting and nothing moves.
 """
 
 from __future__ import annotations
@@ -20,9 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agent.config.netacct import NetacctConfig
-from agent.netacct import ipsets, rules
+from agent.netacct import ipsets, nft_probe, rules
 from agent.netacct.backend import FAMILIES, MODES, CommandError, Host, Snapshot
 from agent.netacct.counters import CounterBook, Counts, PodKey
+from agent.netacct.nft_table import NativeTable
 from agent.netacct.pods import Pod
 
 log = logging.getLogger(__name__)
@@ -42,6 +50,7 @@ class Reading:
     seconds: float
     mode: str
     errors: tuple[str, ...] = ()
+    layout: str = "iptables"
 
 
 class Netacct:
@@ -56,8 +65,23 @@ class Netacct:
         self.sync_failures = 0
         self._lock = threading.Lock()
         self._mode: str | None = None if config.backend == "auto" else config.backend
+        self._layout: str | None = None if config.layout == "auto" else config.layout
         self._networks = config.internal_networks()
         self._conflicts: set[str] = set()
+        self.native = NativeTable(self.host, self.book, self.families, self._networks)
+
+    @property
+    def layout(self) -> str:
+        """nft or iptables (probed on first use when configured as auto)."""
+        if self._layout is None:
+            why = nft_probe.probe(self.host)
+            self._layout = "nft" if why is None else "iptables"
+            if why is None:
+                log.info("netacct: using the native nftables layout (table inet gpu_node_agent_netacct)")
+            else:
+                log.warning("netacct: the native nftables layout does not work here (%s); using the iptables "
+                            "layout", why)
+        return self._layout
 
     @property
     def mode(self) -> str:
@@ -89,15 +113,20 @@ class Netacct:
         """One read pass over every counter, folded into the book; never raises for kernel errors."""
         started = time.perf_counter()
         with self._lock:
+            errors: tuple[str, ...] = ()
             try:
-                names = [ipsets.set_name(role, f) for f in self.families for role in ipsets.COUNTED]
-                snap = self._read(names)
-                errors = snap.errors
+                if self._layout == "nft":
+                    self.native.read(full=False)
+                elif self._layout == "iptables":
+                    names = [ipsets.set_name(role, f) for f in self.families for role in ipsets.COUNTED]
+                    errors = self._read(names).errors
+                else:
+                    errors = ("no sync has run yet",)
             except (CommandError, OSError) as exc:
                 errors = (str(exc),)
-            mode = self._mode or "unknown"
+            mode = "nftables" if self._layout == "nft" else self._mode or "unknown"
             return Reading(self.book.rule_totals(), self.book.pod_totals(), not errors,
-                           time.perf_counter() - started, mode, errors)
+                           time.perf_counter() - started, mode, errors, self._layout or "unknown")
 
     # -- changing -----------------------------------------------------------------------------------------------
 
@@ -107,7 +136,12 @@ class Netacct:
         conflicts: set[str] = set()
         for pod in pods:
             for ip in pod.ips:
-                packed = ipaddress.ip_address(ip).packed
+                try:  # make_pod validates; a Pod built some other way is checked again before any payload
+                    packed = ipaddress.ip_address(ip).packed
+                except ValueError:
+                    log.warning("netacct: skipping address %r of pod %s/%s: not an IP address", ip, pod.namespace,
+                                pod.name)
+                    continue
                 owner = owners.setdefault(packed, (pod.namespace, pod.name))
                 if owner != (pod.namespace, pod.name):
                     conflicts.add(ip)
@@ -132,6 +166,69 @@ class Netacct:
                 raise SyncError(str(exc)) from exc
 
     def _sync(self, pods: Sequence[Pod] | None) -> None:
+        layout = self.layout
+        old = self._iptables_present() if layout == "nft" else self.native.present()
+        if old and pods is None:
+            log.info("netacct: the %s layout is still installed; migrating once the pod list is known",
+                     "iptables" if layout == "nft" else "nft")
+            return
+        if layout == "nft":
+            self._sync_native(pods)
+        else:
+            self._sync_iptables(pods)
+        if old:
+            self._migrate_from("iptables" if layout == "nft" else "nft")
+
+    def _iptables_present(self) -> bool:
+        """Whether any of the iptables layout's sets exist (its chains cannot exist without them)."""
+        try:
+            return any(self.host.dump_set(name) is not None for name in ipsets.all_names(FAMILIES))
+        except OSError as exc:
+            log.debug("netacct: cannot look for the iptables layout's sets: %s", exc)
+            return False
+
+    def _migrate_from(self, old: str) -> None:
+        """Final read of the old layout into the book (after the new one counts), then remove it."""
+        if old == "nft":
+            self.native.read(full=False)
+            self.native.remove()
+        else:
+            self._final_iptables_read()
+            self._remove_locked(MODES, native=False)
+            self.book.forget(FAMILIES, ipsets.all_names(FAMILIES))
+        log.info("netacct: migrated from the %s layout; its final counts carry into the totals", old)
+
+    def _final_iptables_read(self) -> None:
+        """The iptables layout's counters on whichever backend holds its chains (auto detection might name the
+        other one when the kubelet's hint is absent), and its sets, into the book."""
+        for family in FAMILIES:
+            raw: dict[str, Counts] = {}
+            for mode in MODES:
+                try:
+                    found = rules.counters(rules.parse(self.host.save_full(mode, family, counters=True)))
+                except CommandError as exc:
+                    log.debug("netacct: no iptables-%s IPv%d counters to carry: %s", mode, family, exc)
+                    continue
+                for key, (packets, octets) in found.items():
+                    old = raw.get(key, (0, 0))
+                    raw[key] = (old[0] + packets, old[1] + octets)
+            self.book.observe_rules(family, raw)
+        for role in ipsets.COUNTED:
+            for family in FAMILIES:
+                name = ipsets.set_name(role, family)
+                dump = self.host.dump_set(name)
+                self.book.observe_set(name, role, dump.members if dump is not None else {})
+
+    def _sync_native(self, pods: Sequence[Pod] | None) -> None:
+        state = self.native.read(full=True)
+        if pods is None:
+            members = self.native.members(state)
+        else:
+            owners, members = self._pod_members(pods)
+            self.book.set_pods(owners)
+        self.native.sync(state, members)
+
+    def _sync_iptables(self, pods: Sequence[Pod] | None) -> None:
         names = ipsets.all_names(self.families)
         snap = self._read(names)
         if snap.errors:
@@ -140,7 +237,7 @@ class Netacct:
                and not ipsets.compatible(name[len(ipsets.PREFIX):-1], int(name[-1]), dump)]
         if bad:
             log.warning("netacct: sets %s exist with another type; re-creating all of netacct's rules and sets", bad)
-            self._remove_locked(MODES)
+            self._remove_locked(MODES, native=False)
             self.book.kernel_state_lost()
             snap = self._read(names)
         # Our chains in the other backend (the hint chain moved) or in a family turned off would keep feeding the
@@ -168,7 +265,8 @@ class Netacct:
     # -- removing -----------------------------------------------------------------------------------------------
 
     def remove_all(self) -> list[str]:
-        """Remove every chain, jump rule and set netacct made (both backends, both families); what was removed."""
+        """Remove everything netacct made: the nftables table, and every chain, jump rule and set of the iptables
+        layout (both backends, both families); what was removed."""
         with self._lock:
             return self._remove_locked(MODES)
 
@@ -186,8 +284,11 @@ class Netacct:
             log.info("netacct: removed IPv%d chains %s from iptables-%s", family, sorted(ours), mode)
         return [f"{mode} IPv{family} chain {chain}" for chain in sorted(ours)]
 
-    def _remove_locked(self, modes: Sequence[str]) -> list[str]:
-        removed = [item for mode in modes for family in FAMILIES for item in self._remove_chains(mode, family)]
+    def _remove_locked(self, modes: Sequence[str], native: bool = True) -> list[str]:
+        removed = self.native.remove() if native else []
+        removed += [item for mode in modes for family in FAMILIES for item in self._remove_chains(mode, family)]
+        if not self.host.has_ipset():
+            return removed
         names = self.host.ipset_names()
         self.host.ipset_restore(ipsets.destroy_payload(names))
         removed.extend(f"set {name}" for name in sorted(names) if ipsets.is_ours(name))

@@ -84,6 +84,7 @@ AGENT_METRICS: dict[str, str] = {
     "gpu_node_agent_netacct_read_duration_seconds": "gauge",
     "gpu_node_agent_netacct_sync_failures_total": "counter",
     "gpu_node_agent_netacct_backend_info": "gauge {backend}",
+    "gpu_node_agent_netacct_layout_info": "gauge {layout}",
     "gpu_node_agent_pod_internet_limit_bits_per_second": "gauge {namespace,pod,direction}",
     "gpu_node_agent_pod_internet_shaped_bytes_total": "counter {namespace,pod,direction}",
     "gpu_node_agent_pod_internet_dropped_packets_total": "counter {namespace,pod,direction}",

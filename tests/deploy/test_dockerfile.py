@@ -111,7 +111,7 @@ def test_runtime_stage_has_the_netfilter_tools_and_no_build_tools():
     (install,) = installs
     assert "--no-install-recommends" in install
     packages = set(install.split("apt-get install", 1)[1].split("&&", 1)[0].split()) - {"-y", "--no-install-recommends"}
-    assert packages == {"iptables", "ipset"}
+    assert packages == {"nftables", "iptables", "ipset"}
     assert "rm -rf /var/lib/apt/lists/*" in install
     for run in runs:
         assert not BUILD_TOOLS.search(run), f"build tool in the runtime stage: {run}"

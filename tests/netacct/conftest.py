@@ -47,6 +47,26 @@ def mode(request: pytest.FixtureRequest, topology: netns.Topology) -> str:
     return request.param
 
 
+LAYOUTS = {"nft-table": {"layout": "nft"}, "iptables-nft": {"layout": "iptables", "backend": "nft"},
+           "iptables-legacy": {"layout": "iptables", "backend": "legacy"}}
+
+
+@pytest.fixture(params=list(LAYOUTS))
+def accounting(request: pytest.FixtureRequest, topology: netns.Topology) -> dict[str, str]:
+    """Each way of counting in turn, as config changes: the native nftables table, and the iptables layout on
+    either backend (each skipped where its tool does not work in a namespace here)."""
+    changes = LAYOUTS[request.param]
+    if changes["layout"] == "nft":
+        tool = ["nft", "list", "tables"]
+    else:
+        tool = [f"iptables-{changes['backend']}", "-w", "5", "-t", "mangle", "-S", "INPUT"]
+    try:
+        netns.sh(*tool, ns=topology.node)
+    except (RuntimeError, OSError) as exc:
+        pytest.skip(f"{tool[0]} does not work in a network namespace here: {exc}")
+    return changes
+
+
 EngineFactory = Callable[..., tuple[Netacct, CollectorRegistry]]
 
 

@@ -7,8 +7,20 @@ from collections.abc import Iterable
 from agent.netacct.backend import CommandError, Host, Snapshot
 
 
+class _NoTable:
+    """The nftables reader of a namespace without netacct's table."""
+
+    def sets(self) -> None:
+        """No table."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
 class FakeHost(Host):
-    """Fails the first `failures` reads (and cleanups), then reports an empty namespace."""
+    """The iptables layout's twin: fails the first `failures` reads (and cleanups), then reports an empty
+    namespace; it has no `nft`, so `layout: auto` falls back to iptables on it."""
 
     def __init__(self, failures: int = 0, mode: str = "nft") -> None:
         super().__init__(netns=None)
@@ -17,6 +29,11 @@ class FakeHost(Host):
         self.restores: list[tuple[str, int, str]] = []
         self.ipset_payloads: list[str] = []
         self.reads = 0
+        self.nft_reader = _NoTable()  # type: ignore[assignment]
+
+    def nft_usable(self) -> str | None:
+        """A simulated host has no nft."""
+        return "nft is not installed (simulated host)"
 
     def detect_mode(self, families: Iterable[int] = (4, 6)) -> str:
         """The configured answer."""
@@ -39,7 +56,7 @@ class FakeHost(Host):
         if payload:
             self.ipset_payloads.append(payload)
 
-    def save_full(self, mode: str, family: int) -> str:
+    def save_full(self, mode: str, family: int, counters: bool = False) -> str:
         """Nothing installed, or a failure while failures remain."""
         if self.failures > 0:
             raise CommandError(f"iptables-{mode}-save is not installed")

@@ -179,16 +179,50 @@ def destroy(topo: Topology) -> None:
 
 
 def members(ns: str, name: str) -> set[str]:
-    """Addresses (or prefixes) in one set."""
+    """Addresses (or prefixes) in one ipset."""
     return {line.split()[2] for line in sh("ipset", "save", name, ns=ns).splitlines() if line.startswith("add ")}
 
 
+NFT_TABLE = "gpu_node_agent_netacct"
+
+
+def nft_members(ns: str, name: str) -> set[str]:
+    """Addresses (or prefixes) in one set of netacct's nftables table, read with `nft -j`."""
+    found: set[str] = set()
+    for item in json.loads(sh("nft", "-j", "list", "set", "inet", NFT_TABLE, name, ns=ns))["nftables"]:
+        for elem in item.get("set", {}).get("elem", []):
+            value = elem["elem"]["val"] if isinstance(elem, dict) and "elem" in elem else elem
+            if isinstance(value, dict) and "prefix" in value:
+                value = f"{value['prefix']['addr']}/{value['prefix']['len']}"
+            found.add(str(value))
+    return found
+
+
+def layout_members(ns: str, layout: str, role: str, family: int) -> set[str]:
+    """Members of the counted set `role` (rx-inet, tx-clus, ...) of one family, in either layout."""
+    if layout == "nft":
+        return nft_members(ns, f"{role.replace('-', '_')}{family}")
+    return members(ns, f"gna-{role}{family}")
+
+
+def nft_table(ns: str) -> str | None:
+    """netacct's nftables table as `nft list` prints it, counters blanked; None when it does not exist."""
+    try:
+        listed = sh("nft", "list", "table", "inet", NFT_TABLE, ns=ns)
+    except RuntimeError:
+        return None
+    return re.sub(r"packets \d+ bytes \d+", "packets - bytes -", listed)
+
+
 def save_state(ns: str) -> dict[str, str]:
-    """Everything netacct could touch, without counters or timestamps: both backends, both families, ipsets."""
+    """Everything netacct could touch, without counters or timestamps: both backends, both families, ipsets, and
+    the whole nftables ruleset (the native layout's table, and the iptables-nft tables once more)."""
     state: dict[str, str] = {}
     for tool in ("iptables-nft-save", "ip6tables-nft-save", "iptables-legacy-save", "ip6tables-legacy-save"):
         text = sh(tool, ns=ns)
         lines = (re.sub(r"\[\d+:\d+\]", "[-]", line) for line in text.splitlines() if not line.startswith("#"))
         state[tool] = "\n".join(lines)
     state["ipset"] = "\n".join(sorted(sh("ipset", "save", ns=ns).splitlines()))
+    if shutil.which("nft"):
+        state["nft"] = re.sub(r"packets \d+ bytes \d+", "packets - bytes -", sh("nft", "list", "ruleset", ns=ns))
     return state

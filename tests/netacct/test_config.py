@@ -21,22 +21,26 @@ def test_defaults() -> None:
     cfg = load([])
     assert not cfg.enabled
     assert cfg.internal_cidrs == list(DEFAULT_INTERNAL_CIDRS)
-    assert cfg.backend == "auto" and cfg.per_pod_metrics and cfg.ipv6 and cfg.pods_file is None
+    assert cfg.layout == "auto" and cfg.backend == "auto" and cfg.per_pod_metrics and cfg.ipv6 and cfg.pods_file is None
 
 
 def test_flags() -> None:
     cfg = load(["--netacct", "--internal-cidr", "10.0.0.0/8", "--internal-cidr", "fd00::/8",
                 "--pods-file", "/etc/pods.json", "--no-netacct-per-pod", "--netacct-backend", "legacy",
-                "--netacct-sync-interval", "5", "--no-netacct-ipv6", "--netacct-lock-wait", "2"])
+                "--netacct-sync-interval", "5", "--no-netacct-ipv6", "--netacct-lock-wait", "2",
+                "--netacct-layout", "iptables"])
     assert cfg.enabled and cfg.internal_cidrs == ["10.0.0.0/8", "fd00::/8"]
     assert cfg.pods_file == "/etc/pods.json" and not cfg.per_pod_metrics and cfg.backend == "legacy"
     assert cfg.sync_interval_seconds == 5.0 and not cfg.ipv6 and cfg.lock_wait_seconds == 2
+    assert cfg.layout == "iptables"
 
 
 def test_environment_and_precedence() -> None:
     env = {"GPU_NODE_AGENT_NETACCT": "true", "GPU_NODE_AGENT_INTERNAL_CIDRS": "10.0.0.0/8, 192.168.0.0/16",
-           "GPU_NODE_AGENT_NETACCT_BACKEND": "nft", "GPU_NODE_AGENT_PODS_FILE": "/p.json"}
+           "GPU_NODE_AGENT_NETACCT_BACKEND": "nft", "GPU_NODE_AGENT_PODS_FILE": "/p.json",
+           "GPU_NODE_AGENT_NETACCT_LAYOUT": "nft"}
     cfg = load([], env)
+    assert cfg.layout == "nft"
     assert cfg.enabled and cfg.internal_cidrs == ["10.0.0.0/8", "192.168.0.0/16"] and cfg.backend == "nft"
     assert load(["--internal-cidr", "172.16.0.0/12"], env).internal_cidrs == ["172.16.0.0/12"]
 
@@ -45,6 +49,7 @@ def test_environment_and_precedence() -> None:
     (["--internal-cidr", "10.0.0.0/8", "--internal-cidr", "bogus"], "internalCidrs[1]: 'bogus' is not a CIDR"),
     (["--internal-cidr", "10.1.2.3/8"], "did you mean 10.0.0.0/8"),
     (["--netacct-backend", "iptables"], "not one of auto, nft, legacy"),
+    (["--netacct-layout", "legacy"], "not one of auto, nft, iptables"),
     (["--netacct-sync-interval", "0"], "syncIntervalSeconds: must be positive"),
 ])
 def test_invalid_values_name_the_field(argv: list[str], message: str) -> None:

@@ -90,8 +90,8 @@ def complete(expected: Series, hostile_zero: bool = True) -> Series:
 
 
 def test_counts_match_exactly_ipv4_and_ipv6(topology: netns.Topology, make_engine: EngineFactory,
-                                           mode: str) -> None:
-    engine, registry = make_engine(backend=mode)
+                                           accounting: dict[str, str]) -> None:
+    engine, registry = make_engine(**accounting)
     engine.sync(pods())
     before = series(registry)
     assert set(complete(Counter())) <= set(before)  # every series is present from the first scrape
@@ -103,12 +103,14 @@ def test_counts_match_exactly_ipv4_and_ipv6(topology: netns.Topology, make_engin
     assert delta(series(registry), before) == complete(expected)
     again = send_all(topology)
     assert delta(series(registry), middle) == complete(again)
-    assert engine.mode == mode
+    assert engine.layout == accounting["layout"]
+    if accounting["layout"] == "iptables":
+        assert engine.mode == accounting["backend"]
 
 
-def test_hostile_pod_names_never_reach_a_command_line(topology: netns.Topology,
-                                                      make_engine: EngineFactory) -> None:
-    engine, registry = make_engine()
+def test_hostile_pod_names_never_reach_a_command_line(topology: netns.Topology, make_engine: EngineFactory,
+                                                      accounting: dict[str, str]) -> None:
+    engine, registry = make_engine(**accounting)
     engine.sync(pods())
     engine.sync(pods()[:1])
     engine.sync(pods())

@@ -33,8 +33,10 @@ def pod_series(values: Counter[tuple[str, ...]]) -> set[tuple[str, str]]:
     return {key[1:3] for key in values if key[0] == "pod"}
 
 
-def test_pods_added_removed_and_moved(topology: netns.Topology, make_engine: EngineFactory, mode: str) -> None:
-    engine, registry = make_engine(backend=mode)
+def test_pods_added_removed_and_moved(topology: netns.Topology, make_engine: EngineFactory,
+                                      accounting: dict[str, str]) -> None:
+    engine, registry = make_engine(**accounting)
+    layout = accounting["layout"]
     engine.sync([])
     before = series(registry)
     assert pod_series(before) == set()
@@ -43,8 +45,8 @@ def test_pods_added_removed_and_moved(topology: netns.Topology, make_engine: Eng
     assert delta(after, before)[("node", "transmit", "internet", "pod", "bytes")] == 3 * 528  # no pod needed
 
     engine.sync([TRAINER])
-    assert netns.members(topology.node, "gna-tx-inet4") == {POD4}
-    assert netns.members(topology.node, "gna-rx-clus6") == {POD6}
+    assert netns.layout_members(topology.node, layout, "tx-inet", 4) == {POD4}
+    assert netns.layout_members(topology.node, layout, "rx-clus", 6) == {POD6}
     start = series(registry)
     assert start[("pod", "team-a", "trainer-0", "transmit", "internet")] == 0
     netns.flow(topology.pod, POD6, topology.inet, INET6, count=2, size=100)
@@ -53,7 +55,7 @@ def test_pods_added_removed_and_moved(topology: netns.Topology, make_engine: Eng
     engine.sync([])
     gone = series(registry)
     assert pod_series(gone) == set()
-    assert all(not netns.members(topology.node, f"gna-{r}{f}") for r in ("rx-inet", "tx-clus") for f in (4, 6))
+    assert all(not netns.layout_members(topology.node, layout, r, f) for r in ("rx-inet", "tx-clus") for f in (4, 6))
     assert all(gone[k] >= after[k] for k in after)  # node totals never go down
 
     moved = make_pod("team-b", "trainer-1", [POD4])
@@ -66,23 +68,36 @@ def test_pods_added_removed_and_moved(topology: netns.Topology, make_engine: Eng
     assert final[("pod", "team-b", "trainer-1", "receive", "internet")] == 328
 
 
+def writes(host: object) -> list[list[str]]:
+    """The commands a RecordingHost ran that change kernel state (restores, `nft -f`)."""
+    assert isinstance(host, RecordingHost)
+    return [argv for argv, _ in host.calls if "restore" in " ".join(argv) or argv[-2:] == ["-f", "-"]]
+
+
+def installed(ns: str, accounting: dict[str, str]) -> object:
+    """netacct's rules as the kernel lists them (counters left out), in the layout under test."""
+    if accounting["layout"] == "nft":
+        return netns.nft_table(ns)
+    return {f: our_lines(ns, accounting["backend"], f) for f in (4, 6)}
+
+
 def test_restart_keeps_counters_and_adds_no_duplicates(topology: netns.Topology, make_engine: EngineFactory,
-                                                       mode: str) -> None:
-    first, first_registry = make_engine(backend=mode)
+                                                       accounting: dict[str, str]) -> None:
+    first, first_registry = make_engine(**accounting)
     first.sync(pods())
     send_all(topology)
     carried = series(first_registry)
-    lines = {f: our_lines(topology.node, mode, f) for f in (4, 6)}
+    before = installed(topology.node, accounting)
     first.close()
 
-    second, registry = make_engine(backend=mode)  # a new process: empty book, rules and sets already there
+    second, registry = make_engine(**accounting)  # a new process: empty book, rules and sets already there
     second.sync(pods())
     second.sync(pods())
-    assert isinstance(second.host, RecordingHost)
-    assert not [argv for argv, _ in second.host.calls if "restore" in " ".join(argv)]  # nothing rewritten
-    for family in (4, 6):
-        assert our_lines(topology.node, mode, family) == lines[family]
-        assert len(lines[family]) == 3 + 12  # three jumps, twelve rules, once each
+    assert not writes(second.host)  # nothing rewritten
+    assert installed(topology.node, accounting) == before
+    if accounting["layout"] == "iptables":
+        for family in (4, 6):
+            assert len(our_lines(topology.node, accounting["backend"], family)) == 3 + 12  # 3 jumps, 12 rules
     assert series(registry) == carried  # totals continue from the kernel counters
     expected = send_all(topology)
     assert delta(series(registry), carried) == complete(expected)
@@ -90,7 +105,7 @@ def test_restart_keeps_counters_and_adds_no_duplicates(topology: netns.Topology,
 
 def test_repairs_tampering_and_keeps_totals_monotonic(topology: netns.Topology, make_engine: EngineFactory,
                                                       mode: str) -> None:
-    engine, registry = make_engine(backend=mode)
+    engine, registry = make_engine(layout="iptables", backend=mode)
     engine.sync(pods())
     send_all(topology)
     old = series(registry)
@@ -134,7 +149,7 @@ def foreign(topology: netns.Topology, mode: str) -> Iterator[None]:
 def test_cleanup_leaves_the_namespace_as_it_was(topology: netns.Topology, make_engine: EngineFactory, mode: str,
                                                 foreign: None) -> None:
     before = netns.save_state(topology.node)
-    engine, _ = make_engine()  # auto: the hint chain decides the backend
+    engine, _ = make_engine(layout="iptables")  # auto backend: the hint chain decides it
     engine.sync(pods())
     assert engine.mode == mode
     send_all(topology)
@@ -162,17 +177,25 @@ def test_backend_detection_follows_the_hint_chain(topology: netns.Topology) -> N
         netns.sh("iptables-nft", "-t", "mangle", "-X", "KUBE-IPTABLES-HINT", ns=topology.node, check=False)
 
 
-def test_changing_the_internal_set_rewrites_no_rule(topology: netns.Topology, make_engine: EngineFactory) -> None:
-    engine, registry = make_engine()
+@pytest.mark.parametrize("layout", ["nft", "iptables"])
+def test_changing_the_internal_set_rewrites_no_rule(topology: netns.Topology, make_engine: EngineFactory,
+                                                    layout: str) -> None:
+    engine, registry = make_engine(layout=layout)
     engine.sync(pods())
     send_all(topology)
     old = series(registry)
-    wider, wider_registry = make_engine(internal_cidrs=["10.0.0.0/8", "203.0.113.0/24", "fd00::/8"])
+    wider, wider_registry = make_engine(layout=layout, internal_cidrs=["10.0.0.0/8", "203.0.113.0/24", "fd00::/8"])
     wider.sync(pods())
     assert isinstance(wider.host, RecordingHost)
-    restores = [argv for argv, _ in wider.host.calls if "restore" in " ".join(argv)]
-    assert len(restores) == 1 and "ipset" in restores[0][0]  # set members only
-    assert netns.members(topology.node, "gna-internal4") == {"10.0.0.0/8", "203.0.113.0/24"}
+    changes = [(argv, stdin) for argv, stdin in wider.host.calls if argv in writes(wider.host)]
+    assert len(changes) == 1  # set members only
+    if layout == "nft":
+        assert all(" set " in line or " element " in line or line.startswith("add table")
+                   for line in changes[0][1].splitlines())
+        assert netns.nft_members(topology.node, "internal4") == {"10.0.0.0/8", "203.0.113.0/24"}
+    else:
+        assert "ipset" in changes[0][0][0]
+        assert netns.members(topology.node, "gna-internal4") == {"10.0.0.0/8", "203.0.113.0/24"}
     assert series(wider_registry) == old
     netns.flow(topology.pod, POD4, topology.inet, INET4, count=2, size=100)  # now cluster traffic
     now = series(wider_registry)
@@ -188,15 +211,15 @@ def test_switching_backend_or_turning_ipv6_off_moves_the_rules(topology: netns.T
         netns.sh("iptables-legacy", "-w", "5", "-t", "mangle", "-S", "INPUT", ns=topology.node)
     except RuntimeError as exc:
         pytest.skip(f"iptables-legacy does not work in a network namespace here: {exc}")
-    legacy, _ = make_engine(backend="legacy")
+    legacy, _ = make_engine(layout="iptables", backend="legacy")
     legacy.sync(pods())
-    nft, registry = make_engine(backend="nft")
+    nft, registry = make_engine(layout="iptables", backend="nft")
     nft.sync(pods())  # the hint moved to nft: the legacy copy would count pod traffic into the sets twice
     assert our_lines(topology.node, "legacy", 4) == [] and our_lines(topology.node, "legacy", 6) == []
     assert len(our_lines(topology.node, "nft", 4)) == 15
     before = series(registry)
     expected = send_all(topology)
     assert delta(series(registry), before) == complete(expected)
-    v4only, _ = make_engine(backend="nft", ipv6=False)
+    v4only, _ = make_engine(layout="iptables", backend="nft", ipv6=False)
     v4only.sync(pods())
     assert our_lines(topology.node, "nft", 6) == [] and len(our_lines(topology.node, "nft", 4)) == 15

@@ -29,11 +29,15 @@ def write_pods(path: Path, pods: list[dict[str, object]]) -> None:
     tmp.replace(path)
 
 
-async def test_follows_the_pods_file(topology: netns.Topology, tmp_path: Path,
-                                     caplog: pytest.LogCaptureFixture) -> None:
+async def test_follows_the_pods_file(topology: netns.Topology, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                     accounting: dict[str, str]) -> None:
     path = tmp_path / "pods.json"
     write_pods(path, [{"namespace": "team-a", "name": "trainer-0", "ips": [POD4, POD6]}])
-    config = NetacctConfig(enabled=True, pods_file=str(path))
+    config = NetacctConfig(enabled=True, pods_file=str(path), **accounting)  # type: ignore[arg-type]
+
+    def members() -> set[str]:
+        return netns.layout_members(topology.node, accounting["layout"], "rx-inet", 4)
+
     registry = CollectorRegistry()
     service = NetacctService(config, registry, FilePodSource(str(path), poll_seconds=0.05),
                              host=Host(netns=topology.node), settle_seconds=0.01)
@@ -41,18 +45,18 @@ async def test_follows_the_pods_file(topology: netns.Topology, tmp_path: Path,
     task = asyncio.create_task(service.run(stop))
     try:
         await asyncio.wait_for(service.synced.wait(), TIMEOUT)
-        await until(lambda: netns.members(topology.node, "gna-rx-inet4") == {POD4})
+        await until(lambda: members() == {POD4})
         netns.flow(topology.inet, INET4, topology.pod, POD4, count=3, size=400)
         labels = {"namespace": "team-a", "pod": "trainer-0", "traffic": "internet"}
         assert registry.get_sample_value("gpu_node_agent_pod_network_receive_bytes_total", labels) == 3 * 428
 
         path.write_text("{not json")  # a broken update keeps the last good pod list
         await until(lambda: "invalid" in caplog.text)
-        assert netns.members(topology.node, "gna-rx-inet4") == {POD4}
+        assert members() == {POD4}
         assert registry.get_sample_value("gpu_node_agent_pod_network_receive_bytes_total", labels) == 3 * 428
 
         write_pods(path, [{"namespace": "team-b", "name": "server", "ips": [OTHER_POD4]}])
-        await until(lambda: netns.members(topology.node, "gna-rx-inet4") == {OTHER_POD4})
+        await until(lambda: members() == {OTHER_POD4})
         assert registry.get_sample_value("gpu_node_agent_pod_network_receive_bytes_total", labels) is None
         other = {"namespace": "team-b", "pod": "server", "traffic": "internet"}
         assert registry.get_sample_value("gpu_node_agent_pod_network_receive_bytes_total", other) == 0
@@ -61,8 +65,12 @@ async def test_follows_the_pods_file(topology: netns.Topology, tmp_path: Path,
         stop.set()
         await asyncio.wait_for(task, TIMEOUT)
     removed = service.cleanup()
-    assert "set gna-rx-inet4" in removed
-    assert netns.sh("ipset", "list", "-n", ns=topology.node).split() == []
+    if accounting["layout"] == "nft":
+        assert removed == ["nftables table inet gpu_node_agent_netacct"]
+        assert netns.nft_table(topology.node) is None
+    else:
+        assert "set gna-rx-inet4" in removed
+        assert netns.sh("ipset", "list", "-n", ns=topology.node).split() == []
 
 
 async def test_failed_syncs_are_retried_and_never_end_the_loop(caplog: pytest.LogCaptureFixture) -> None:

@@ -78,6 +78,7 @@ def admitted_container(containers: Iterable[ContainerDevices], resource: str, pa
 
 
 SETTLE_S = 1.0  # a state first shown only by a poll is old after this long (an admission takes milliseconds)
+BASELINE = float("-inf")  # `_Seen.since` of what the first reading after a start showed: held since before it
 
 
 @dataclass
@@ -99,6 +100,11 @@ class Listings:
     the partner's Allocate and R's call; a GPU-only pod admitted since the last lookup is not new for long).
     Listings are applied in the order their Lists were sent, so a reply that comes back late never overwrites a
     newer one.
+
+    The first reading after a start is the baseline: nothing it shows counts as new. Without it, every container
+    holding partner devices after an agent restart would look newly so, and a NIC-first container would be
+    paired with a GPU held since before the restart. The container under admission when it was taken (the rare
+    call that beats the first poll) is then not found either: a fallback, never a wrong pairing.
     """
 
     def __init__(self, settle: float = SETTLE_S) -> None:
@@ -110,12 +116,13 @@ class Listings:
         """Remember one List reply sent at `started`; False (ignored) when a newer one is already applied."""
         if self.applied_at is not None and started < self.applied_at:
             return False
+        since = started if self.applied_at is not None else BASELINE
         self.applied_at = started
         seen: dict[tuple[str, str, str], _Seen] = {}
         for listed in containers:
             before = self._seen.get(listed.key)
             if before is None or before.devices != listed.devices:
-                before = _Seen(listed.devices, started, None)
+                before = _Seen(listed.devices, since, None)
             if lookup and before.lookup_since is None:
                 before.lookup_since = started
             seen[listed.key] = before

@@ -76,8 +76,9 @@ class Node:
     def clock(self) -> Callable[[], float]:
         return time.monotonic if self.real_clock else (lambda: self.now)
 
-    async def start_agent(self) -> None:
-        """A (re)started agent: a fresh manager, allocator and ownership service."""
+    async def start_agent(self, *, first_poll: bool = True) -> None:
+        """A (re)started agent: a fresh manager, allocator and ownership service. `first_poll` False: the ownership
+        poll's first reading has not come back when the kubelet starts calling (the race after a restart)."""
         assert self.kubelet.pod_resources is not None
         self.registry = registry = CollectorRegistry()
         client = KubeletPodResources(self.kubelet.pod_resources.socket_path,
@@ -93,7 +94,8 @@ class Node:
         await self.manager.start()
         await self.kubelet.wait_for(lambda: all(r in self.kubelet.plugins and self.kubelet.plugins[r].lists > 0
                                                 and self.kubelet.plugins[r].connected for r in (GPU, NIC)))
-        await self.service.refresh()  # what the ownership subsystem does first
+        if first_poll:
+            await self.service.refresh()  # what the ownership subsystem does first
 
     async def stop_agent(self) -> None:
         if self.manager is not None:

@@ -221,7 +221,8 @@ class OwnershipService:
             return Lookup(found)
         # no spec for the container under admission (no pod watch, or it lags): the kubelet's records alone
         holders = tuple(new_holders(containers, resource, partner_names,
-                                    lambda listed: self.listings.is_new(listed, started)))
+                                    lambda listed: self.listings.is_new(listed, started)
+                                    and not self.listings.admission_over(listed)))
         if len(holders) == 1:
             self._lookups.labels("exact").inc()
             return Lookup(holders[0])

@@ -91,9 +91,12 @@ class Node:
                                            plugin_registry_dir=str(self.directory / "reg"),
                                            cdi_spec_dir=str(self.directory / "cdi"))
         self.manager.use_ownership(OwnershipFacts(self.service, self.manager.pools, GPU))
+        ours = (GPU, NIC) if self.serve_gpus else (NIC,)
+        before = {r: self.kubelet.plugins.get(r) for r in ours}  # a restart: wait for the new registrations
         await self.manager.start()
         await self.kubelet.wait_for(lambda: all(r in self.kubelet.plugins and self.kubelet.plugins[r].lists > 0
-                                                and self.kubelet.plugins[r].connected for r in (GPU, NIC)))
+                                                and self.kubelet.plugins[r].connected for r in (GPU, NIC))
+                                    and all(self.kubelet.plugins[r] is not before[r] for r in ours))
         if first_poll:
             await self.service.refresh()  # what the ownership subsystem does first
 

@@ -8,6 +8,7 @@ stand-in for NVIDIA's plugin): pairing from the kubelet's records alone, bursts,
   agent's share of the kubelet's limit while another client reads PodResources too;
 - rule 4: a lookup past its deadline still becomes the agent's reading;
 - rule 5: without the partner, VFs under switches with free GPUs (or the candidates' GPUs); fallbacks counted;
+- rule 1, ordering: a pod listed before another appeared has finished admission (joint mode, no API access);
 - rule 6: right after an agent restart, before the ownership poll's first reading, a NIC-first container gets a
   VF under the one free GPU, not under GPUs held since before the restart;
 - rule 7: allocations counted by level, and none counted as a missed PIX.
@@ -128,6 +129,18 @@ async def test_several_new_gpu_holders_pair_only_under_one_switch(node_factory) 
     got = await node.kubelet.admit({GPU: 1, NIC: 1}, order=[GPU, NIC], pod=node.pod("pair-2", {GPU: 1, NIC: 1}))
     assert node.sample("gpu_node_agent_preference_fallbacks_total", reason="ambiguous") == 1
     assert vf_switch(node, got[NIC][0]) in (switch_of(node, c), switch_of(node, d))
+
+
+async def test_a_gpu_only_pod_listed_before_a_nic_first_container_is_not_its_partner(node_factory) -> None:
+    """Joint mode without API access: the GPU-only pod newly holds a GPU at the NIC-first container's NIC call,
+    but it was listed before that pod appeared, so its admission is over (the kubelet admits one pod at a time)."""
+    node = await node_factory(serve_gpus=True, api=False)
+    (solo_gpu,) = (await node.kubelet.admit({GPU: 1}, pod=node.pod("solo", {GPU: 1})))[GPU]
+    got = await node.kubelet.admit({GPU: 1, NIC: 1}, order=[NIC, GPU], pod=node.pod("nic-first", {GPU: 1, NIC: 1}))
+    # the NIC call knew nothing (counted), the GPU call paired exactly with the NIC
+    assert node.sample("gpu_node_agent_preference_fallbacks_total", reason="no_new_holder") == 2  # + solo's call
+    assert node.sample("gpu_node_agent_pod_resources_lookups_total", result="exact") == 1
+    assert pix(node.topology, got[GPU][0], got[NIC][0]) and got[GPU] != [solo_gpu]
 
 
 async def test_a_nic_first_container_gets_a_vf_under_the_one_free_gpu(node_factory) -> None:

@@ -74,7 +74,7 @@ async def test_joint_mode_every_pair_is_pix_when_one_was_free(node_factory) -> N
     offered_only(node)
 
 
-@pytest.mark.parametrize("api", [True], ids=["pod-specs"])
+@pytest.mark.parametrize("api", [True, False], ids=["pod-specs", "no-api"])
 async def test_joint_mode_two_restarts_before_the_first_poll_every_pair_is_pix_when_one_was_free(
         node_factory, api: bool) -> None:
     node = await node_factory(serve_gpus=True, api=api)

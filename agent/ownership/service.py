@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter
 from agent import aio
 from agent.host.podresources import ContainerDevices, PodResourcesError, PodResourcesPort
 from agent.kube.model import PodView
-from agent.ownership.admitted import Admission, Listings, admitted_container, new_holders
+from agent.ownership.admitted import Admission, Listings, admitted_container, new_holders, requests_of
 from agent.ownership.book import Holder, Ownership
 from agent.ownership.metrics import DevicePodInfo
 
@@ -219,10 +219,15 @@ class OwnershipService:
         if found is not None:
             self._lookups.labels("exact").inc()
             return Lookup(found)
-        # no spec for the container under admission (no pod watch, or it lags): the kubelet's records alone
-        holders = tuple(new_holders(containers, resource, partner_names,
-                                    lambda listed: self.listings.is_new(listed, started)
-                                    and not self.listings.admission_over(listed)))
+        # no spec for the container under admission (no pod watch, or it lags): the kubelet's records alone, less
+        # the containers whose spec the watch has and which do not ask for `resource` (a GPU-only pod)
+        def may_be_admitted(listed: ContainerDevices) -> bool:
+            spec = specs.get((listed.namespace, listed.pod)) if specs is not None else None
+            wanted = requests_of(spec, listed.container)
+            return (wanted is None or resource in wanted) and self.listings.is_new(listed, started) \
+                and not self.listings.admission_over(listed)
+
+        holders = tuple(new_holders(containers, resource, partner_names, may_be_admitted))
         if len(holders) == 1:
             self._lookups.labels("exact").inc()
             return Lookup(holders[0])

@@ -25,19 +25,9 @@ import pytest
 from agent.ownership.service import DEFAULT_LOOKUP_S
 from agent.placement.tree import switch_groups
 from agent.simulate.kubelet import AdmissionError
-from tests.ownership.rig import GPU, NIC, Node, node_factory, offered_only, pix
+from tests.ownership.rig import GPU, NIC, Node, Picks, node_factory, offered_only, pix
 
 __all__ = ["node_factory"]  # the fixture
-
-
-class Picks:
-    """NVIDIA's stand-in picks `next` when offered (else the lowest ID): its `rng`."""
-
-    def __init__(self) -> None:
-        self.next = ""
-
-    def shuffle(self, items: list[str]) -> None:
-        items.sort(key=lambda i: (i != self.next, i))
 
 
 def switch_of(node: Node, gpu: str) -> frozenset[int] | None:

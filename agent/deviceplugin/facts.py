@@ -12,6 +12,9 @@ however old (after a failed lookup the container's partner, allocated since, is 
 containers newly hold partner devices, only theirs (the one under admission is among them). Without any
 reading the other kind is unknown and all of it counts as free. For a kind served here (joint mode) the
 reading is intersected with the allocator's own estimate, and only while fresh (three poll intervals).
+`no_new_holder` (the kubelet answered, nobody newly holds the other kind) is still counted as a fallback but
+passed on as "holds none yet", so joint mode's admission-context guess does not pair the container with a
+single-resource pod admitted just before it.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class OwnershipFacts:
         return names
 
     async def partner(self, pool: ResourcePool) -> frozenset[str] | None:
-        """Devices of the other kind the container under admission holds; None when not known in time."""
+        """Devices of the other kind the container under admission holds (empty: none yet); None when not known."""
         other = DeviceKind.NIC if pool.kind == DeviceKind.GPU.value else DeviceKind.GPU
         self._likely = None
         found = await self.service.lookup(pool.resource_name, self._resources(other))
@@ -61,6 +64,11 @@ class OwnershipFacts:
                 return min(held, key=sorted)  # same switches: the same choice whichever it is
             self._likely = (other, frozenset().union(*held))
         self.service.fell_back(found.reason)
+        if found.reason == "no_new_holder":
+            # the kubelet answered and nobody newly holds the other kind: the container holds none of it yet (its
+            # other resource comes later). Saying so keeps joint mode's admission-context guess from pairing it
+            # with a single-resource pod admitted just before; the policy aligns with free devices instead.
+            return frozenset()
         return None
 
     def known_free(self, kind: DeviceKind) -> frozenset[str] | None:

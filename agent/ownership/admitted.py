@@ -78,6 +78,7 @@ def admitted_container(containers: Iterable[ContainerDevices], resource: str, pa
 
 
 SETTLE_S = 1.0  # a state first shown only by a poll is old after this long (an admission takes milliseconds)
+BASELINE = float("-inf")  # `_Seen.since` of what the first reading after a start showed: held since before it
 
 
 @dataclass
@@ -99,28 +100,53 @@ class Listings:
     the partner's Allocate and R's call; a GPU-only pod admitted since the last lookup is not new for long).
     Listings are applied in the order their Lists were sent, so a reply that comes back late never overwrites a
     newer one.
+
+    A pod listed since an earlier reading than another listed pod has finished its admission: the kubelet lists a
+    pod when its admission starts (podresources.md §5 step 1) and admits one pod at a time, so a pod that appeared
+    later was admitted after it. Such a pod's containers are never the one under admission (a GPU-only pod
+    admitted just before a NIC-first container, both seen by lookups, is told apart from a GPU-first container).
+
+    The first reading after a start is the baseline: nothing it shows counts as new. Without it, every container
+    holding partner devices after an agent restart would look newly so, and a NIC-first container would be
+    paired with a GPU held since before the restart. The container under admission when it was taken (the rare
+    call that beats the first poll) is then not found either: a fallback, never a wrong pairing.
     """
 
     def __init__(self, settle: float = SETTLE_S) -> None:
         self.settle = settle
         self.applied_at: float | None = None  # start of the newest List applied
         self._seen: dict[tuple[str, str, str], _Seen] = {}
+        self._applied = 0  # Lists applied so far
+        self._appeared: dict[tuple[str, str], int] = {}  # (namespace, pod) -> the applied List that first showed it
+        self._newest = 0  # the latest of those
 
     def apply(self, containers: Iterable[ContainerDevices], started: float, *, lookup: bool) -> bool:
         """Remember one List reply sent at `started`; False (ignored) when a newer one is already applied."""
         if self.applied_at is not None and started < self.applied_at:
             return False
+        since = started if self.applied_at is not None else BASELINE
         self.applied_at = started
+        self._applied += 1
         seen: dict[tuple[str, str, str], _Seen] = {}
+        appeared: dict[tuple[str, str], int] = {}
         for listed in containers:
+            pod = (listed.namespace, listed.pod)
+            appeared[pod] = self._appeared.get(pod, self._applied)
             before = self._seen.get(listed.key)
             if before is None or before.devices != listed.devices:
-                before = _Seen(listed.devices, started, None)
+                before = _Seen(listed.devices, since, None)
             if lookup and before.lookup_since is None:
                 before.lookup_since = started
             seen[listed.key] = before
         self._seen = seen
+        self._appeared = appeared
+        self._newest = max(appeared.values(), default=0)
         return True
+
+    def admission_over(self, listed: ContainerDevices) -> bool:
+        """Whether `listed`'s pod has finished its admission: another pod the kubelet lists appeared after it."""
+        first = self._appeared.get((listed.namespace, listed.pod))
+        return first is not None and first < self._newest
 
     def is_new(self, listed: ContainerDevices, started: float) -> bool:
         """Whether `listed` (from a List sent at `started`) holds what it holds since that reading only."""

@@ -7,7 +7,11 @@ minute) and right after `start`, so that after an agent restart the free devices
 from an "everything is free" assumption.
 
 `lookup()` (the preference path) sends one `List` and waits `lookup_timeout` for it; it never waits on an older
-List (one sent before the call could predate the partner's Allocate). A reply that comes after the deadline is
+List (one sent before the call could predate the partner's Allocate). Before the first full reading after a
+start (the poll's first may still be on its way when the device plugin registers and the kubelet calls), a
+lookup first takes that reading itself, joining the poll's in flight and waiting at most `poll_timeout`: deciding
+without it, every device held before the restart looks free, and every container holding a GPU looks like a
+new holder (see `Listings`: the first reading is the baseline). A reply that comes after the deadline is
 not lost: every List reply, on time or late, poll or lookup, becomes `latest` (free devices) and the
 `Listings` memory the next call compares with, unless a newer reply is already there. A poll joins a List in
 flight instead of sending its own. The container under admission comes from the pod specs when the own-node
@@ -34,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter
 from agent import aio
 from agent.host.podresources import ContainerDevices, PodResourcesError, PodResourcesPort
 from agent.kube.model import PodView
-from agent.ownership.admitted import Admission, Listings, admitted_container, new_holders
+from agent.ownership.admitted import Admission, Listings, admitted_container, new_holders, requests_of
 from agent.ownership.book import Holder, Ownership
 from agent.ownership.metrics import DevicePodInfo
 
@@ -79,6 +83,8 @@ class OwnershipService:
         self.refreshed = asyncio.Event()
         self.listings = Listings()
         self._inflight: asyncio.Future[Containers] | None = None  # the newest List not answered yet
+        self._reading: asyncio.Future[Ownership | None] | None = None  # a full reading in flight (`refresh`)
+        self.read_fully = False  # a full reading (List and GetAllocatableResources) succeeded since the start
         self._info = DevicePodInfo(lambda: self.latest, registry)
         self._lookups = Counter("gpu_node_agent_pod_resources_lookups",
                                 "Admission lookups in the kubelet's PodResources API during preference calls, by "
@@ -118,7 +124,14 @@ class OwnershipService:
             self.read_at = started
 
     async def refresh(self) -> Ownership | None:
-        """Read the kubelet once; the new reading replaces `latest` (kept as it was on failure)."""
+        """Read the kubelet once (`List` and `GetAllocatableResources`), or join the reading in flight; the new
+        reading replaces `latest` (kept as it was on failure, then None is returned)."""
+        reading = self._reading
+        if reading is None or reading.done():
+            reading = self._reading = asyncio.ensure_future(self._read())
+        return await asyncio.shield(reading)
+
+    async def _read(self) -> Ownership | None:
         try:
             containers = await asyncio.shield(self._list(self.poll_timeout, patient=True, join=True))
             allocatable = await self.port.allocatable(self.poll_timeout, patient=True)
@@ -127,8 +140,18 @@ class OwnershipService:
             return None
         # the reply is in `latest` already, unless a newer one came meanwhile (then that one stays)
         self.latest = Ownership(self.latest.containers if self.latest is not None else containers, allocatable)
+        self.read_fully = True
         self.refreshed.set()
         return self.latest
+
+    async def _first_reading(self) -> None:
+        """The full reading a decision after a start needs, bounded by `poll_timeout`; on failure the lookup goes
+        on with what it has (its own List becomes the baseline, see `Listings.apply`)."""
+        try:
+            if await asyncio.wait_for(self.refresh(), self.poll_timeout) is None:
+                log.debug("admission lookup before the first reading: the kubelet did not answer")
+        except TimeoutError:
+            log.debug("admission lookup before the first reading: no reading within %.1f s", self.poll_timeout)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Poll until `stop`; never raises for a kubelet that is away (that is `pod_resources_up` 0)."""
@@ -137,6 +160,7 @@ class OwnershipService:
                 await self.refresh()
                 await aio.sleep_or_stop(stop, self.poll_interval)
         finally:
+            await aio.cancel_and_wait(self._reading)
             await self.port.aclose()
 
     def holders(self, device_id: str) -> tuple[Holder, ...]:
@@ -179,6 +203,8 @@ class OwnershipService:
     async def lookup(self, resource: str, partners: Iterable[str]) -> Lookup:
         """One List (at most), waited on for `lookup_timeout`: the container under admission for `resource`."""
         partner_names = frozenset(partners)
+        if not self.read_fully:  # the first call after a start: never decide against "everything is free"
+            await self._first_reading()
         started = self.monotonic()
         listing = self._list(max(LATE_S, self.lookup_timeout), patient=False, lookup=True, started=started)
         try:
@@ -193,9 +219,15 @@ class OwnershipService:
         if found is not None:
             self._lookups.labels("exact").inc()
             return Lookup(found)
-        # no spec for the container under admission (no pod watch, or it lags): the kubelet's records alone
-        holders = tuple(new_holders(containers, resource, partner_names,
-                                    lambda listed: self.listings.is_new(listed, started)))
+        # no spec for the container under admission (no pod watch, or it lags): the kubelet's records alone, less
+        # the containers whose spec the watch has and which do not ask for `resource` (a GPU-only pod)
+        def may_be_admitted(listed: ContainerDevices) -> bool:
+            spec = specs.get((listed.namespace, listed.pod)) if specs is not None else None
+            wanted = requests_of(spec, listed.container)
+            return (wanted is None or resource in wanted) and self.listings.is_new(listed, started) \
+                and not self.listings.admission_over(listed)
+
+        holders = tuple(new_holders(containers, resource, partner_names, may_be_admitted))
         if len(holders) == 1:
             self._lookups.labels("exact").inc()
             return Lookup(holders[0])

@@ -9,7 +9,8 @@ replace-409, resource.k8s.io/v1 ResourceSlices and ResourceClaims (`tests.fakes.
 SelfSubjectAccessReviews (201 with `status.allowed`; `denied` holds the (group, resource[/subresource], verb)
 RBAC refuses, as an authorizer that says no without a reason). Everything
 else answers 404 and is recorded, so tests can assert the agent made no other request.
-Faults (status codes, delays for client timeouts) are scripted per method and path. Watch timeouts follow the
+Faults (status codes, delays for client timeouts) are scripted per method and path; `pod_watch_gate` makes pod
+watches lag behind the store (lists stay current). Watch timeouts follow the
 injected clock.
 """
 
@@ -73,6 +74,8 @@ class ApiServerDouble(EventsAndLeases, ResourceApi, HttpDouble):
         self.resource_claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.open_watches = 0
         self.denied: set[tuple[str, str, str]] = set()  # (API group, resource[/subresource], verb) RBAC refuses
+        # while set and not open, watches hold back pod events (a lagging watch: the list is current, the watch is not)
+        self.pod_watch_gate: asyncio.Event | None = None
         self._changed = asyncio.Event()
         self._expire = asyncio.Event()
         self._close = asyncio.Event()
@@ -310,6 +313,8 @@ class ApiServerDouble(EventsAndLeases, ResourceApi, HttpDouble):
         while True:
             for rv, event_type, obj in self.history:
                 if rv > since and obj.get("kind") == kind and self._selects(selector, obj):
+                    if kind == "Pod" and self.pod_watch_gate is not None:
+                        await self.pod_watch_gate.wait()
                     await send({"type": event_type, "object": obj})
                     since = rv
             if expire.is_set():

@@ -25,7 +25,7 @@ from agent.host.podresources import Reachability
 from agent.host.podresources.client import KubeletPodResources
 from agent.host.podresources.ratelimit import TokenBucket
 from agent.kube.model import PodView
-from agent.ownership.service import OwnershipService
+from agent.ownership.service import OwnershipService, PodSpecs
 from agent.placement.policy import achieved_levels
 from agent.simulate.kubelet import LocalKubelet
 from agent.simulate.node import simulated_topology
@@ -48,6 +48,16 @@ def pix(topology: Topology, gpu: str, vf: str) -> bool:
     return achieved_levels(topology, [gpu], [vf]) == [Level.PIX]
 
 
+class Picks:
+    """NVIDIA's stand-in picks `next` when offered (else the lowest ID): its `rng`."""
+
+    def __init__(self) -> None:
+        self.next = ""
+
+    def shuffle(self, items: list[str]) -> None:
+        items.sort(key=lambda i: (i != self.next, i))
+
+
 @dataclass
 class Node:
     """Stand-in kubelet (with PodResources), the agent's manager with ownership facts, optionally NVIDIA's plugin."""
@@ -65,6 +75,7 @@ class Node:
     nvidia: StandInPlugin | None = None
     now: float = 0.0  # the rate limits' clock unless `real_clock`: the test advances it per admission
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    watched: PodSpecs | None = None  # pod specs from a real own-node pod watch instead of `specs`
 
     def __post_init__(self) -> None:
         self.kubelet = LocalKubelet(self.directory / "dp", rng=random.Random(7),  # noqa: S311
@@ -76,24 +87,30 @@ class Node:
     def clock(self) -> Callable[[], float]:
         return time.monotonic if self.real_clock else (lambda: self.now)
 
-    async def start_agent(self) -> None:
-        """A (re)started agent: a fresh manager, allocator and ownership service."""
+    async def start_agent(self, *, first_poll: bool = True) -> None:
+        """A (re)started agent: a fresh manager, allocator and ownership service. `first_poll` False: the ownership
+        poll's first reading has not come back when the kubelet starts calling (the race after a restart)."""
         assert self.kubelet.pod_resources is not None
         self.registry = registry = CollectorRegistry()
         client = KubeletPodResources(self.kubelet.pod_resources.socket_path,
                                      reachability=Reachability(registry, "test"),
                                      bucket=TokenBucket(monotonic=self.clock))
-        self.service = OwnershipService(client, pod_specs=(lambda: self.specs) if self.api else None,
+        specs = self.watched or ((lambda: self.specs) if self.api else None)
+        self.service = OwnershipService(client, pod_specs=specs,
                                         registry=registry, lookup_timeout=self.lookup_timeout)
         config = dp_config(str(self.directory / "dp"), serve_gpus=self.serve_gpus)
         self.manager = DevicePluginManager(config, self.topology, registry=registry, **FAST,
                                            plugin_registry_dir=str(self.directory / "reg"),
                                            cdi_spec_dir=str(self.directory / "cdi"))
         self.manager.use_ownership(OwnershipFacts(self.service, self.manager.pools, GPU))
+        ours = (GPU, NIC) if self.serve_gpus else (NIC,)
+        before = {r: self.kubelet.plugins.get(r) for r in ours}  # a restart: wait for the new registrations
         await self.manager.start()
         await self.kubelet.wait_for(lambda: all(r in self.kubelet.plugins and self.kubelet.plugins[r].lists > 0
-                                                and self.kubelet.plugins[r].connected for r in (GPU, NIC)))
-        await self.service.refresh()  # what the ownership subsystem does first
+                                                and self.kubelet.plugins[r].connected for r in (GPU, NIC))
+                                    and all(self.kubelet.plugins[r] is not before[r] for r in ours))
+        if first_poll:
+            await self.service.refresh()  # what the ownership subsystem does first
 
     async def stop_agent(self) -> None:
         if self.manager is not None:

@@ -8,6 +8,9 @@ stand-in for NVIDIA's plugin): pairing from the kubelet's records alone, bursts,
   agent's share of the kubelet's limit while another client reads PodResources too;
 - rule 4: a lookup past its deadline still becomes the agent's reading;
 - rule 5: without the partner, VFs under switches with free GPUs (or the candidates' GPUs); fallbacks counted;
+- rule 1, ordering: a pod listed before another appeared has finished admission (joint mode, no API access);
+- rule 6: right after an agent restart, before the ownership poll's first reading, a NIC-first container gets a
+  VF under the one free GPU, not under GPUs held since before the restart;
 - rule 7: allocations counted by level, and none counted as a missed PIX.
 """
 
@@ -22,19 +25,9 @@ import pytest
 from agent.ownership.service import DEFAULT_LOOKUP_S
 from agent.placement.tree import switch_groups
 from agent.simulate.kubelet import AdmissionError
-from tests.ownership.rig import GPU, NIC, Node, node_factory, offered_only, pix
+from tests.ownership.rig import GPU, NIC, Node, Picks, node_factory, offered_only, pix
 
 __all__ = ["node_factory"]  # the fixture
-
-
-class Picks:
-    """NVIDIA's stand-in picks `next` when offered (else the lowest ID): its `rng`."""
-
-    def __init__(self) -> None:
-        self.next = ""
-
-    def shuffle(self, items: list[str]) -> None:
-        items.sort(key=lambda i: (i != self.next, i))
 
 
 def switch_of(node: Node, gpu: str) -> frozenset[int] | None:
@@ -128,6 +121,18 @@ async def test_several_new_gpu_holders_pair_only_under_one_switch(node_factory) 
     assert vf_switch(node, got[NIC][0]) in (switch_of(node, c), switch_of(node, d))
 
 
+async def test_a_gpu_only_pod_listed_before_a_nic_first_container_is_not_its_partner(node_factory) -> None:
+    """Joint mode without API access: the GPU-only pod newly holds a GPU at the NIC-first container's NIC call,
+    but it was listed before that pod appeared, so its admission is over (the kubelet admits one pod at a time)."""
+    node = await node_factory(serve_gpus=True, api=False)
+    (solo_gpu,) = (await node.kubelet.admit({GPU: 1}, pod=node.pod("solo", {GPU: 1})))[GPU]
+    got = await node.kubelet.admit({GPU: 1, NIC: 1}, order=[NIC, GPU], pod=node.pod("nic-first", {GPU: 1, NIC: 1}))
+    # the NIC call knew nothing (counted), the GPU call paired exactly with the NIC
+    assert node.sample("gpu_node_agent_preference_fallbacks_total", reason="no_new_holder") == 2  # + solo's call
+    assert node.sample("gpu_node_agent_pod_resources_lookups_total", result="exact") == 1
+    assert pix(node.topology, got[GPU][0], got[NIC][0]) and got[GPU] != [solo_gpu]
+
+
 async def test_a_nic_first_container_gets_a_vf_under_the_one_free_gpu(node_factory) -> None:
     node = await node_factory(serve_gpus=False, api=False, profile="dgx-h100")
     assert node.nvidia is not None
@@ -143,6 +148,37 @@ async def test_a_nic_first_container_gets_a_vf_under_the_one_free_gpu(node_facto
     got = await node.kubelet.admit({GPU: 1, NIC: 1}, order=[NIC, GPU], pod=node.pod("nic-first", {GPU: 1, NIC: 1}))
     assert got[GPU] == [gpus[-1]] and pix(node.topology, gpus[-1], got[NIC][0])
     assert node.sample("gpu_node_agent_preference_fallbacks_total", reason="no_new_holder") == 1
+
+
+@pytest.mark.parametrize("held_by", ["gpu-only", "gpu-and-nic"])
+@pytest.mark.parametrize("serve_gpus", [False, True], ids=["nic-only", "joint"])
+async def test_right_after_a_restart_a_nic_first_container_goes_under_a_free_gpu(node_factory, serve_gpus: bool,
+                                                                                 held_by: str) -> None:
+    """Rule 6: pods admitted before the restart hold every GPU but one; the first preference call after it comes
+    before the ownership poll's first reading. Their GPUs must not look free, nor their holders new."""
+    node = await node_factory(serve_gpus=serve_gpus, api=False, profile="dgx-h100")
+    picks = Picks()
+    if node.nvidia is not None:
+        node.nvidia.rng = picks  # type: ignore[assignment]
+    requests = {GPU: 1} if held_by == "gpu-only" else {GPU: 1, NIC: 1}
+    for i, gpu in enumerate(node.gpu_ids()[:-1]):
+        picks.next = gpu  # NVIDIA's plugin takes them in order; in joint mode the agent picks
+        await node.kubelet.admit(requests, order=[GPU, NIC][:len(requests)], pod=node.pod(f"old-{i}", requests))
+    (last,) = node.free(GPU)
+    await node.stop_agent()
+    await node.start_agent(first_poll=False)
+    assert node.service is not None and node.service.latest is None
+    got = await node.kubelet.admit({GPU: 1, NIC: 1}, order=[NIC, GPU], pod=node.pod("nic-first", {GPU: 1, NIC: 1}))
+    assert got[GPU] == [last] and pix(node.topology, last, got[NIC][0]), got
+    assert node.sample("gpu_node_agent_preference_fallbacks_total", reason="no_new_holder") == 1
+    assert node.sample("gpu_node_agent_preference_fallbacks_total", reason="ambiguous") == 0
+    assert node.service.read_fully
+    # the next GPU-first container is paired exactly again (the first reading was the baseline, not a blind spot)
+    node.kubelet.end_pod("ml", "old-0")
+    (freed,) = node.free(GPU)
+    picks.next = freed
+    got = await node.kubelet.admit({GPU: 1, NIC: 1}, order=[GPU, NIC], pod=node.pod("gpu-first", {GPU: 1, NIC: 1}))
+    assert got[GPU] == [freed] and pix(node.topology, freed, got[NIC][0]), got
 
 
 async def test_a_burst_of_sixteen_containers_all_pair_within_the_rate_limit(node_factory) -> None:

@@ -5,7 +5,8 @@ device-plugin manager serves the devices and, in every preference call, asks the
 client, pod specs as the own-node pod watch gives them) which devices of the other kind the container already
 holds. Checked on churn with 20 % single-resource pods and an agent restart in the middle:
 - joint mode (the agent serves GPUs and VFs): every GPU+NIC container is PIX whenever a PIX pair was free when
-  its admission started;
+  its admission started; also with two restarts each answered before the ownership poll's first reading (the
+  first lookup takes the full reading itself), with and without pod specs;
 - NIC-only mode (a stand-in for NVIDIA's plugin serves GPUs by UUID and picks them itself): every container
   whose GPU came first gets a PIX VF whenever one under its GPU's switch was free;
 - no preference ever names a device the kubelet did not offer;
@@ -25,16 +26,19 @@ from tests.ownership.rig import GPU, NIC, Node, node_factory, offered_only, pix
 __all__ = ["node_factory"]  # the fixture
 
 
-async def churn(node: Node, steps: int, seed: int) -> dict[str, list[bool]]:
-    """Admit and end pods; per kind of GPU+NIC admission ('gpu-first'/'nic-first'), whether the promise held."""
+async def churn(node: Node, steps: int, seed: int, restarts: tuple[float, ...] = (0.5,),
+                first_poll: bool = True) -> dict[str, list[bool]]:
+    """Admit and end pods; per kind of GPU+NIC admission ('gpu-first'/'nic-first'), whether the promise held.
+    The agent restarts at each of `restarts` (fractions of `steps`); the kubelet keeps its records."""
     rng = random.Random(seed)  # noqa: S311
     live: list[tuple[str, str]] = []
     held: dict[str, list[bool]] = {"gpu-first": [], "nic-first": []}
+    restart_steps = {int(steps * at) for at in restarts}
     for step in range(steps):
         node.now += 0.1
-        if step == steps // 2:
-            await node.stop_agent()  # the agent restarts in the middle of the churn; the kubelet keeps its records
-            await node.start_agent()
+        if step in restart_steps:
+            await node.stop_agent()
+            await node.start_agent(first_poll=first_poll)
         if live and (len(live) >= 6 or rng.random() < 0.35):
             node.kubelet.end_pod(*live.pop(rng.randrange(len(live))))
             continue
@@ -67,6 +71,18 @@ async def test_joint_mode_every_pair_is_pix_when_one_was_free(node_factory) -> N
     assert held["gpu-first"] and held["nic-first"]
     assert all(held["gpu-first"]), held
     assert all(held["nic-first"]), held
+    offered_only(node)
+
+
+@pytest.mark.parametrize("api", [True, False], ids=["pod-specs", "no-api"])
+async def test_joint_mode_two_restarts_before_the_first_poll_every_pair_is_pix_when_one_was_free(
+        node_factory, api: bool) -> None:
+    node = await node_factory(serve_gpus=True, api=api)
+    held = await churn(node, steps=90, seed=28, restarts=(1 / 3, 2 / 3), first_poll=False)
+    assert held["gpu-first"] and held["nic-first"]
+    assert all(held["gpu-first"]), held
+    assert all(held["nic-first"]), held
+    assert node.service is not None and node.service.read_fully  # the first lookup took the full reading
     offered_only(node)
 
 

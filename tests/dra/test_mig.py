@@ -1,11 +1,7 @@
 """MIG devices as DRA devices (issue 30 item 4), end to end on `dgx-h100-mig` (GPUs 0-3 in MIG mode with seven
 1g.10gb each, 4-7 whole): the slices the service publishes through lightkube into the API double, claims
-prepared and unprepared by the stand-in kubelet over the DRA unix socket, CDI specs on disk.
-
-The capability-minor file is written in the line format of the driver's `/proc/driver/nvidia-caps/mig-minors`
-(`config 1`, `monitor 2`, then `gpu<minor>/gi<G>/access <N>` and `gpu<minor>/gi<G>/ci<C>/access <N>` for every
-GPU instance 0-14 and compute instance 0-7, as NVIDIA's MIG user guide, "Device Nodes and Capabilities", shows
-it and NVIDIA/k8s-device-plugin internal/mig reads it); the minors are numbered in that order here.
+prepared and unprepared by the stand-in kubelet over the DRA unix socket, CDI specs on disk (capability minors
+from a file in the driver's `mig-minors` format, `tests.fakes.nvidia_caps`).
 """
 
 from __future__ import annotations
@@ -31,23 +27,12 @@ from tests.dra.test_plugin import UID_A, UID_B, Node, spec_file, started
 from tests.fakes.apiserver import ApiServerDouble
 from tests.fakes.dra_allocator import allocate
 from tests.fakes.kubelet_dra import DraKubelet
+from tests.fakes.nvidia_caps import write_mig_minors
 from tests.fakes.polling import until
 
 MIG_CLAIM = "mig-1g-vf-one-switch"
 ONE_MIG = {"spec": {"devices": {"requests": [
     {"name": "mig", "exactly": {"deviceClassName": "mig.gpunodeagent.io", "count": 1}}]}}}
-
-
-def write_mig_minors(path: Path, gpus: int) -> dict[str, int]:
-    """The driver's capability minors for `gpus` GPUs; returns them by name."""
-    minors = {"config": 1, "monitor": 2}
-    for gpu in range(gpus):
-        for gi in range(15):
-            minors[f"gpu{gpu}/gi{gi}/access"] = len(minors) + 1
-            for ci in range(8):
-                minors[f"gpu{gpu}/gi{gi}/ci{ci}/access"] = len(minors) + 1
-    path.write_text("".join(f"{name} {minor}\n" for name, minor in minors.items()))
-    return minors
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ workload sees the same thing either way:
   there). Whole GPUs carry no nodes: the NVIDIA runtime hook adds them from the UUID.
 
 Env that lists several devices belongs to the whole claim, so it sits in the spec-level edits; each device
-carries its own nodes and one variable naming its bus id (CDI refuses devices without edits). Files are written
+carries its own nodes and one variable naming its bus id, or a MIG device's MIG UUID (CDI refuses devices
+without edits). Files are written
 to a dot-named temporary file and renamed, so the runtime's directory watch never reads half a spec.
 """
 

@@ -18,8 +18,8 @@ workload sees the same thing either way:
 
 Env that lists several devices belongs to the whole claim, so it sits in the spec-level edits; each device
 carries its own nodes and one variable naming its bus id, or a MIG device's MIG UUID (CDI refuses devices
-without edits). Files are written
-to a dot-named temporary file and renamed, so the runtime's directory watch never reads half a spec.
+without edits). Files are written to a dot-named temporary file and renamed, so the runtime's directory watch
+never reads half a spec.
 """
 
 from __future__ import annotations

@@ -2,7 +2,10 @@
 republish (the minute resync), and NodePrepareResources / NodeUnprepareResources round trips over the unix socket
 from a stand-in kubelet (the claim GET included, the CDI spec and the record written and fsynced).
 
-    python bench/dra_prepare.py [--claims N]
+With `--profile dgx-h100-mig` (4 GPUs + 28 MIG devices + 64 VFs) each claim is 1 MIG device + 1 VF: its CDI
+edits add the parent's node and the capability nodes read from a `mig-minors` file of 8 GPUs (1,082 lines).
+
+    python bench/dra_prepare.py [--claims N] [--profile dgx-h100-mig]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from agent.simulate.node import simulated_topology
 from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
 from tests.fakes.clock import FakeClock
 from tests.fakes.kubelet_dra import DraKubelet
+from tests.fakes.nvidia_caps import write_mig_minors
 
 NODE = "bench-node"
 DRIVER = "gpunodeagent.io"
@@ -38,14 +42,16 @@ def _ms(values: list[float]) -> str:
     return f"p50 {percentile(values, 0.5) * 1e3:.2f} ms, p99 {percentile(values, 0.99) * 1e3:.2f} ms"
 
 
-async def main(claims: int) -> None:
+async def main(claims: int, profile: str) -> None:
     root = Path(tempfile.mkdtemp(prefix="gna-bench"))
     api = ApiServerDouble(FakeClock(), NODE)
     await api.start()
     port = connect(NODE, ApiRequestCounter(CollectorRegistry()), str(write_kubeconfig(root / "kc", api.url)))
     cfg = DraConfig(enabled=True, plugin_registry_dir=str(root / "reg"), plugin_dir=str(root / "dra"),
                     cdi_spec_dir=str(root / "cdi"))
-    service = DraService(cfg, port, simulated_topology("dgx-h100", root / "sys"), root / "state")
+    write_mig_minors(root / "mig-minors", 8)
+    service = DraService(cfg, port, simulated_topology(profile, root / "sys"), root / "state",
+                         mig_minors=str(root / "mig-minors"))
     try:
         started = time.perf_counter()
         await service.publish()
@@ -61,7 +67,8 @@ async def main(claims: int) -> None:
         task = asyncio.create_task(service.run(stop))
         kubelet = DraKubelet(root / "reg")
         plugin = await kubelet.register(DRIVER)
-        gpus = [n for n, d in service.devices.items() if d.kind == "gpu"]
+        kind = "mig" if any(d.kind == "mig" for d in service.devices.values()) else "gpu"
+        gpus = [n for n, d in service.devices.items() if d.kind == kind]
         vfs = [n for n, d in service.devices.items() if d.kind == "rdma"]
         prepare, unprepare = [], []
         for i in range(claims):
@@ -77,7 +84,7 @@ async def main(claims: int) -> None:
             started = time.perf_counter()
             await plugin.unprepare(("default", uid, f"c{i}"))
             unprepare.append(time.perf_counter() - started)
-        print(f"NodePrepareResources (1 GPU + 1 VF, claim GET, CDI spec, record): {_ms(prepare)}")
+        print(f"NodePrepareResources (1 {kind.upper()} + 1 VF, claim GET, CDI spec, record): {_ms(prepare)}")
         print(f"NodeUnprepareResources: {_ms(unprepare)}")
         await kubelet.close()
         stop.set()
@@ -91,5 +98,7 @@ async def main(claims: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--claims", type=int, default=200)
+    parser.add_argument("--profile", default="dgx-h100", help="simulated profile (dgx-h100-mig: MIG claims)")
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(main(parser.parse_args().claims))
+    arguments = parser.parse_args()
+    asyncio.run(main(arguments.claims, arguments.profile))

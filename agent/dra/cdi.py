@@ -9,11 +9,17 @@ workload sees the same thing either way:
 - RDMA function: its `/dev/infiniband/uverbs*` node and `rdma_cm` (rw) on the device; in the spec's common
   edits the SR-IOV device plugin's `PCIDEVICE_<RESOURCE>` (bus ids) and `PCIDEVICE_<RESOURCE>_INFO`, and an
   exact `NCCL_IB_HCA==mlx5_3:1,...` over the claim's HCAs;
-- GPU: `NVIDIA_VISIBLE_DEVICES` with the claim's GPU UUIDs in the common edits.
+- GPU: `NVIDIA_VISIBLE_DEVICES` with the claim's GPU UUIDs in the common edits;
+- MIG device: its MIG UUID in the same `NVIDIA_VISIBLE_DEVICES`, and on the device the nodes the device plugin
+  passes for it (`deviceplugin.nvidia.device_specs`, one builder for both APIs): the control nodes that exist,
+  the parent's `/dev/nvidia<minor>` and the `/dev/nvidia-caps/nvidia-cap<N>` nodes of its GPU and compute
+  instance, N from the driver's `mig-minors` file (a missing entry is a warning and that node is left out, as
+  there). Whole GPUs carry no nodes: the NVIDIA runtime hook adds them from the UUID.
 
 Env that lists several devices belongs to the whole claim, so it sits in the spec-level edits; each device
-carries its own nodes and one variable naming its bus id (CDI refuses devices without edits). Files are written
-to a dot-named temporary file and renamed, so the runtime's directory watch never reads half a spec.
+carries its own nodes and one variable naming its bus id, or a MIG device's MIG UUID (CDI refuses devices
+without edits). Files are written to a dot-named temporary file and renamed, so the runtime's directory watch
+never reads half a spec.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agent.deviceplugin.nvidia import MIG_MINORS, device_specs
 from agent.dra.devices import DraDevice
 
 CDI_VERSION = "0.6.0"
@@ -54,11 +61,14 @@ def pcidevice_env_key(resource_name: str) -> str:
 class CdiSpecs:
     """Writes and removes the per-claim spec files of one driver."""
 
-    def __init__(self, directory: Path | str, driver: str, rdma_resource_name: str) -> None:
+    def __init__(self, directory: Path | str, driver: str, rdma_resource_name: str, *, dev_root: str = "/",
+                 mig_minors: str = MIG_MINORS) -> None:
         self.directory = Path(directory)
         self.kind = f"{driver}/claim"
         self._vendor = driver
         self._resource = rdma_resource_name
+        self._dev_root = dev_root  # where the host's /dev/nvidia* live
+        self._mig_minors = mig_minors  # the driver's MIG capability minors
 
     def path(self, claim_uid: str) -> Path:
         """The claim's spec file."""
@@ -72,10 +82,11 @@ class CdiSpecs:
         """The spec document for the claim's devices of this driver."""
         check_uid(claim_uid)
         rdma = [d for d in devices if d.kind == "rdma" and d.function is not None]
-        gpus = [d for d in devices if d.kind == "gpu" and d.gpu is not None]
+        gpus = [d for d in devices if d.kind in ("gpu", "mig") and d.gpu is not None]
         env: list[str] = []
         if gpus:
-            env.append("NVIDIA_VISIBLE_DEVICES=" + ",".join(d.gpu.uuid or d.bus_id for d in gpus if d.gpu))
+            env.append("NVIDIA_VISIBLE_DEVICES=" + ",".join(
+                d.mig.uuid if d.mig is not None else d.gpu.uuid or d.bus_id for d in gpus if d.gpu))
         if rdma:
             key = pcidevice_env_key(self._resource)
             env.append(f"{key}=" + ",".join(d.bus_id for d in rdma))
@@ -85,7 +96,8 @@ class CdiSpecs:
             if hcas:
                 env.append("NCCL_IB_HCA==" + ",".join(hcas))
         return {"cdiVersion": CDI_VERSION, "kind": self.kind,
-                "devices": [{"name": f"{claim_uid}-{d.name}", "containerEdits": _device_edits(d)} for d in devices],
+                "devices": [{"name": f"{claim_uid}-{d.name}", "containerEdits": self._device_edits(d)}
+                            for d in devices],
                 "containerEdits": {"env": env} if env else {}}
 
     def write(self, claim_uid: str, devices: Sequence[DraDevice]) -> list[str]:
@@ -113,20 +125,24 @@ class CdiSpecs:
         return True
 
 
-def _device_edits(device: DraDevice) -> dict[str, Any]:
-    variable = "GPU_NODE_AGENT_DEVICE_" + device.name.upper().replace("-", "_")
-    edits: dict[str, Any] = {"env": [f"{variable}={device.bus_id}"]}
-    function = device.function
-    if device.kind == "rdma" and function is not None:
-        nodes = []
-        uverbs = function.chardevs.uverbs
-        if uverbs:
-            if not _CHARDEV.match(uverbs):
-                raise CdiError(f"device {device.name}: unexpected uverbs name {uverbs!r}")
-            nodes.append({"path": f"{DEV_INFINIBAND}/{uverbs}", "permissions": "rw"})
-        nodes.append({"path": RDMA_CM, "permissions": "rw"})
-        edits["deviceNodes"] = nodes
-    return edits
+    def _device_edits(self, device: DraDevice) -> dict[str, Any]:
+        variable = "GPU_NODE_AGENT_DEVICE_" + device.name.upper().replace("-", "_")
+        edits: dict[str, Any] = {"env": [f"{variable}={device.mig.uuid if device.mig else device.bus_id}"]}
+        function = device.function
+        if device.kind == "rdma" and function is not None:
+            nodes = []
+            uverbs = function.chardevs.uverbs
+            if uverbs:
+                if not _CHARDEV.match(uverbs):
+                    raise CdiError(f"device {device.name}: unexpected uverbs name {uverbs!r}")
+                nodes.append({"path": f"{DEV_INFINIBAND}/{uverbs}", "permissions": "rw"})
+            nodes.append({"path": RDMA_CM, "permissions": "rw"})
+            edits["deviceNodes"] = nodes
+        elif device.kind == "mig" and device.gpu is not None and device.mig is not None:
+            specs = device_specs([(device.gpu, device.mig)], self._dev_root, self._mig_minors)
+            edits["deviceNodes"] = [{"path": path, **({"hostPath": host} if host != path else {}),
+                                     "permissions": "rw"} for path, host in specs]
+        return edits
 
 
 def _pcidevice_info(devices: Sequence[DraDevice]) -> dict[str, Any]:

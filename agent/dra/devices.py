@@ -1,8 +1,11 @@
 """The node's GPUs and RDMA functions as DRA devices: stable names and the attributes the scheduler matches on.
 
 One `DraDevice` per GPU and per RDMA function the agent serves (every VF on bare metal; a VF-less RDMA PF, as a
-passed-through NIC on a VM, unless it carries the node's default route). Names derive from the bus id, so they
-survive restarts and rescans. Attributes follow `/work/shared/reference/dra.md` sections 5.2, 7 and 11:
+passed-through NIC on a VM, unless it carries the node's default route). A GPU in MIG mode is published as its
+MIG devices *instead of* itself, as NVIDIA's DRA driver publishes them: a GPU and its MIG devices side by side
+would let two claims hold one GPU. Names derive from the bus id (a MIG device's from its parent's, its GPU and
+compute instance ids after it), so they survive restarts and rescans. Attributes follow
+`/work/shared/reference/dra.md` sections 5.2, 7 and 11:
 
 - standard `resource.kubernetes.io/pciBusID`, `pcieRoot` (`pci<domain>:<bus>` of the root complex as sysfs
   shows it, also when the NCCL XML moved the device under a CPU) and `numaNode` (a plain int, left out when the
@@ -11,7 +14,9 @@ survive restarts and rescans. Attributes follow `/work/shared/reference/dra.md` 
   they sit under one switch (PIX). `gpunodeagent.io/pcieSwitchGroup`: the top switch below the root; equal for
   devices that meet in a switch below the root (PXB or closer). Devices directly on a root port carry neither,
   so a `matchAttribute` on them never pairs a device across the host bridge;
-- GPU `uuid` and `product`; RDMA `rdmaDevice`, `pfName`, `linkType`; and Multus' `k8s.cni.cncf.io/deviceID`
+- GPU `uuid` and `product`; a MIG device carries its parent's placement attributes and product (it sits where
+  its parent sits, so GPU-NIC `matchAttribute` constraints work for it), its own MIG `uuid`, `parentUUID` and
+  `migProfile` (`1g.10gb`); RDMA `rdmaDevice`, `pfName`, `linkType`; and Multus' `k8s.cni.cncf.io/deviceID`
   and `k8s.cni.cncf.io/resourceName`, which SR-IOV CNI needs to attach the VF.
 """
 
@@ -22,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from agent.topology.model import Gpu, Location, Nic, Topology, Vf
+from agent.topology.model import Gpu, Location, MigDevice, Nic, Topology, Vf
 
 STANDARD = "resource.kubernetes.io"
 MULTUS = "k8s.cni.cncf.io"
@@ -42,7 +47,7 @@ _PRODUCTS = {
     "0x26b9": "NVIDIA L40S", "0x27b8": "NVIDIA L4", "0x2901": "NVIDIA B200",
 }
 
-DeviceKind = Literal["gpu", "rdma"]
+DeviceKind = Literal["gpu", "mig", "rdma"]
 Attribute = dict[str, Any]  # one DeviceAttribute: {"string": ...} | {"int": ...} | {"bool": ...}
 
 
@@ -58,21 +63,42 @@ class DraDevice:
     kind: DeviceKind
     bus_id: str
     attributes: dict[str, Attribute]
-    gpu: Gpu | None = None
+    gpu: Gpu | None = None  # the GPU, or a MIG device's parent
     function: Vf | Nic | None = None  # the RDMA function (a VF, or a VF-less PF)
     pf: Nic | None = None
+    mig: MigDevice | None = None
 
     @property
     def health_id(self) -> str:
-        """The id health events use for this device: the GPU UUID, or the function's bus id."""
+        """The id health events use for this device: the MIG UUID, the GPU UUID, or the function's bus id."""
+        if self.mig is not None:
+            return self.mig.uuid
         if self.gpu is not None and self.gpu.uuid:
             return self.gpu.uuid
         return self.bus_id
+
+    @property
+    def health_ids(self) -> tuple[str, ...]:
+        """Every id whose fault makes this device Unhealthy: its own, and a MIG device's parent GPU's."""
+        if self.mig is not None and self.gpu is not None and self.gpu.uuid:
+            return (self.mig.uuid, self.gpu.uuid)
+        return (self.health_id,)
 
 
 def device_name(kind: DeviceKind, bus_id: str) -> str:
     """DNS-label name from the bus id: `gpu-0000-3b-00-0`, `rdma-0000-3b-02-2`."""
     return f"{kind}-" + re.sub(r"[:.]", "-", bus_id)
+
+
+def mig_device_name(parent_bus_id: str, mig: MigDevice) -> str:
+    """`gpu-0000-1b-00-0-mig-3-0`: the parent's name, then GPU and compute instance ids (unique on the GPU)."""
+    return f"{device_name('gpu', parent_bus_id)}-mig-{mig.gpu_instance}-{mig.compute_instance}"
+
+
+def share_hardware(name: str, other: str) -> bool:
+    """True when two of our device names stand for overlapping hardware: the same device, or a whole GPU and
+    one of its MIG devices (a repartition between prepare and unprepare must not hand a GPU out twice)."""
+    return name == other or name.startswith(f"{other}-mig-") or other.startswith(f"{name}-mig-")
 
 
 def _string(value: str) -> Attribute:
@@ -102,14 +128,35 @@ def placement_attributes(bus_id: str, location: Location) -> dict[str, Attribute
     return attributes
 
 
+def _product(gpu: Gpu) -> Attribute:
+    return _string(_PRODUCTS.get(gpu.pci.device.lower(), f"pci-{gpu.pci.vendor}-{gpu.pci.device}".replace("0x", "")))
+
+
 def gpu_device(gpu: Gpu) -> DraDevice:
     """A whole GPU."""
     attributes = {f"{DOMAIN}/type": {"string": "gpu"}, **placement_attributes(gpu.bus_id, gpu.location)}
     if gpu.uuid:
         attributes[f"{DOMAIN}/uuid"] = _string(gpu.uuid)
-    product = _PRODUCTS.get(gpu.pci.device.lower(), f"pci-{gpu.pci.vendor}-{gpu.pci.device}".replace("0x", ""))
-    attributes[f"{DOMAIN}/product"] = _string(product)
+    attributes[f"{DOMAIN}/product"] = _product(gpu)
     return DraDevice(device_name("gpu", gpu.bus_id), "gpu", gpu.bus_id, attributes, gpu=gpu)
+
+
+def mig_device(gpu: Gpu, mig: MigDevice) -> DraDevice:
+    """A MIG device of `gpu`, placed where its parent is (its bus id is the parent's)."""
+    attributes = {f"{DOMAIN}/type": {"string": "mig"}, **placement_attributes(gpu.bus_id, gpu.location),
+                  f"{DOMAIN}/uuid": _string(mig.uuid), f"{DOMAIN}/migProfile": _string(mig.profile)}
+    if gpu.uuid:
+        attributes[f"{DOMAIN}/parentUUID"] = _string(gpu.uuid)
+    attributes[f"{DOMAIN}/product"] = _product(gpu)
+    return DraDevice(mig_device_name(gpu.bus_id, mig), "mig", gpu.bus_id, attributes, gpu=gpu, mig=mig)
+
+
+def gpu_devices(gpu: Gpu) -> list[DraDevice]:
+    """What a GPU is in the pool: itself, or, in MIG mode, its MIG devices (none while it has none)."""
+    if gpu.mig_enabled:
+        return [mig_device(gpu, mig) for mig in sorted(gpu.mig_devices, key=lambda m: (m.gpu_instance,
+                                                                                       m.compute_instance))]
+    return [gpu_device(gpu)]
 
 
 def rdma_device(function: Vf | Nic, pf: Nic, resource_name: str) -> DraDevice:
@@ -141,10 +188,12 @@ def rdma_functions(topology: Topology) -> list[tuple[Vf | Nic, Nic]]:
 
 def node_devices(topology: Topology, rdma_resource_name: str, *, gpus: bool = True,
                  rdma: bool = True) -> tuple[DraDevice, ...]:
-    """The pool's devices: GPUs in index order, then RDMA functions in bus-id order; each checked."""
+    """The pool's devices: GPUs (or their MIG devices) in index order, then RDMA functions in bus-id order; each
+    checked."""
     devices: list[DraDevice] = []
     if gpus:
-        devices.extend(gpu_device(gpu) for gpu in sorted(topology.gpus, key=lambda g: g.index))
+        for gpu in sorted(topology.gpus, key=lambda g: g.index):
+            devices.extend(gpu_devices(gpu))
     if rdma:
         devices.extend(rdma_device(function, pf, rdma_resource_name) for function, pf in rdma_functions(topology))
     for device in devices:

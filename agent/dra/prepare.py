@@ -24,7 +24,7 @@ from typing import Any
 
 from agent.dra.cdi import CdiError, CdiSpecs
 from agent.dra.claims import AllocatedDevice, ClaimError, ClaimRef, allocated_devices
-from agent.dra.devices import DraDevice
+from agent.dra.devices import DraDevice, share_hardware
 from agent.dra.state import LockTimeout, PreparedClaim, PreparedDevice, PreparedStore, StateUnreadable, serialized
 from agent.kube.errors import ApiError, ApiNotFound
 from agent.kube.port import ResourceClaimApi
@@ -194,7 +194,9 @@ class ClaimPreparer:
             device = pool.get(result.device)
             if device is None:
                 raise ClaimError(f"device {result.device} is not a device of this node")
-            owner = self.store.owner(result.pool, result.device)
+            # a whole GPU and its MIG devices are never published together, but a repartition between one claim's
+            # prepare and its unprepare could offer the other form of a GPU still held: refuse it as held
+            owner = self.store.owner(result.pool, result.device, share_hardware)
             if owner is not None and owner != ref.uid:
                 raise ClaimError(f"device {result.device} is already prepared for claim {owner}")
             if device in devices:

@@ -1,12 +1,13 @@
 """The DRA driver as one subsystem: the pool from the topology and device health, published and prepared.
 
 Inputs: the topology (rescans replace it), device health (`set_device_health`, keyed like the device plugin's
-health events: GPU UUID or function bus id) and the node verdict: the devices a `drain` verdict names (GPU UUIDs,
-NIC bus ids; a PF's bus id covers its VFs) are tainted `NoExecute`, which evicts their pods, instead of
-`NoSchedule`. Outputs: this node's ResourceSlices, the kubelet plugin sockets,
-CDI specs per claim. A publish happens at start, on every change of the pool, after each registration with the
-kubelet (which wipes the node's slices when it starts) and every `resync_seconds`; API failures are retried with
-backoff and never stop the sockets, so pods already placed can still be prepared and unprepared.
+health events: GPU or MIG UUID, or function bus id; a GPU's fault covers its MIG devices) and the node verdict:
+the devices a `drain` verdict names (GPU UUIDs, NIC bus ids; a PF's bus id covers its VFs, a GPU's its MIG
+devices) are tainted `NoExecute`, which evicts their pods, instead of `NoSchedule`. Outputs: this node's
+ResourceSlices, the kubelet plugin sockets, CDI specs per claim. A publish happens at start, on every change of
+the pool, after each registration with the kubelet (which wipes the node's slices when it starts) and every
+`resync_seconds`; API failures are retried with backoff and never stop the sockets, so pods already placed can
+still be prepared and unprepared.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from agent import aio
 from agent.config.model import DraConfig
+from agent.deviceplugin.nvidia import MIG_MINORS
 from agent.dra.cdi import CdiSpecs
 from agent.dra.devices import AttributeLimitError, DraDevice, node_devices
 from agent.dra.grpc_api import DraV1, DraV1beta1, HealthBook, ResourceHealth
@@ -50,7 +52,8 @@ class DraService:
 
     def __init__(self, cfg: DraConfig, api: DraApi, topology: Topology, state_dir: Path | str,
                  registry: CollectorRegistry | None = None, *,
-                 verdicts: Latest[NodeVerdict] | None = None) -> None:
+                 verdicts: Latest[NodeVerdict] | None = None, dev_root: str = "/",
+                 mig_minors: str = MIG_MINORS) -> None:
         self.cfg = cfg
         self.node = api.node_name
         self.devices: dict[str, DraDevice] = {}
@@ -66,7 +69,8 @@ class DraService:
         self.update_topology(topology)
         self.publisher = SlicePublisher(api, cfg.driver_name)
         self.preparer = ClaimPreparer(api, driver=cfg.driver_name, pool=self.node, store=PreparedStore(state_dir),
-                                      cdi=CdiSpecs(cfg.cdi_spec_dir, cfg.driver_name, cfg.rdma_resource_name),
+                                      cdi=CdiSpecs(cfg.cdi_spec_dir, cfg.driver_name, cfg.rdma_resource_name,
+                                                   dev_root=dev_root, mig_minors=mig_minors),
                                       devices=lambda: self.devices,
                                       observe=lambda call, ok: self.claims.labels(call, "ok" if ok else "error").inc())
         unreadable = Gauge("gpu_node_agent_dra_state_unreadable", "1 while the prepared-claims record cannot be read: "
@@ -106,14 +110,20 @@ class DraService:
             self.drain_ids = drain
             self._changed.set()
 
+    def fault_of(self, device: DraDevice) -> DeviceFault | None:
+        """The device's own fault, else (a MIG device) its parent GPU's: an Unhealthy GPU takes its MIG devices."""
+        return next((fault for i in device.health_ids if (fault := self.faults.get(i)) is not None), None)
+
     def effective_faults(self) -> dict[str, DeviceFault]:
-        """Each Unhealthy device's fault, as a drain when the device (or its PF) is named by a drain verdict."""
+        """Each Unhealthy device's fault by `health_id`, as a drain when the device, its parent GPU or its PF is
+        named by a drain verdict."""
         out: dict[str, DeviceFault] = {}
         for device in self.devices.values():
-            fault = self.faults.get(device.health_id)
+            fault = self.fault_of(device)
             if fault is None:
                 continue
-            named = device.health_id in self.drain_ids or (device.pf is not None and device.pf.bus_id in self.drain_ids)
+            named = not self.drain_ids.isdisjoint(device.health_ids) or (
+                device.pf is not None and device.pf.bus_id in self.drain_ids)
             out[device.health_id] = DeviceFault(fault.reason, fault.drain or named)
         return out
 
@@ -135,10 +145,11 @@ class DraService:
     async def publish(self) -> bool:
         """One reconciliation of the slices and the health stream; True when the slices changed."""
         ordered = list(self.devices.values())
-        await self.health.set({(self.node, d.name): (d.health_id not in self.faults,
-                                                     self.faults[d.health_id].reason if d.health_id in self.faults
-                                                     else "") for d in ordered})
-        result = await self.publisher.publish(device_entries(ordered, self.effective_faults()))
+        faults = self.effective_faults()
+        await self.health.set({(self.node, d.name): (d.health_id not in faults,
+                                                     faults[d.health_id].reason if d.health_id in faults else "")
+                               for d in ordered})
+        result = await self.publisher.publish(device_entries(ordered, faults))
         self.publishes.labels("changed" if result.changed else "unchanged").inc()
         return result.changed
 

@@ -23,9 +23,10 @@ import contextlib
 import fcntl
 import json
 import logging
+import operator
 import os
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -161,10 +162,10 @@ class PreparedStore:
             raise StateUnreadable(f"not JSON: {str(exc)[:120]}") from None
         return {_text(uid, "a claim uid"): _claim(claim) for uid, claim in _mapping(data, "the record").items()}
 
-    def owner(self, pool: str, device: str) -> str | None:
-        """The UID of the claim holding this device, if any."""
+    def owner(self, pool: str, device: str, same: Callable[[str, str], bool] = operator.eq) -> str | None:
+        """The UID of a claim holding this device (or, with `same`, a device that `same` says overlaps it)."""
         return next((uid for uid, claim in self.claims.items()
-                     if any(d.pool == pool and d.device == device for d in claim.devices)), None)
+                     if any(d.pool == pool and same(d.device, device) for d in claim.devices)), None)
 
     def put(self, uid: str, claim: PreparedClaim) -> None:
         """Record a prepared claim (written before returning); StateUnreadable while the record is."""

@@ -39,7 +39,7 @@ def test_valid_in_strict_mode(item: tuple[str, dict[str, Any]], version: str) ->
 
 def test_device_classes_select_our_driver_and_type() -> None:
     classes = {d["metadata"]["name"]: d["spec"]["selectors"][0]["cel"]["expression"] for d in _docs("DeviceClass")}
-    assert set(classes) == {"gpu.gpunodeagent.io", "rdma.gpunodeagent.io"}
+    assert set(classes) == {"gpu.gpunodeagent.io", "mig.gpunodeagent.io", "rdma.gpunodeagent.io"}
     for name, expression in classes.items():
         kind = name.split(".", 1)[0]
         assert expression == (f'device.driver == "gpunodeagent.io" && '

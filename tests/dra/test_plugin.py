@@ -49,12 +49,13 @@ class Node:
     task: asyncio.Task[None] | None = None
     stop: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     verdicts: Latest[NodeVerdict] = dataclasses.field(default_factory=Latest)
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)  # more DraService keyword arguments
 
     async def start(self) -> DraService:
         self.registry = CollectorRegistry()
         self.stop = asyncio.Event()
         self.service = DraService(self.cfg, self.port, self.topology, self.root / "state", registry=self.registry,
-                                  verdicts=self.verdicts)
+                                  verdicts=self.verdicts, **self.options)
         self.task = asyncio.create_task(self.service.run(self.stop))
         return self.service
 

@@ -19,7 +19,7 @@ from agent.netacct.pods import Pod
 from tests.netacct import netns
 from tests.netacct.conftest import EngineFactory, RecordingHost
 from tests.netacct.netns import INET4, POD4, POD6
-from tests.netacct.test_e2e_counts import complete, delta, pods, send_all, series
+from tests.netacct.test_e2e_counts import Series, complete, delta, pods, send_all, series
 from tests.netacct.test_e2e_lifecycle import our_lines
 
 T = nft_layout.TABLE
@@ -116,7 +116,9 @@ def test_repairs_tampering_and_rebuilds_an_incompatible_set(topology: netns.Topo
     engine.sync(pods())
     assert POD4 in netns.nft_members(node, "rx_inet4")
     listed = netns.nft_table(node) or ""
-    assert all(f'comment "{rule.comment}"' in listed for rules in nft_layout.desired_rules((4, 6)).values()
+    state = engine.native.read(full=True)
+    shape = nft_layout.classifiers(engine.native.networks, engine.native.members(state), (4, 6))
+    assert all(f'comment "{rule.comment}"' in listed for rules in nft_layout.desired_rules(shape).values()
                for rule in rules)
     now = series(registry)
     assert all(now[key] >= old[key] for key in old)
@@ -206,3 +208,23 @@ def test_a_drop_at_mangle_priority_does_not_hide_traffic(topology: netns.Topolog
         assert delta(series(registry), before)[("pod", "team-a", "trainer-0", "transmit", "internet")] == 4 * 328
     finally:
         netns.sh("nft", "delete", "table", "inet", "dropper", ns=node, check=False)
+
+
+def test_pods_outside_the_internal_cidrs_count_as_the_iptables_layout_counts(
+        topology: netns.Topology, make_engine: EngineFactory, nft_works: None) -> None:
+    # The pod's own addresses are not internal here (public pod IPs): the lookups the native layout leaves out
+    # while every pod is internal must come back, so both layouts count the same flows into the same series.
+    internal = ["10.9.0.0/16", "fd00:9::/32"]  # the cluster peers only
+    counted: dict[str, Series] = {}
+    for layout in ("iptables", "nft"):
+        engine, registry = make_engine(layout=layout, internal_cidrs=internal)
+        engine.sync(pods())
+        before = series(registry)
+        expected = send_all(topology)
+        counted[layout] = delta(series(registry), before)
+        engine.remove_all()
+    assert counted["nft"] == counted["iptables"]
+    pod_rx = counted["nft"][("pod", "team-a", "trainer-0", "receive", "cluster")]
+    assert pod_rx == expected[("pod", "team-a", "trainer-0", "receive", "cluster")] > 0
+    assert counted["nft"][("pod", "team-a", "trainer-0", "transmit", "internet")] == \
+        expected[("pod", "team-a", "trainer-0", "transmit", "internet")] > 0

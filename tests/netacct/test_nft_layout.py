@@ -22,7 +22,7 @@ def matching_state() -> NftState:
         state.sets[name] = SetInfo(name, SET_INTERVAL if internal else 0, key_type, counter=not internal)
         state.elements[name] = Elements(ranges=nft_layout.internal_ranges(NETWORKS, family)) if internal else \
             Elements(counted={m[0]: (3, 300) for m in MEMBERS[family]})
-    for chain, rules in nft_layout.desired_rules((4, 6)).items():
+    for chain, rules in nft_layout.desired_rules(nft_layout.classifiers(NETWORKS, MEMBERS, (4, 6))).items():
         base = chain in nft_layout.HOOKS  # the kernel reports no hook, priority or type for a regular chain
         state.chains[chain] = ChainInfo(chain, nft_layout.HOOKS.get(chain), nft_layout.PRIORITY if base else None,
                                         "filter" if base else "", [rule.comment for rule in rules])
@@ -86,3 +86,34 @@ def test_interval_elements_become_merged_ranges() -> None:
     bounds = [(10 << 24, 1, 32), (11 << 24, 0, 32), (11 << 24, 1, 32), (12 << 24, 0, 32), (200 << 24, 1, 32)]
     assert _ranges(bounds) == [(10 << 24, 12 << 24), (200 << 24, 1 << 32)]
     assert nft_layout.internal_ranges(NETWORKS, 4) == [(10 << 24, 12 << 24)]
+
+
+def rule_texts(networks: list[nft_layout.Network], members: dict[int, set[ipsets.Member]]) -> dict[str, list[str]]:
+    shape = nft_layout.classifiers(networks, members, (4, 6))
+    return {chain: [rule.text for rule in rules] for chain, rules in nft_layout.desired_rules(shape).items()}
+
+
+def test_a_few_internal_cidrs_are_compared_inline_and_many_go_through_the_set() -> None:
+    few = rule_texts(NETWORKS, MEMBERS)
+    assert [t for t in few["forward"] if "goto fwd4_from_cluster" in t] == \
+        ["ip saddr 10.0.0.0/7 goto fwd4_from_cluster"]  # collapsed: 10/8 + 11/8 (+ 10.1/16 inside)
+    assert "ip6 daddr fd00::/8 goto fwd6_cluster_cluster" in few["fwd6_from_cluster"]
+    assert not any("@internal" in t for texts in few.values() for t in texts)
+    many = [ipaddress.ip_network(f"10.{i * 2}.0.0/16") for i in range(nft_layout.INLINE_LIMIT + 1)]
+    texts = rule_texts(many, MEMBERS)
+    assert [t for t in texts["forward"] if "goto fwd4_from_cluster" in t] == \
+        ["ip saddr @internal4 goto fwd4_from_cluster"]
+    assert any("ip daddr @internal4" in t for t in texts["output"])
+
+
+def test_a_pod_outside_the_internal_cidrs_brings_the_internet_side_lookups_back() -> None:
+    inside = rule_texts(NETWORKS, MEMBERS)
+    assert not any("@rx_clus4" in t for t in inside["fwd4_cluster_internet"])  # an internet address is no pod's
+    assert not any("@tx_clus4" in t for t in inside["fwd4_internet_cluster"])
+    assert inside["fwd4_internet_internet"] == ['counter name "internet_in_pod4"', 'counter name "internet_out_pod4"']
+    public = ipaddress.ip_address("198.51.100.7").packed
+    outside = rule_texts(NETWORKS, {4: {*MEMBERS[4], (public, 32)}, 6: set()})
+    assert any("@rx_clus4" in t for t in outside["fwd4_cluster_internet"])
+    assert any("@tx_clus4" in t for t in outside["fwd4_internet_cluster"])
+    assert any("@rx_inet4" in t for t in outside["fwd4_internet_internet"])
+    assert inside["fwd6_cluster_internet"] == outside["fwd6_cluster_internet"]  # per family

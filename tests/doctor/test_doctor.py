@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 from agent import cli, config
-from agent.doctor import Check, diagnose, exit_code
+from agent.doctor import Check, diagnose, exit_code, node_checks
+from agent.doctor.context import resolve
 from agent.hardware import Hardware
 from agent.host.links import SysfsLinkPort
 from agent.simulate.node import build_simulated_node
@@ -231,3 +232,33 @@ def test_exit_codes(tmp_path, tree, silent_socket):
     bad = _doctor("--no-such-flag")
     assert bad.returncode == 2
     assert _doctor("--simulate", "no-such-profile").returncode == 2
+
+
+def _path_without_nft(tmp_path: Path) -> str:
+    """A PATH holding every tool of this machine except nft (the binary really absent, as on a node without it)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for directory in ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"):
+        for name in os.listdir(directory) if os.path.isdir(directory) else ():
+            if name != "nft" and not (bin_dir / name).exists():
+                (bin_dir / name).symlink_to(os.path.join(directory, name))
+    return str(bin_dir)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("nft") or not shutil.which("ipset"),
+                    reason="needs root, nft and ipset (CI installs them)")
+def test_the_netacct_check_names_the_layout_it_will_use(tmp_path, tree, monkeypatch):
+    root, nvml = tree
+
+    def check(*flags: str) -> Check:
+        cfg = _config("--sysfs-root", str(root), "--netacct", *flags)
+        return node_checks.netacct(resolve(cfg, _hardware(root, nvml), tmp_path / "scratch"))
+
+    native = check()
+    assert native.status == "ok" and "native nftables layout" in native.detail and "probe" in native.detail
+    assert check("--netacct-layout", "iptables").detail.startswith("iptables layout: iptables ")
+    monkeypatch.setenv("PATH", _path_without_nft(tmp_path))
+    fallback = check()  # auto without nft: the iptables layout, and why
+    assert fallback.status == "ok" and fallback.detail.startswith("iptables layout (nft: nft is not installed")
+    refused = check("--netacct-layout", "nft")
+    assert refused.status == "fail" and "nft is not installed" in refused.detail and "nftables" in refused.fix

@@ -14,24 +14,21 @@ from __future__ import annotations
 
 import errno
 import itertools
-import os
 import socket
 import struct
 from dataclasses import dataclass, field
 
+from agent.host.netlink import HEADER, NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NetlinkTruncated, messages
 from agent.host.netns import entered
 
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_IPSET = 6
 IPSET_CMD_LIST = 7
 IPSET_PROTOCOL = 7
-NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
-NLMSG_ERROR, NLMSG_DONE = 2, 3
 ATTR_PROTOCOL, ATTR_SETNAME, ATTR_TYPENAME, ATTR_FAMILY, ATTR_DATA, ATTR_ADT = 1, 2, 3, 5, 7, 8
 ELEM_IP, ELEM_CIDR, ELEM_CADT_FLAGS, ELEM_BYTES, ELEM_PACKETS = 1, 3, 8, 24, 25
 FLAG_WITH_COUNTERS = 1 << 3
 _TYPE_MASK = 0x3FFF  # strips NLA_F_NESTED and NLA_F_NET_BYTEORDER
-_HDR = struct.Struct("=IHHII")
 _NLA = struct.Struct("=HH")
 _U64 = struct.Struct(">Q")
 
@@ -68,7 +65,7 @@ def _attr(kind: int, payload: bytes) -> bytes:
 def _request(name: str, seq: int) -> bytes:
     body = struct.pack("=BBH", socket.AF_INET, 0, 0)
     body += _attr(ATTR_PROTOCOL, bytes([IPSET_PROTOCOL])) + _attr(ATTR_SETNAME, name.encode() + b"\0")
-    return _HDR.pack(_HDR.size + len(body), (NFNL_SUBSYS_IPSET << 8) | IPSET_CMD_LIST,
+    return HEADER.pack(HEADER.size + len(body), (NFNL_SUBSYS_IPSET << 8) | IPSET_CMD_LIST,
                      NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
 
 
@@ -150,22 +147,17 @@ class IpsetReader:
         seq = next(self._seq)
         sock.send(_request(name, seq))
         dump = SetDump(name)
+        what = f"ipset list {name}"
         while True:
             data = sock.recv(1 << 20)
-            pos = 0
-            while pos + _HDR.size <= len(data):
-                size, kind, _flags, msg_seq, _pid = _HDR.unpack_from(data, pos)
-                if size < _HDR.size:
-                    raise NetlinkError(errno.EPROTO, "truncated netlink message")
-                if msg_seq == seq:
+            try:
+                for kind, start, end in messages(data, seq, what):
                     if kind == NLMSG_DONE:
                         return dump
-                    if kind == NLMSG_ERROR:
-                        code = -struct.unpack_from("=i", data, pos + _HDR.size)[0]
-                        if code == 0:
-                            return dump
-                        if code == errno.ENOENT:
-                            return None
-                        raise NetlinkError(code, f"ipset list {name}: {os.strerror(code)}")
-                    _parse_message(data, pos + _HDR.size, pos + size, dump)
-                pos += (size + 3) & ~3
+                    _parse_message(data, start, end, dump)
+            except NetlinkTruncated as exc:
+                raise NetlinkError(errno.EPROTO, str(exc)) from None
+            except OSError as exc:  # the kernel's error answer (messages raises it)
+                if exc.errno == errno.ENOENT:
+                    return None
+                raise NetlinkError(exc.errno, exc.strerror) from None

@@ -9,6 +9,7 @@ import struct
 
 import pytest
 
+from agent.host.netlink import NLMSG_DONE, NLMSG_ERROR
 from agent.netacct import ipset_netlink as nl
 
 
@@ -75,7 +76,7 @@ def reader_with(datagrams: list[bytes]) -> tuple[nl.IpsetReader, FakeSocket]:
 
 def test_multi_part_dump() -> None:
     first = message(1, [element("10.1.2.3", 2, 2056)]) + message(1, [element("10.1.2.4", 0, 0)])
-    reader, sock = reader_with([first, message(1, [element("10.1.2.5", 1, 99)]) + control(1, nl.NLMSG_DONE)])
+    reader, sock = reader_with([first, message(1, [element("10.1.2.5", 1, 99)]) + control(1, NLMSG_DONE)])
     dump = reader.dump("gna-rx-inet4")
     assert dump is not None and dump.type_name == "hash:ip" and dump.family == socket.AF_INET
     assert dump.flags & nl.FLAG_WITH_COUNTERS
@@ -87,7 +88,7 @@ def test_multi_part_dump() -> None:
 
 def test_ipv6_and_prefixes() -> None:
     reply = message(1, [element("fd00::3", 3, 3144), element("fc00::", 0, 0, cidr=7)], socket.AF_INET6)
-    reader, _ = reader_with([reply + control(1, nl.NLMSG_DONE)])
+    reader, _ = reader_with([reply + control(1, NLMSG_DONE)])
     dump = reader.dump("x")
     assert dump is not None
     assert dump.members[(ipaddress.ip_address("fd00::3").packed, 128)] == (3, 3144)
@@ -95,16 +96,16 @@ def test_ipv6_and_prefixes() -> None:
 
 
 def test_missing_set_is_none_and_other_errors_raise() -> None:
-    reader, _ = reader_with([control(1, nl.NLMSG_ERROR, errno.ENOENT)])
+    reader, _ = reader_with([control(1, NLMSG_ERROR, errno.ENOENT)])
     assert reader.dump("nope") is None
-    reader, _ = reader_with([control(1, nl.NLMSG_ERROR, errno.EPERM)])
+    reader, _ = reader_with([control(1, NLMSG_ERROR, errno.EPERM)])
     with pytest.raises(nl.NetlinkError):
         reader.dump("x")
     assert reader._sock is None  # a failed dump drops the socket
 
 
 def test_stale_replies_of_another_request_are_skipped() -> None:
-    stale = message(7, [element("10.0.0.9", 1, 1)]) + control(7, nl.NLMSG_DONE)
-    reader, _ = reader_with([stale, message(1, [element("10.0.0.1", 1, 1)]) + control(1, nl.NLMSG_DONE)])
+    stale = message(7, [element("10.0.0.9", 1, 1)]) + control(7, NLMSG_DONE)
+    reader, _ = reader_with([stale, message(1, [element("10.0.0.1", 1, 1)]) + control(1, NLMSG_DONE)])
     dump = reader.dump("x")
     assert dump is not None and list(dump.members) == [(ipaddress.ip_address("10.0.0.1").packed, 32)]

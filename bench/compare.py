@@ -30,14 +30,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-# Timed once each (README commands, 2-core VM, load average 0.8-1.5): 2-21 s, allocation_grpc the longest; none
-# needs root or a network namespace. Left out: startup (35 s), grpc_server, podresources_pairing and footprint
-# (minutes), podresources_lookup (2 loads x 2,000 lookups), and the netns benches, which need root:
+# Timed once each (README commands, 2-core VM, load average 0.8-1.5): 2-21 s, allocation_grpc and
+# podresources_pairing the longest; none needs root or a network namespace. Left out: startup (35 s), grpc_server
+# and footprint (minutes), podresources_lookup (2 loads x 2,000 lookups), and the netns benches, which need root:
 # link_watch_idle, netacct_forwarding, netacct_scrape, shaping.
 QUICK = ("allocation_latency", "allocation_grpc", "replica_preference", "gpu_state_pass", "nic_counter_pass",
-         "nvml_suspend", "dcgm_scrape", "dra_prepare", "health_latency", "http_idle")
+         "nvml_suspend", "dcgm_scrape", "dra_prepare", "health_latency", "http_idle", "podresources_pairing")
 BENCH_COMMAND = re.compile(r"^python\s+(bench/[\w-]+\.py)\b(.*)$")
-FIGURE_LINE = re.compile(r"p50|p90|p99|median|max|\bms\b|µs|\bus\b|kpps|Gbit|Mbit|MB|%")
+FIGURE_LINE = re.compile(r"p50|p90|p99|median|max|\bms\b|µs|\bus\b|kpps|Gbit|Mbit|MB|%|load average")
 CELL_SPLIT = re.compile(r"(?<!\\)\|")
 
 

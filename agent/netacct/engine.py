@@ -11,10 +11,18 @@ backends and both families, whatever the current configuration says.
 
 Two layouts count the same series: `nft` (one native table, nft_layout) and `iptables` (mangle chains and ipsets,
 rules and ipsets). Migration: when the configured layout differs from the one found in the kernel (typically after
-a restart with another `layout`), a sync with the pod list known installs the new layout, then reads the old one
-a final time (the book adds its counts into the same totals, per pod too, since the owners are known), then
-removes it. No count is lost; packets in the milliseconds between the install and that final read are counted
-by both. Until the pod list is known the old layout keeps counting and nothing moves.
+a restart with another `layout`), a sync with the pod list known reads the old layout a final time into the book,
+installs the new one with its counters created holding the book's exported totals (carry: named counters and
+elements for nft, elements and IPv4 rules for iptables), tells the book those are their last raw values, then
+removes the old layout and forgets it. The totals neither jump at the migration nor drop at a later restart: the
+kernel holds them. Packets the old layout counts between its final read and the new layout's commit are lost (one
+`nft -f` transaction; for iptables an ipset restore and one iptables-restore per family); installing first would
+count them twice, but then the read comes after the install and the install cannot hold it. An existing new
+layout (adopted) keeps its own counts and the old one's final counts are carried in the book only. Markers make a
+migration cut short safe: a preloaded nft table holds a marker counter until the iptables layout is gone (found
+at a start with the iptables layout still there: remove it, its counts are in the table); the iptables layout has
+a marker chain while it is being installed (found with the nft table still there: remove the iptables layout and
+migrate again). Until the pod list is known the old layout keeps counting and nothing moves.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ Counts live only in named counters and set elements, never in rules: a rule or c
 re-add, in the same transaction) without losing a count, and a restart adopts the table as it is (`add` of an
 existing, identical set or counter is a no-op). Sets whose definition differs, or base chains on another hook or
 priority, make the plan rebuild the table (delete and create in one transaction); the engine then marks this
-layout's counters as restarted so exported totals stay monotonic.
+layout's counters as restarted so exported totals stay monotonic. A table created by a migration is created
+holding the carried totals (carry), with a marker counter beside them until the old layout is gone.
 
 Priority -300 (raw): below mangle (-150), NAT (-100), kube-proxy's nftables chains (-110 and 0) and filter (0). A
 `drop` in any base chain is final for the packet, so a chain that runs earlier could hide traffic; an `accept`

@@ -127,9 +127,11 @@ class Host:
         """A save of every table (does not create tables that do not exist, as `-t mangle` does on legacy)."""
         return self.run([*_tool(mode, family, "save"), *(["-c"] if counters else [])])
 
-    def restore(self, mode: str, family: int, payload: str) -> None:
-        """Apply a restore payload without flushing anything it does not name, waiting for the xtables lock."""
-        argv = [*_tool(mode, family, "restore"), "--noflush", "-w", str(self.lock_wait)]
+    def restore(self, mode: str, family: int, payload: str, counters: bool = False) -> None:
+        """Apply a restore payload without flushing anything it does not name, waiting for the xtables lock;
+        `counters`: set the `[packets:bytes]` its rule lines carry."""
+        argv = [*_tool(mode, family, "restore"), *(["--counters"] if counters else []), "--noflush", "-w",
+                str(self.lock_wait)]
         self.run(argv, stdin=payload, timeout=self.timeout + self.lock_wait)
 
     # -- ipset ------------------------------------------------------------------------------------------------

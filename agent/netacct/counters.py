@@ -15,8 +15,9 @@ value it saw and an accumulated total, and only ever adds deltas (reference neta
 
 A raw value below the last one means the kernel counter restarted, and the raw value is all new traffic. A rule the
 engine rewrites is marked so that its next value counts from zero. The first sight of an identity counts from zero
-too, so after an agent restart the totals continue from the kernel's counters instead of dropping. Pure data, no
-I/O: the engine feeds it under its lock.
+too, so after an agent restart the totals continue from the kernel's counters instead of dropping. A layout
+migration creates the new layout's counters holding the exported totals (carry) and says so, so that their first
+sight adds nothing. Pure data, no I/O: the engine feeds it under its lock.
 """
 
 from __future__ import annotations
@@ -86,6 +87,18 @@ class CounterBook:
         """These rules were just re-created: their next raw value is all new traffic."""
         for key in keys:
             self._rule_last[(family, key)] = (0, 0)
+
+    def rules_created_with(self, source: Source, raw: Mapping[str, Counts]) -> None:
+        """These rules were just created holding `raw` (a migration's carry, already in the totals): their next
+        value counts from there, so the carried part is neither added again nor lost."""
+        for key, value in raw.items():
+            self._rule_last[(source, key)] = value
+
+    def elements_created_with(self, name: str, raw: Mapping[ipsets.Member, Counts]) -> None:
+        """These elements of set `name` were just created holding `raw` (a migration's carry): as for rules."""
+        elements = self._elements.setdefault(name, {})
+        for member, value in raw.items():
+            elements[member] = _Element(self._owners.get(member[0]), value)
 
     def kernel_state_lost(self) -> None:
         """Every rule and set was re-created (cleanup then install): forget raw values, keep totals."""

@@ -11,10 +11,18 @@ backends and both families, whatever the current configuration says.
 
 Two layouts count the same series: `nft` (one native table, nft_layout) and `iptables` (mangle chains and ipsets,
 rules and ipsets). Migration: when the configured layout differs from the one found in the kernel (typically after
-a restart with another `layout`), a sync with the pod list known installs the new layout, then reads the old one
-a final time (the book adds its counts into the same totals, per pod too, since the owners are known), then
-removes it. No count is lost; packets in the milliseconds between the install and that final read are counted
-by both. Until the pod list is known the old layout keeps counting and nothing moves.
+a restart with another `layout`), a sync with the pod list known reads the old layout a final time into the book,
+installs the new one with its counters created holding the book's exported totals (carry: named counters and
+elements for nft, elements and IPv4 rules for iptables), tells the book those are their last raw values, then
+removes the old layout and forgets it. The totals neither jump at the migration nor drop at a later restart: the
+kernel holds them. Packets the old layout counts between its final read and the new layout's commit are lost (one
+`nft -f` transaction; for iptables an ipset restore and one iptables-restore per family); installing first would
+count them twice, but then the read comes after the install and the install cannot hold it. An existing new
+layout (adopted) keeps its own counts and the old one's final counts are carried in the book only. Markers make a
+migration cut short safe: a preloaded nft table holds a marker counter until the iptables layout is gone (found
+at a start with the iptables layout still there: remove it, its counts are in the table); the iptables layout has
+a marker chain while it is being installed (found with the nft table still there: remove the iptables layout and
+migrate again). Until the pod list is known the old layout keeps counting and nothing moves.
 """
 
 from __future__ import annotations
@@ -27,8 +35,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agent.config.netacct import NetacctConfig
-from agent.netacct import ipsets, nft_probe, rules
+from agent.netacct import ipsets, nft_layout, nft_probe, rules
 from agent.netacct.backend import FAMILIES, MODES, CommandError, Host, Snapshot
+from agent.netacct.carry import Carry, OldRaw
+from agent.netacct.carry import plan as carry_plan
 from agent.netacct.counters import CounterBook, Counts, PodKey
 from agent.netacct.nft_table import NativeTable
 from agent.netacct.pods import Pod
@@ -167,17 +177,24 @@ class Netacct:
 
     def _sync(self, pods: Sequence[Pod] | None) -> None:
         layout = self.layout
-        old = self._iptables_present() if layout == "nft" else self.native.present()
-        if old and pods is None:
-            log.info("netacct: the %s layout is still installed; migrating once the pod list is known",
-                     "iptables" if layout == "nft" else "nft")
-            return
-        if layout == "nft":
-            self._sync_native(pods)
+        old = "iptables" if layout == "nft" else "nft"
+        if not self._present(old):
+            self._sync_layout(layout, pods)
+        elif pods is None:
+            log.info("netacct: the %s layout is still installed; migrating once the pod list is known", old)
+        elif not self._present(layout):
+            self._migrate(layout, pods)
         else:
-            self._sync_iptables(pods)
-        if old:
-            self._migrate_from("iptables" if layout == "nft" else "nft")
+            self._resume(layout, pods)
+
+    def _present(self, layout: str) -> bool:
+        return self.native.present() if layout == "nft" else self._iptables_present()
+
+    def _sync_layout(self, layout: str, pods: Sequence[Pod] | None, carry: Carry | None = None) -> None:
+        if layout == "nft":
+            self._sync_native(pods, carry)
+        else:
+            self._sync_iptables(pods, carry)
 
     def _iptables_present(self) -> bool:
         """Whether any of the iptables layout's sets exist (its chains cannot exist without them)."""
@@ -187,20 +204,71 @@ class Netacct:
             log.debug("netacct: cannot look for the iptables layout's sets: %s", exc)
             return False
 
-    def _migrate_from(self, old: str) -> None:
-        """Final read of the old layout into the book (after the new one counts), then remove it."""
+    def _migrate(self, new: str, pods: Sequence[Pod]) -> None:
+        """Carry the old layout's counts into the new one's kernel counters: final read of the old layout (into the
+        book), install the new one holding the book's totals (carry), remove the old one."""
+        owners, members = self._pod_members(pods)
+        self.book.set_pods(owners)
+        if new == "nft":
+            old = self._final_iptables_read()
+        else:
+            old = self.native.raw(self.native.read(full=False))
+            self.host.restore(self.mode, 4, rules.marker_payload(create=True))  # before anything is preloaded
+        keys = [key for _, key in nft_layout.counter_keys((4,)).values()]
+        # ip6tables-nft 1.8.9 drops the counters of IPv6 rule lines (`[p:b] -A` with --counters, and `-c`), while
+        # IPv4 and legacy keep them: the iptables layout carries each node total in its IPv4 rule alone.
+        carry = carry_plan(self.book, old, keys=keys, families=self.families, members=members, owners=owners,
+                           rule_families=(4,) if new == "iptables" else None)
+        self._sync_layout(new, pods, carry)
+        if new == "nft":
+            self._remove_iptables_layout()
+            self.native.drop_marker()
+        else:
+            self.native.remove()
+            self.host.restore(self.mode, 4, rules.marker_payload(create=False))
+        log.info("netacct: migrated from the %s layout; its counts carry into the new layout's counters",
+                 "iptables" if new == "nft" else "nft")
+
+    def _resume(self, new: str, pods: Sequence[Pod]) -> None:
+        """Both layouts exist: a migration stopped half-way (the agent died), or the new layout was installed by
+        someone else. The carry markers say which."""
+        if new == "nft":
+            if self.native.carried(self.native.read(full=True)):
+                log.warning("netacct: a migration to the nft layout stopped before removing the iptables layout; "
+                            "its counts are in the table already, removing it")
+                self._remove_iptables_layout()
+                self._sync_native(pods)  # drops the marker with the other stale objects
+                return
+        elif rules.MARKER in rules.parse(self.host.save(self.mode, 4, counters=False)).chains:
+            log.warning("netacct: a migration to the iptables layout stopped before it was complete; installing "
+                        "it again from the nft layout's counts")
+            self._remove_locked(MODES, native=False)
+            self.book.forget(FAMILIES, ipsets.all_names(FAMILIES))
+            self._migrate(new, pods)
+            return
+        self._sync_layout(new, pods)
+        self._migrate_in_memory("iptables" if new == "nft" else "nft")
+
+    def _migrate_in_memory(self, old: str) -> None:
+        """An adopted layout keeps its own counts: the old one's final counts go to the book only (they are lost
+        from the exported totals at the next restart), then it is removed."""
         if old == "nft":
             self.native.read(full=False)
             self.native.remove()
         else:
             self._final_iptables_read()
-            self._remove_locked(MODES, native=False)
-            self.book.forget(FAMILIES, ipsets.all_names(FAMILIES))
-        log.info("netacct: migrated from the %s layout; its final counts carry into the totals", old)
+            self._remove_iptables_layout()
+        log.warning("netacct: migrated from the %s layout into an existing one; its final counts are carried in "
+                    "memory only", old)
 
-    def _final_iptables_read(self) -> None:
+    def _remove_iptables_layout(self) -> None:
+        self._remove_locked(MODES, native=False)
+        self.book.forget(FAMILIES, ipsets.all_names(FAMILIES))
+
+    def _final_iptables_read(self) -> OldRaw:
         """The iptables layout's counters on whichever backend holds its chains (auto detection might name the
-        other one when the kubelet's hint is absent), and its sets, into the book."""
+        other one when the kubelet's hint is absent), and its sets, into the book; the raw values read."""
+        old = OldRaw()
         for family in FAMILIES:
             raw: dict[str, Counts] = {}
             for mode in MODES:
@@ -210,25 +278,28 @@ class Netacct:
                     log.debug("netacct: no iptables-%s IPv%d counters to carry: %s", mode, family, exc)
                     continue
                 for key, (packets, octets) in found.items():
-                    old = raw.get(key, (0, 0))
-                    raw[key] = (old[0] + packets, old[1] + octets)
+                    before = raw.get(key, (0, 0))
+                    raw[key] = (before[0] + packets, before[1] + octets)
             self.book.observe_rules(family, raw)
+            old.rules[family] = raw
         for role in ipsets.COUNTED:
             for family in FAMILIES:
                 name = ipsets.set_name(role, family)
                 dump = self.host.dump_set(name)
                 self.book.observe_set(name, role, dump.members if dump is not None else {})
+                old.elements[(role, family)] = dict(dump.members) if dump is not None else {}
+        return old
 
-    def _sync_native(self, pods: Sequence[Pod] | None) -> None:
+    def _sync_native(self, pods: Sequence[Pod] | None, carry: Carry | None = None) -> None:
         state = self.native.read(full=True)
         if pods is None:
             members = self.native.members(state)
         else:
             owners, members = self._pod_members(pods)
             self.book.set_pods(owners)
-        self.native.sync(state, members)
+        self.native.sync(state, members, carry)
 
-    def _sync_iptables(self, pods: Sequence[Pod] | None) -> None:
+    def _sync_iptables(self, pods: Sequence[Pod] | None, carry: Carry | None = None) -> None:
         names = ipsets.all_names(self.families)
         snap = self._read(names)
         if snap.errors:
@@ -252,15 +323,31 @@ class Netacct:
         else:
             owners, members = self._pod_members(pods)
             self.book.set_pods(owners)
-        plan = ipsets.plan(snap.sets, members, self._networks, self.families)
+        plan = ipsets.plan(snap.sets, members, self._networks, self.families, carry.elements if carry else None)
         self.host.ipset_restore(plan.payload)
+        for name, elements in plan.carried.items():
+            self.book.elements_created_with(name, elements)
         for family in self.families:
-            rule_plan = rules.plan(rules.parse(snap.saves[family]), family)
+            carried = carry.rules.get(family, {}) if carry else None
+            rule_plan = rules.plan(rules.parse(snap.saves[family]), family, carried)
             for index, payload in enumerate(rule_plan.payloads):
-                self.host.restore(self.mode, family, payload)
+                self.host.restore(self.mode, family, payload, counters=index == 0 and bool(rule_plan.carried))
                 if index == 0 and rule_plan.reset_keys:
                     self.book.rules_restarted(family, rule_plan.reset_keys)
+                    self.book.rules_created_with(family, self._check_carried(family, rule_plan.carried))
                     log.info("netacct: wrote %d IPv%d rules", len(rule_plan.reset_keys), family)
+
+    def _check_carried(self, family: int, carried: dict[str, Counts]) -> dict[str, Counts]:
+        """The carried rule counters the kernel kept; one it dropped (an iptables build that ignores counters on
+        restore) keeps its carry in the book only, with a warning, rather than being counted as lost."""
+        if not carried:
+            return carried
+        kept = rules.counters(rules.parse(self.host.save(self.mode, family)))
+        dropped = sorted(k for k, v in carried.items() if kept.get(k, (0, 0)) < v)
+        if dropped:
+            log.warning("netacct: iptables-%s did not keep the carried IPv%d counters of %s; they are carried in "
+                        "memory only", self.mode, family, dropped)
+        return {k: v for k, v in carried.items() if k not in dropped}
 
     # -- removing -----------------------------------------------------------------------------------------------
 

@@ -81,13 +81,17 @@ class SetPlan:
     payload: str = ""
     added: dict[str, set[Member]] = field(default_factory=dict)
     removed: dict[str, set[Member]] = field(default_factory=dict)
+    carried: dict[str, dict[Member, tuple[int, int]]] = field(default_factory=dict)  # elements created holding these
 
 
 def plan(current: Mapping[str, SetDump | None], pod_members: Mapping[int, set[Member]],
-         networks: Iterable[Network], families: Iterable[int]) -> SetPlan:
+         networks: Iterable[Network], families: Iterable[int],
+         carry: Mapping[tuple[str, int], Mapping[Member, tuple[int, int]]] | None = None) -> SetPlan:
     """Create missing sets and add/remove members so that the sets hold exactly what is desired.
 
-    `current` holds a dump per set (None: the set does not exist); `pod_members` the pod addresses per family.
+    `current` holds a dump per set (None: the set does not exist); `pod_members` the pod addresses per family;
+    `carry` (a migration's counts per (role, family) and member) preloads the elements of sets this plan creates
+    (`add SET ADDR packets N bytes M`; never on an existing set, where `-exist` would overwrite its counters).
     """
     networks = list(networks)
     result = SetPlan()
@@ -101,8 +105,14 @@ def plan(current: Mapping[str, SetDump | None], pod_members: Mapping[int, set[Me
             if dump is None:
                 lines.append(_create_line(role, family))
             add, remove = want - have, have - want
+            carried = (carry or {}).get((role, family), {}) if dump is None else {}
             lines.extend(f"del {name} {member_text(m, role)}" for m in sorted(remove))
-            lines.extend(f"add {name} {member_text(m, role)}" for m in sorted(add))
+            for member in sorted(add):
+                value = carried.get(member)
+                lines.append(f"add {name} {member_text(member, role)}"
+                             + (f" packets {value[0]} bytes {value[1]}" if value else ""))
+                if value:
+                    result.carried.setdefault(name, {})[member] = value
             if add:
                 result.added[name] = add
             if remove:

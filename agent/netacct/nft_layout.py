@@ -15,7 +15,8 @@ Counts live only in named counters and set elements, never in rules: a rule or c
 re-add, in the same transaction) without losing a count, and a restart adopts the table as it is (`add` of an
 existing, identical set or counter is a no-op). Sets whose definition differs, or base chains on another hook or
 priority, make the plan rebuild the table (delete and create in one transaction); the engine then marks this
-layout's counters as restarted so exported totals stay monotonic.
+layout's counters as restarted so exported totals stay monotonic. A table created by a migration is created
+holding the carried totals (carry), with a marker counter beside them until the old layout is gone.
 
 Priority -300 (raw): below mangle (-150), NAT (-100), kube-proxy's nftables chains (-110 and 0) and filter (0). A
 `drop` in any base chain is final for the packet, so a chain that runs earlier could hide traffic; an `accept`
@@ -36,6 +37,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from agent.netacct import ipsets
+from agent.netacct.carry import Carry
 from agent.netacct.nft_netlink import SET_INTERVAL, ChainInfo, Counts, Elements, Range, SetInfo, merge
 
 TABLE = "gpu_node_agent_netacct"
@@ -45,6 +47,9 @@ KEY_TYPES = {4: 7, 6: 8}  # nft's ipv4_addr / ipv6_addr data types, as stored in
 _TYPE_NAMES = {4: "ipv4_addr", 6: "ipv6_addr"}
 _PROTO = {4: "ip", 6: "ip6"}
 COMMENT = "gpu-node-agent"
+# A named counter created in the same transaction as a table preloaded by a migration, deleted once the old layout
+# is gone: found at a start while the old layout is still there, it says the old counts are in this table already.
+CARRY_MARKER = "carried_from_iptables"
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -225,15 +230,31 @@ def _set_line(name: str, family: int, role: str) -> str:
     return f"add set inet {TABLE} {name} {{ type {_TYPE_NAMES[family]}; {extra} }}"
 
 
+def _counted(value: Counts | None) -> str:
+    """` { packets N bytes M }` for a counter created holding a carried value."""
+    return f" {{ packets {value[0]} bytes {value[1]} }}" if value else ""
+
+
+def _element(member: bytes, value: Counts | None) -> str:
+    """An element, with its counter's initial value when one is carried."""
+    text = str(ipaddress.ip_address(member))
+    return f"{text} counter packets {value[0]} bytes {value[1]}" if value else text
+
+
 def _elements(verb: str, name: str, items: Iterable[str]) -> list[str]:
     items = list(items)
     return [f"{verb} element inet {TABLE} {name} {{ {', '.join(items)} }}"] if items else []
 
 
 def plan(state: NftState, pod_members: Mapping[int, set[ipsets.Member]], networks: Iterable[Network],
-         families: Iterable[int]) -> NftPlan:
-    """One transaction that makes the table exactly what is desired, touching only what differs."""
+         families: Iterable[int], carry: Carry | None = None) -> NftPlan:
+    """One transaction that makes the table exactly what is desired, touching only what differs. `carry` (a
+    migration's counts) preloads the counters and elements of a table created by this transaction, with the
+    marker counter beside them; an existing table keeps its own counts and `carry` is ignored."""
     families, networks = tuple(families), list(networks)
+    carry = carry if not state.exists else None
+    carried_rules = carry.rules if carry else {}
+    carried_elements = carry.elements if carry else {}
     sets, counters = desired_sets(families), counter_keys(families)
     rules = desired_rules(classifiers(networks, pod_members, families))
     result = NftPlan()
@@ -248,7 +269,10 @@ def plan(state: NftState, pod_members: Mapping[int, set[ipsets.Member]], network
     have_sets = current.sets or {}
     lines.append(f"add table inet {TABLE}")
     lines += [_set_line(n, fam, role) for n, (fam, role, _) in sets.items() if n not in have_sets]
-    lines += [f"add counter inet {TABLE} {n}" for n in counters if n not in current.counters]
+    lines += [f"add counter inet {TABLE} {n}{_counted(carried_rules.get(fam, {}).get(key))}"
+              for n, (fam, key) in counters.items() if n not in current.counters]
+    if carry is not None:
+        lines.append(f"add counter inet {TABLE} {CARRY_MARKER}")
     # Every chain exists before any rule jumps to it; base chains are listed first and filled last.
     for name in [n for n in rules if n not in current.chains]:
         hook = f" {{ type filter hook {name} priority {PRIORITY}; policy accept; }}" if name in HOOKS else ""
@@ -272,7 +296,8 @@ def plan(state: NftState, pod_members: Mapping[int, set[ipsets.Member]], network
         want = {m[0] for m in pod_members.get(family, set())}
         have = set(found.counted) if found is not None else set()
         lines += _elements("delete", name, (str(ipaddress.ip_address(m)) for m in sorted(have - want)))
-        lines += _elements("add", name, (str(ipaddress.ip_address(m)) for m in sorted(want - have)))
+        carried = {m[0]: v for m, v in carried_elements.get((role, family), {}).items()}
+        lines += _elements("add", name, (_element(m, carried.get(m)) for m in sorted(want - have)))
     # What an older configuration left (IPv6 turned off, a chain of another version): rules first, then objects.
     stale = sorted(set(current.chains) - set(rules))  # flush all before deleting any: they may jump to each other
     lines += [f"flush chain inet {TABLE} {name}" for name in stale]

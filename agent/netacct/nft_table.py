@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from agent.netacct import ipsets, nft_layout
 from agent.netacct.backend import Host
+from agent.netacct.carry import Carry, OldRaw
 from agent.netacct.counters import CounterBook, Counts, Source
 from agent.netacct.nft_layout import NftState
 from agent.netacct.nft_netlink import Elements
@@ -89,12 +90,42 @@ class NativeTable:
                            for m in _members(state.elements.get(nft_layout.set_name(role, family)))}
         return out
 
-    def sync(self, state: NftState, members: Mapping[int, set[ipsets.Member]]) -> None:
-        """Apply the one transaction that brings the table in line (nothing when nothing differs)."""
-        plan = nft_layout.plan(state, members, self.networks, self.families)
+    def raw(self, state: NftState) -> OldRaw:
+        """The raw values of a read (a migration's final read of this layout), by layout-neutral identity."""
+        old = OldRaw()
+        keys = nft_layout.counter_keys((4, 6))
+        for name, value in state.counters.items():
+            if name in keys:
+                family, key = keys[name]
+                old.rules.setdefault(family, {})[key] = value
+        for family in (4, 6):
+            for role in ipsets.COUNTED:
+                found = _members(state.elements.get(nft_layout.set_name(role, family)))
+                if found:
+                    old.elements[(role, family)] = found
+        return old
+
+    @staticmethod
+    def carried(state: NftState) -> bool:
+        """Whether the table holds a migration's carry while the old layout may still exist (see CARRY_MARKER)."""
+        return nft_layout.CARRY_MARKER in state.counters
+
+    def drop_marker(self) -> None:
+        """The old layout is gone: the carry marker has done its job."""
+        self.host.nft_apply(f"delete counter inet {nft_layout.TABLE} {nft_layout.CARRY_MARKER}\n")
+
+    def sync(self, state: NftState, members: Mapping[int, set[ipsets.Member]], carry: Carry | None = None) -> None:
+        """Apply the one transaction that brings the table in line (nothing when nothing differs); `carry`
+        preloads a table this transaction creates, and the book is told so."""
+        plan = nft_layout.plan(state, members, self.networks, self.families, carry)
         if not plan.payload:
             return
         self.host.nft_apply(plan.payload)
+        if carry is not None and not state.exists:
+            for family, values in carry.rules.items():
+                self.book.rules_created_with(f"nft{family}", values)
+            for (role, family), elements in carry.elements.items():
+                self.book.elements_created_with(nft_layout.set_name(role, family), elements)
         if plan.rebuilt:
             log.warning("netacct: the nftables table had an incompatible set or chain; re-created it")
             self.book.forget(self.sources(), self.set_names())

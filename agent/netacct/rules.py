@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from agent.netacct import ipsets
@@ -28,6 +28,10 @@ JUMP_COMMENT = f"{COMMENT} jump"
 CHAIN_PREFIX = "GNA-NETACCT-"
 CHAINS = {"INPUT": "GNA-NETACCT-IN", "OUTPUT": "GNA-NETACCT-OUT", "FORWARD": "GNA-NETACCT-FWD"}
 PER_POD = "pods="  # comment key of the rules that only feed per-pod set counters
+# An empty chain that exists while a migration from the nft layout installs this one with preloaded counters
+# (ipsets, then each family's rules: several commits). Found at a start while the nft table still exists, it says
+# the install may be incomplete: the engine removes it and migrates again from the table.
+MARKER = f"{CHAIN_PREFIX}CARRY"
 
 _RULE = re.compile(r"^(?:\[(\d+):(\d+)\] )?-A (\S+) (.*)$")
 _COMMENT = re.compile(r'--comment (?:"((?:[^"\\]|\\.)*)"|(\S+))')
@@ -162,6 +166,7 @@ class RulePlan:
 
     payloads: list[str] = field(default_factory=list)
     reset_keys: set[str] = field(default_factory=set)
+    carried: dict[str, tuple[int, int]] = field(default_factory=dict)  # keys created holding these (payload 0)
 
 
 def _table(lines: Iterable[str]) -> str:
@@ -169,8 +174,10 @@ def _table(lines: Iterable[str]) -> str:
     return "*mangle\n" + "".join(line + "\n" for line in body) + "COMMIT\n" if body else ""
 
 
-def plan(state: Mangle, family: int) -> RulePlan:
-    """Bring one family's chains and jumps in line, touching only what differs."""
+def plan(state: Mangle, family: int, carry: Mapping[str, tuple[int, int]] | None = None) -> RulePlan:
+    """Bring one family's chains and jumps in line, touching only what differs. `carry` (a migration's counts per
+    key) preloads the rules of chains this plan creates (`[packets:bytes]` lines, restored with `--counters`); a
+    chain that exists keeps its own counts."""
     want = desired(family)
     result = RulePlan()
     lines: list[str] = []
@@ -179,16 +186,26 @@ def plan(state: Mangle, family: int) -> RulePlan:
         have = [r.comment for r in state.in_chain(chain)]
         if chain not in state.chains or have != [r.comment for r in rules]:
             lines.append(f":{chain} - [0:0]")  # creates it, or flushes it for a rewrite
-            lines.extend(r.line() for r in rules)
+            for rule in rules:
+                key = key_of(rule.comment) or ""
+                value = carry.get(key) if carry and chain not in state.chains else None
+                if value:
+                    result.carried[key] = value
+                lines.append(f"[{value[0]}:{value[1]}] {rule.line()}" if value else rule.line())
             result.reset_keys.update(k for r in rules if (k := key_of(r.comment)))
         jumps = [r for r in state.jumps() if r.chain == hook and r.target == chain]
         lines.extend(f"-D {hook} {r.text}" for r in jumps[1:])
         if not jumps:
             lines.append(f'-I {hook} 1 -m comment --comment "{JUMP_COMMENT}" -j {chain}')
-    stale = state.ours() - set(CHAINS.values())
+    stale = state.ours() - set(CHAINS.values()) - ({MARKER} if carry is not None else set())
     removal = removal_payloads(state, stale)
     result.payloads = [p for p in (_table(lines), *removal) if p]
     return result
+
+
+def marker_payload(create: bool) -> str:
+    """Create (or delete) the migration marker chain."""
+    return _table([f":{MARKER} - [0:0]" if create else f"-X {MARKER}"])
 
 
 def removal_payloads(state: Mangle, chains: Iterable[str]) -> list[str]:

@@ -47,8 +47,8 @@ class FakeHost(Host):
             return Snapshot({}, {}, ("iptables-nft-save exited 4: Resource temporarily unavailable",))
         return Snapshot({family: "*mangle\nCOMMIT\n" for family in families}, dict.fromkeys(set_names))
 
-    def restore(self, mode: str, family: int, payload: str) -> None:
-        """Record."""
+    def restore(self, mode: str, family: int, payload: str, counters: bool = False) -> None:
+        """Record (a payload with counters is recorded the same way)."""
         self.restores.append((mode, family, payload))
 
     def ipset_restore(self, payload: str) -> None:

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
 from agent.config.netacct import NetacctConfig
-from agent.netacct import backend, nft_layout
+from agent.netacct import backend, nft_layout, rules
 from agent.netacct.backend import Host
 from agent.netacct.command import cleanup_command
-from agent.netacct.engine import Netacct
+from agent.netacct.engine import Netacct, SyncError
 from agent.netacct.pods import Pod
 from tests.netacct import netns
 from tests.netacct.conftest import EngineFactory, RecordingHost
@@ -69,6 +69,19 @@ def test_auto_picks_nft_here_and_iptables_without_nft(topology: netns.Topology, 
         backend._resolve.cache_clear()  # forget tool paths under tmp_path
 
 
+def restart(make_engine: EngineFactory, before: Series, topology: netns.Topology, **config: object) -> Series:
+    """A new agent process (fresh engine, book and registry) over the same namespace: its totals continue exactly
+    from `before` (no drop, nothing counted twice), and new traffic adds exactly; its totals after that traffic."""
+    engine, registry = make_engine(**config)
+    engine.sync(pods())
+    assert series(registry) == before
+    expected = send_all(topology)
+    after = series(registry)
+    assert delta(after, before) == complete(expected)
+    engine.close()
+    return after
+
+
 def test_migration_carries_totals_both_ways(topology: netns.Topology, make_engine: EngineFactory, mode: str,
                                             nft_works: None) -> None:
     node = topology.node
@@ -82,26 +95,73 @@ def test_migration_carries_totals_both_ways(topology: netns.Topology, make_engin
     new.sync(None)  # pods not known yet: the old layout keeps counting, nothing moves
     assert netns.nft_table(node) is None and netns.members(node, "gna-rx-inet4") == {POD4, netns.OTHER_POD4}
     new.sync(pods())
-    assert netns.nft_table(node) is not None
+    listed = netns.nft_table(node) or ""
+    assert listed and nft_layout.CARRY_MARKER not in listed
     assert our_lines(node, mode, 4) == [] and our_lines(node, mode, 6) == []
     assert not [n for n in netns.sh("ipset", "list", "-n", ns=node).split() if n.startswith("gna-")]
     assert series(registry) == carried  # the old layout's final counts carried, per pod too: nothing went back
     expected = send_all(topology)
-    assert delta(series(registry), carried) == complete(expected)
+    before_restart = series(registry)
+    assert delta(before_restart, carried) == complete(expected)
     new.close()
-    # The carried counts lived in that process's book; the kernel holds what the table counted since the
-    # migration, and a later restart continues from there (the README says so).
-    fresh, fresh_registry = make_engine(layout="nft")
-    fresh.sync(pods())
-    kernel = series(fresh_registry)
-    fresh.close()
+    # The carried counts live in the kernel: later restarts continue from the exported totals.
+    kernel = restart(make_engine, before_restart, topology, layout="nft")
+    kernel = restart(make_engine, kernel, topology, layout="nft")
 
     back, back_registry = make_engine(layout="iptables", backend=mode)
     back.sync(pods())
     assert netns.nft_table(node) is None
+    assert rules.MARKER not in netns.sh(f"iptables-{mode}-save", "-t", "mangle", ns=node)
     assert series(back_registry) == kernel  # and back: the table's final counts carried
     expected = send_all(topology)
-    assert delta(series(back_registry), kernel) == complete(expected)
+    before_restart = series(back_registry)
+    assert delta(before_restart, kernel) == complete(expected)
+    back.close()
+    restart(make_engine, before_restart, topology, layout="iptables", backend=mode)
+
+
+class DyingHost(RecordingHost):
+    """A host whose agent dies (every later command fails) right after the command that `after` matches."""
+
+    def __init__(self, *args: object, after: str, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.after = after
+        self.dead = False
+
+    def run(self, argv: Sequence[str], stdin: str | None = None, timeout: float | None = None) -> str:
+        """Fail once dead; die after the matching command has run."""
+        if self.dead:
+            raise backend.CommandError("the agent was killed")
+        out = super().run(argv, stdin, timeout)
+        self.dead = self.after in " ".join(argv) + (stdin or "")
+        return out
+
+
+CUTS = {  # old layout, new layout, and the command after which the agent dies
+    "to-nft": ("iptables", "nft", nft_layout.CARRY_MARKER),  # the preloaded table is in, the iptables layout too
+    "to-iptables": ("nft", "iptables", "ipset"),  # the preloaded sets are in, no rule yet, the table still there
+}
+
+
+@pytest.mark.parametrize("cut", list(CUTS))
+def test_a_migration_cut_short_neither_loses_nor_doubles(topology: netns.Topology, make_engine: EngineFactory,
+                                                          nft_works: None, cut: str) -> None:
+    old_layout, new_layout, dies_after = CUTS[cut]
+    old, old_registry = make_engine(layout=old_layout, backend="nft")
+    old.sync(pods())
+    send_all(topology)
+    carried = series(old_registry)
+    dying = Netacct(NetacctConfig(enabled=True, layout=new_layout, backend="nft"),
+                    DyingHost(netns=topology.node, after=dies_after))
+    try:
+        with pytest.raises(SyncError):
+            dying.sync(pods())
+    finally:
+        dying.close()
+    assert netns.nft_table(topology.node) is not None  # both layouts exist now
+    assert netns.members(topology.node, "gna-rx-inet4") == {POD4, netns.OTHER_POD4}
+    restart(make_engine, carried, topology, layout=new_layout, backend="nft")
+    assert (netns.nft_table(topology.node) is None) == (new_layout == "iptables")
 
 
 def test_repairs_tampering_and_rebuilds_an_incompatible_set(topology: netns.Topology, make_engine: EngineFactory,

@@ -75,6 +75,7 @@ class Netacct:
         self.sync_failures = 0
         self._lock = threading.Lock()
         self._mode: str | None = None if config.backend == "auto" else config.backend
+        self._counting: str | None = None  # the layout that counts now (the old one while a migration waits)
         self._layout: str | None = None if config.layout == "auto" else config.layout
         self._networks = config.internal_networks()
         self._conflicts: set[str] = set()
@@ -124,19 +125,22 @@ class Netacct:
         started = time.perf_counter()
         with self._lock:
             errors: tuple[str, ...] = ()
+            # While a migration waits for the pod list, the old layout still counts: read it, or the exported
+            # totals of a restarted agent would sit at zero and then jump (Prometheus would count the jump again).
+            counting = self._counting or self._layout
             try:
-                if self._layout == "nft":
+                if counting == "nft":
                     self.native.read(full=False)
-                elif self._layout == "iptables":
+                elif counting == "iptables":
                     names = [ipsets.set_name(role, f) for f in self.families for role in ipsets.COUNTED]
                     errors = self._read(names).errors
                 else:
                     errors = ("no sync has run yet",)
             except (CommandError, OSError) as exc:
                 errors = (str(exc),)
-            mode = "nftables" if self._layout == "nft" else self._mode or "unknown"
+            mode = "nftables" if counting == "nft" else self._mode or "unknown"
             return Reading(self.book.rule_totals(), self.book.pod_totals(), not errors,
-                           time.perf_counter() - started, mode, errors, self._layout or "unknown")
+                           time.perf_counter() - started, mode, errors, counting or "unknown")
 
     # -- changing -----------------------------------------------------------------------------------------------
 
@@ -178,14 +182,30 @@ class Netacct:
     def _sync(self, pods: Sequence[Pod] | None) -> None:
         layout = self.layout
         old = "iptables" if layout == "nft" else "nft"
+        self._counting = layout
         if not self._present(old):
             self._sync_layout(layout, pods)
         elif pods is None:
             log.info("netacct: the %s layout is still installed; migrating once the pod list is known", old)
+            self._counting = old
+            if old == "iptables" and self.config.backend == "auto":
+                self._mode = self._backend_holding_chains() or self._mode
+            return
         elif not self._present(layout):
             self._migrate(layout, pods)
         else:
             self._resume(layout, pods)
+
+    def _backend_holding_chains(self) -> str | None:
+        """The iptables backend whose mangle table holds the old layout's chains (the kubelet's hint may have
+        moved since they were written), so that scrapes while a migration waits read its rule counters."""
+        for mode in MODES:
+            try:
+                if rules.CHAIN_PREFIX in self.host.save_full(mode, 4, counters=False):
+                    return mode
+            except CommandError as exc:
+                log.debug("netacct: no iptables-%s mangle table to look at: %s", mode, exc)
+        return None
 
     def _present(self, layout: str) -> bool:
         return self.native.present() if layout == "nft" else self._iptables_present()

@@ -94,6 +94,12 @@ def test_migration_carries_totals_both_ways(topology: netns.Topology, make_engin
     new, registry = make_engine(layout="nft")  # a restart with another layout: empty book
     new.sync(None)  # pods not known yet: the old layout keeps counting, nothing moves
     assert netns.nft_table(node) is None and netns.members(node, "gna-rx-inet4") == {POD4, netns.OTHER_POD4}
+    waiting = node_series(series(registry))  # and scrapes read it: the node totals continue, never zero
+    assert waiting == node_series(carried) and any(waiting.values())
+    assert registry.get_sample_value("gpu_node_agent_netacct_layout_info", {"layout": "iptables"}) == 1
+    carried_while_waiting = send_all(topology)
+    assert delta(node_series(series(registry)), waiting) == node_series(complete(carried_while_waiting))
+    carried = series(registry) | {k: v + carried_while_waiting.get(k, 0) for k, v in carried.items() if k[0] == "pod"}
     new.sync(pods())
     listed = netns.nft_table(node) or ""
     assert listed and nft_layout.CARRY_MARKER not in listed
@@ -118,6 +124,11 @@ def test_migration_carries_totals_both_ways(topology: netns.Topology, make_engin
     assert delta(before_restart, kernel) == complete(expected)
     back.close()
     restart(make_engine, before_restart, topology, layout="iptables", backend=mode)
+
+
+def node_series(values: Series) -> Series:
+    """The node's series only (per-pod series need the pod list)."""
+    return Series({k: v for k, v in values.items() if k[0] == "node"})
 
 
 class DyingHost(RecordingHost):

@@ -22,7 +22,7 @@ layout (adopted) keeps its own counts and the old one's final counts are carried
 migration cut short safe: a preloaded nft table holds a marker counter until the iptables layout is gone (found
 at a start with the iptables layout still there: remove it, its counts are in the table); the iptables layout has
 a marker chain while it is being installed (found with the nft table still there: remove the iptables layout and
-migrate again). Until the pod list is known the old layout keeps counting and nothing moves.
+migrate again). Until the pod list is known the old layout keeps counting, scrapes read it, and nothing moves.
 """
 
 from __future__ import annotations

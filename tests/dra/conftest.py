@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,3 +59,13 @@ async def port(api: ApiServerDouble, tmp_path: Path) -> AsyncIterator[LightkubeC
     yield cluster
     await cluster.aclose()
     assert_only_allowed(api.requests, NODE, "gpu-system")
+
+
+@pytest.fixture
+def short_root() -> Iterator[Path]:
+    """A scratch directory with a short path: unix socket paths must stay under 107 bytes; tmp_path may not."""
+    directory = Path(tempfile.mkdtemp(prefix="gna-dra"))
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

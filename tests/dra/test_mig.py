@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +32,6 @@ MIG_CLAIM = "mig-1g-vf-one-switch"
 ONE_MIG = {"spec": {"devices": {"requests": [
     {"name": "mig", "exactly": {"deviceClassName": "mig.gpunodeagent.io", "count": 1}}]}}}
 
-
-@pytest.fixture
-def short_root() -> Iterator[Path]:
-    directory = Path(tempfile.mkdtemp(prefix="gna-mig"))  # unix socket paths stay under 107 bytes
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

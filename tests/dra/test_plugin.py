@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -77,15 +75,6 @@ class Node:
         claim["status"] = {"allocation": allocation}
         return self.api.put_claim(claim)
 
-
-@pytest.fixture
-def short_root() -> Iterator[Path]:
-    # unix socket paths must stay under 107 bytes; pytest's tmp_path may not
-    directory = Path(tempfile.mkdtemp(prefix="gna-dra"))
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

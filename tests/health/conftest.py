@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from agent.health.service import HealthService
 from agent.host.links import SysfsLinkPort
 from agent.signals import DeviceHealth, DeviceHealthEvent
 from agent.simulate import profiles
+from agent.simulate.kubelet import LocalKubelet
 from agent.simulate.node import SimulatedNode, build_simulated_node, simulated_nvml
 
 TIMEOUT = 10.0  # generous: "eventually" checks, never timing assertions
@@ -125,3 +127,18 @@ async def start_service(tmp_path: Path, boot_id_file: Path) -> AsyncIterator[Cal
     for running in started:
         if not running.task.done():
             await running.halt()
+
+
+XID_79 = ("3,{seq},8123456789,-;NVRM: Xid (PCI:{bus}): 79, pid='<unknown>', name=<unknown>, "
+          "GPU has fallen off the bus.\n")  # the kernel-log line of a GPU fallen off the bus (/dev/kmsg format)
+
+
+@pytest.fixture
+async def kubelet() -> AsyncIterator[LocalKubelet]:
+    """A stand-in kubelet in a short socket directory (unix socket paths are limited to 107 bytes)."""
+    directory = tempfile.mkdtemp(prefix="gnah")
+    stand_in = LocalKubelet(directory)
+    await stand_in.start()
+    yield stand_in
+    await stand_in.stop()
+    shutil.rmtree(directory, ignore_errors=True)

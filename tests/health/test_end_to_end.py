@@ -8,12 +8,8 @@ recovery (NVML loses it, then it is reset and answers again) turns it Healthy ag
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.config.model import DevicePluginConfig
@@ -24,22 +20,10 @@ from agent.signals import DeviceHealth
 from agent.simulate.kubelet import LocalKubelet
 from agent.simulate.node import SimulatedNode
 from tests.fakes.polling import until
-from tests.health.conftest import TIMEOUT, fast_config
+from tests.health.conftest import TIMEOUT, XID_79, fast_config
 
 GPU_RESOURCE = "nvidia.com/gpu"
-XID_79 = ("3,{seq},8123456789,-;NVRM: Xid (PCI:{bus}): 79, pid='<unknown>', name=<unknown>, "
-          "GPU has fallen off the bus.\n")
 
-
-@pytest.fixture
-async def kubelet() -> AsyncIterator[LocalKubelet]:
-    """A stand-in kubelet in a short socket directory (unix socket paths are limited to 107 bytes)."""
-    directory = tempfile.mkdtemp(prefix="gnah")
-    stand_in = LocalKubelet(directory)
-    await stand_in.start()
-    yield stand_in
-    await stand_in.stop()
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _resource_of(manager: DevicePluginManager, device: str) -> str | None:

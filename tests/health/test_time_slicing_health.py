@@ -5,9 +5,6 @@ stand-in kubelet, on the simulated dgx-h100 with NVIDIA's README time-slicing ex
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,22 +18,11 @@ from agent.host.links import SysfsLinkPort
 from agent.signals import DeviceHealth
 from agent.simulate.kubelet import AdmissionError, LocalKubelet
 from agent.simulate.node import SimulatedNode
-from tests.health.conftest import TIMEOUT, fast_config
+from tests.health.conftest import TIMEOUT, XID_79, fast_config
 
 EXAMPLE = Path(__file__).parent.parent / "deviceplugin" / "data" / "nvidia" / "readme-time-slicing.yaml"
 GPU = "nvidia.com/gpu"
-XID_79 = ("3,{seq},8123456789,-;NVRM: Xid (PCI:{bus}): 79, pid='<unknown>', name=<unknown>, "
-          "GPU has fallen off the bus.\n")
 
-
-@pytest.fixture
-async def kubelet() -> AsyncIterator[LocalKubelet]:
-    directory = tempfile.mkdtemp(prefix="gnat")
-    stand_in = LocalKubelet(directory)
-    await stand_in.start()
-    yield stand_in
-    await stand_in.stop()
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 async def test_an_xid_on_a_gpu_withdraws_all_its_replicas(node: SimulatedNode, kubelet: LocalKubelet, kmsg_file: Path,

@@ -4,7 +4,8 @@ and the free devices per kind, from `agent.ownership`.
 Partner resources are the served pools of the other kind and, when GPUs are not served here (NIC-only mode),
 the other plugin's GPU resource (`--gpu-resource-name`). Several containers newly holding partner devices (no
 pod spec tells them apart) are paired with only when their partner devices sit under the same switches, where
-the choice is the same whichever is the one under admission.
+the choice is the same whichever is the one under admission; under different switches the lookup first fetches
+the specs the pod watch lacks (with API access), which usually tells them apart.
 
 When the partner is not known (`gpu_node_agent_preference_fallbacks_total{reason}` counts why), the policy still
 prefers devices under switches where the other kind is free: the kubelet's free devices at the last reading,
@@ -19,9 +20,10 @@ single-resource pod admitted just before it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from agent.deviceplugin.pools import ResourcePool, mig_resource_name
+from agent.ownership.admitted import Admission
 from agent.ownership.service import OwnershipService
 from agent.placement.policy import DeviceKind
 from agent.placement.tree import switch_groups
@@ -54,13 +56,19 @@ class OwnershipFacts:
         """Devices of the other kind the container under admission holds (empty: none yet); None when not known."""
         other = DeviceKind.NIC if pool.kind == DeviceKind.GPU.value else DeviceKind.GPU
         self._likely = None
-        found = await self.service.lookup(pool.resource_name, self._resources(other))
+
+        def same_switches(candidates: Sequence[Admission]) -> bool:
+            if pool.topology is None:
+                return False
+            groups = {switch_groups(pool.topology, other is DeviceKind.GPU, c.partner_ids) for c in candidates}
+            return len(groups) == 1 and None not in groups
+
+        found = await self.service.lookup(pool.resource_name, self._resources(other), alike=same_switches)
         if found.found is not None:
             return found.found.partner_ids
         held = [c.partner_ids for c in found.candidates]
         if held and pool.topology is not None:
-            groups = {switch_groups(pool.topology, other is DeviceKind.GPU, ids) for ids in held}
-            if len(groups) == 1 and None not in groups:
+            if same_switches(found.candidates):
                 return min(held, key=sorted)  # same switches: the same choice whichever it is
             self._likely = (other, frozenset().union(*held))
         self.service.fell_back(found.reason)

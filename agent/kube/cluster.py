@@ -196,6 +196,20 @@ class LightkubeCluster:
             return PodList(pods, version)
         return await self._do(call)
 
+    async def find_node_pod(self, namespace: str, name: str) -> PodView | None:
+        """One pod by name, only if it is on this node: a LIST in its namespace with both field selectors (a consistent
+        read, no resourceVersion: the watch cache may lag as the watch does). An answer naming another pod is not
+        believed."""
+        async def call() -> PodView | None:
+            listing = self._client.list(Pod, namespace=url_segment(namespace, namespace=True),
+                                        fields={"metadata.name": url_segment(name), "spec.nodeName": self.node_name})
+            pods = [PodView.from_dict(p.to_dict()) async for p in listing]
+            if any(p.key != (namespace, name) for p in pods) or len(pods) > 1:
+                raise errors.ApiServerError(502, f"a list of pod {namespace}/{name} returned "
+                                                 f"{[f'{p.namespace}/{p.name}'[:80] for p in pods[:3]]}")
+            return pods[0] if pods else None
+        return await self._do(call)
+
     async def evict_pod(self, namespace: str, name: str) -> None:
         """policy/v1 Eviction (lightkube fills apiVersion and kind)."""
         async def call() -> None:

@@ -3,7 +3,8 @@
 Each consumer names the narrow protocol it needs (drain gets `PodApi`, slots get `LeaseApi`, network accounting
 gets `PodWatchApi`), which documents and limits what it can do. The whole list is what the RBAC rules grant
 (deploy/rbac.yaml): the own Node (get, watch by name, patch, patch status), pods on the own node (list and
-watch with `spec.nodeName`), evictions, Events, Leases in one namespace, and for the DRA driver its own
+watch with `spec.nodeName`; one pod by name is a namespaced LIST with `metadata.name` and `spec.nodeName`, since
+RBAC cannot bound a GET to the own node), evictions, Events, Leases in one namespace, and for the DRA driver its own
 ResourceSlices (by `spec.nodeName` and `spec.driver`; a ValidatingAdmissionPolicy binds writes to the node) and
 ResourceClaims by name. Nothing lists or watches cluster-wide. Every method raises only
 `agent.kube.errors.Api*` errors. DRA objects cross the port as their JSON (dicts): the driver owns their meaning.
@@ -61,6 +62,15 @@ class PodWatchApi(Protocol):
         when the server closes it after `timeout_seconds` (410: ApiGone, the version is too old)."""
 
 
+class PodLookupApi(Protocol):
+    """One pod of this node by name, for a pod the own-node watch has not delivered yet (device ownership)."""
+
+    async def find_node_pod(self, namespace: str, name: str) -> PodView | None:
+        """LIST pods in `namespace` with fieldSelector metadata.name=<name>,spec.nodeName=<node>: the pod, or None
+        when no such pod is on this node (gone, or never here). Needs only `list pods`, and cannot read a pod of
+        another node."""
+
+
 class EventApi(Protocol):
     """core/v1 Events about the node."""
 
@@ -114,8 +124,8 @@ class AccessApi(Protocol):
         """Whether the verb on the resource is allowed, and the authorizer's reason (often empty)."""
 
 
-class Cluster(NodeApi, PodApi, PodWatchApi, EventApi, LeaseApi, ResourceSliceApi, ResourceClaimApi, AccessApi,
-              Protocol):
+class Cluster(NodeApi, PodApi, PodWatchApi, PodLookupApi, EventApi, LeaseApi, ResourceSliceApi, ResourceClaimApi,
+              AccessApi, Protocol):
     """Everything the agent does on the API server; one client shared by remediation and network accounting."""
 
     async def aclose(self) -> None:

@@ -135,6 +135,10 @@ class InMemoryCluster:
         """Pods on the node and the current version."""
         return PodList(tuple(self.pods.values()), str(self.version))
 
+    async def find_node_pod(self, namespace: str, name: str) -> PodView | None:
+        """The pod, when it is on the node."""
+        return self.pods.get((namespace, name))
+
     async def watch_pods(self, resource_version: str, timeout_seconds: int) -> AsyncIterator[WatchEvent[PodView]]:
         """Every pod change after `resource_version`, then a BOOKMARK when `timeout_seconds` have passed."""
         seen = int(resource_version or self.version)

@@ -16,7 +16,10 @@ not lost: every List reply, on time or late, poll or lookup, becomes `latest` (f
 `Listings` memory the next call compares with, unless a newer reply is already there. A poll joins a List in
 flight instead of sending its own. The container under admission comes from the pod specs when the own-node
 pod watch has them, else from the kubelet's records alone (`admitted.new_holders`): exactly one container
-newly holding partner devices is it; several leave the choice to the caller (`Lookup.candidates`).
+newly holding partner devices is it; several leave the choice to the caller (`Lookup.candidates`). Only when
+several are left that the caller cannot treat `alike` and some of their pods have no spec yet (the watch lags), and
+only with API access, the lookup fetches those specs (`spec_fetch`, one namespaced LIST per pod) within what is
+left of its deadline and decides again with them; a fetch answering later is kept for the next call.
 
 Decisions that name pods by device (isolate: who holds it, is the drain over; pod Events; a GPU reset's "no pod
 holds it") never use the poll's reading, which can be `poll_interval` old and miss a pod admitted since or name one
@@ -38,9 +41,17 @@ from prometheus_client import CollectorRegistry, Counter
 from agent import aio
 from agent.host.podresources import ContainerDevices, PodResourcesError, PodResourcesPort
 from agent.kube.model import PodView
-from agent.ownership.admitted import Admission, Listings, admitted_container, new_holders, requests_of
+from agent.ownership.admitted import (
+    Admission,
+    Listings,
+    SpecLookup,
+    admitted_container,
+    new_holders,
+    requests_of,
+)
 from agent.ownership.book import Holder, Ownership
 from agent.ownership.metrics import DevicePodInfo
+from agent.ownership.spec_fetch import PodSpecFetcher
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +61,7 @@ LATE_S = 2.0  # a lookup's List may still answer this long after its deadline, a
 
 PodSpecs = Callable[[], Mapping[tuple[str, str], PodView] | None]  # None: no pod watch (no API access)
 Containers = tuple[ContainerDevices, ...]
+Alike = Callable[[Sequence[Admission]], bool]  # whether these candidates would be placed the same way
 
 # Why a preference call had no exact partner facts (`gpu_node_agent_preference_fallbacks_total{reason}`)
 FALLBACK_REASONS = ("timeout", "rate_limited", "unavailable", "invalid", "ambiguous", "no_new_holder")
@@ -71,9 +83,10 @@ class OwnershipService:
     def __init__(self, port: PodResourcesPort, *, pod_specs: PodSpecs | None = None,
                  registry: CollectorRegistry | None = None, poll_interval: float = DEFAULT_POLL_S,
                  lookup_timeout: float = DEFAULT_LOOKUP_S, poll_timeout: float = 2.0,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic, spec_fetcher: PodSpecFetcher | None = None) -> None:
         self.port = port
         self.pod_specs = pod_specs or (lambda: None)
+        self.spec_fetcher = spec_fetcher  # None: no API access, the watch's specs or none
         self.poll_interval = poll_interval
         self.lookup_timeout = lookup_timeout
         self.poll_timeout = poll_timeout
@@ -161,6 +174,8 @@ class OwnershipService:
                 await aio.sleep_or_stop(stop, self.poll_interval)
         finally:
             await aio.cancel_and_wait(self._reading)
+            if self.spec_fetcher is not None:
+                await self.spec_fetcher.aclose()
             await self.port.aclose()
 
     def holders(self, device_id: str) -> tuple[Holder, ...]:
@@ -192,16 +207,24 @@ class OwnershipService:
         return sorted({f"{h.namespace}/{h.pod}" for d in device_ids for h in reading.holders(d)})
 
     def pod(self, namespace: str, name: str) -> PodView | None:
-        """The pod spec from the own-node pod watch, when there is one."""
-        specs = self.pod_specs()
-        return specs.get((namespace, name)) if specs is not None else None
+        """The pod spec from the own-node pod watch, or fetched for a preference call when the watch lags."""
+        return self._spec_of(self.pod_specs())(namespace, name)
+
+    def _spec_of(self, specs: Mapping[tuple[str, str], PodView] | None) -> SpecLookup:
+        fetcher = self.spec_fetcher
+
+        def spec(namespace: str, name: str) -> PodView | None:
+            found = specs.get((namespace, name)) if specs is not None else None
+            return found if found is not None or fetcher is None else fetcher.spec((namespace, name))
+        return spec
 
     async def admission(self, resource: str, partners: Iterable[str]) -> Admission | None:
         """The container under admission for `resource` and its partner devices; None when not known in time."""
         return (await self.lookup(resource, partners)).found
 
-    async def lookup(self, resource: str, partners: Iterable[str]) -> Lookup:
-        """One List (at most), waited on for `lookup_timeout`: the container under admission for `resource`."""
+    async def lookup(self, resource: str, partners: Iterable[str], *, alike: Alike | None = None) -> Lookup:
+        """One List (at most), waited on for `lookup_timeout`: the container under admission for `resource`.
+        `alike`: whether several candidates lead to the same placement anyway (then no spec is fetched)."""
         partner_names = frozenset(partners)
         if not self.read_fully:  # the first call after a start: never decide against "everything is free"
             await self._first_reading()
@@ -214,22 +237,34 @@ class OwnershipService:
             self._lookups.labels("failed").inc()
             return Lookup(None, exc.reason if isinstance(exc, PodResourcesError) else "timeout")
         specs = self.pod_specs()
-        found = None if specs is None else admitted_container(
-            containers, resource, partner_names, lambda ns, name: specs.get((ns, name)))
+        fetcher = self.spec_fetcher
+        if fetcher is not None:  # keep only what the watch still lacks of pods the kubelet lists
+            listed = {(c.namespace, c.pod) for c in containers}
+            fetcher.forget(lambda key: key in listed and (specs is None or key not in specs))
+        found = self._decide(containers, resource, partner_names, self._spec_of(specs), started)
+        if found.reason == "ambiguous" and fetcher is not None and not (alike is not None and alike(found.candidates)):
+            spec_of = self._spec_of(specs)
+            missing = [(a.namespace, a.pod) for a in found.candidates if spec_of(a.namespace, a.pod) is None]
+            if missing:
+                await fetcher.fetch(missing, self.lookup_timeout - (self.monotonic() - started))
+                found = self._decide(containers, resource, partner_names, self._spec_of(specs), started)
+        self._lookups.labels("exact" if found.found is not None else "unknown").inc()
+        return found
+
+    def _decide(self, containers: Containers, resource: str, partners: frozenset[str], spec_of: SpecLookup,
+                started: float) -> Lookup:
+        """The container under admission from one List: by the pod specs, else by the kubelet's records alone."""
+        found = admitted_container(containers, resource, partners, spec_of)
         if found is not None:
-            self._lookups.labels("exact").inc()
             return Lookup(found)
         # no spec for the container under admission (no pod watch, or it lags): the kubelet's records alone, less
-        # the containers whose spec the watch has and which do not ask for `resource` (a GPU-only pod)
+        # the containers whose spec is known and which do not ask for `resource` (a GPU-only pod)
         def may_be_admitted(listed: ContainerDevices) -> bool:
-            spec = specs.get((listed.namespace, listed.pod)) if specs is not None else None
-            wanted = requests_of(spec, listed.container)
+            wanted = requests_of(spec_of(listed.namespace, listed.pod), listed.container)
             return (wanted is None or resource in wanted) and self.listings.is_new(listed, started) \
                 and not self.listings.admission_over(listed)
 
-        holders = tuple(new_holders(containers, resource, partner_names, may_be_admitted))
+        holders = tuple(new_holders(containers, resource, partners, may_be_admitted))
         if len(holders) == 1:
-            self._lookups.labels("exact").inc()
             return Lookup(holders[0])
-        self._lookups.labels("unknown").inc()
         return Lookup(None, "ambiguous" if holders else "no_new_holder", holders)

@@ -2,9 +2,10 @@
 pod Events for device-health changes.
 
 Everything here degrades instead of failing: no PodResources socket is `gpu_node_agent_pod_resources_up` 0 and
-the agent's own records; no API access means no pod specs (admission lookups answer "unknown", so placement
-keeps its own policy) and no Events. Health changes arrive on `health_changes` (a copy of what health sends the
-device plugin), so pod Events do not depend on the device plugin running.
+the agent's own records; no API access means no pod specs (admission lookups rely on the kubelet's records
+alone, and where those are ambiguous placement keeps its own policy), no spec fetches and no Events. Health
+changes arrive on `health_changes` (a copy of what health sends the device plugin), so pod Events do not depend
+on the device plugin running.
 """
 
 from __future__ import annotations
@@ -39,12 +40,16 @@ class OwnershipSubsystem:
     def __init__(self, port: PodResourcesPort, registry: CollectorRegistry | None, *,
                  cluster: Cluster | None, poll_interval: float, lookup_timeout: float) -> None:
         self._watch = None
+        fetcher = None
         if cluster is not None:
             from agent.kube.podwatch import NodePodWatch
+            from agent.ownership.spec_fetch import PodSpecFetcher
 
             self._watch = NodePodWatch(cluster, lambda _pods: None)
+            fetcher = PodSpecFetcher(cluster, registry)  # pods the watch lags on, when a preference call needs them
         self.service = OwnershipService(port, pod_specs=self._pod_specs, registry=registry,
-                                        poll_interval=poll_interval, lookup_timeout=lookup_timeout)
+                                        poll_interval=poll_interval, lookup_timeout=lookup_timeout,
+                                        spec_fetcher=fetcher)
         self.pod_events = PodDeviceEvents(cluster, self.service)
         self.health_changes: asyncio.Queue[DeviceHealthEvent] = asyncio.Queue()
 

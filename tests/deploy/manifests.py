@@ -66,6 +66,7 @@ AGENT_METRICS: dict[str, str] = {
     "gpu_node_agent_allocations_total": "counter {resource,level}",
     "gpu_node_agent_allocations_pix_missed_total": "counter {resource}: worse than PIX although PIX was offered",
     "gpu_node_agent_preference_fallbacks_total": "counter {reason}: preference calls without partner facts",
+    "gpu_node_agent_pod_spec_fetches_total": "counter {outcome}: pod specs fetched for preference calls",
     "gpu_node_agent_devices_not_served": "gauge {reason}: devices found but not advertised",
     "gpu_node_agent_preferred_allocation_failures_total": "counter {resource}",
     "gpu_node_agent_remediation_actions_total": "counter {action,result}",

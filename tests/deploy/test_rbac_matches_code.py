@@ -86,6 +86,7 @@ async def _exercise(port: LightkubeCluster) -> None:
         "watch_pods": lambda: _drain(port.watch_pods("1", 300)),
         "list_pods": port.list_pods,
         "list_node_pods": port.list_node_pods,
+        "find_node_pod": lambda: port.find_node_pod("team", "train-0"),
         "evict_pod": lambda: port.evict_pod("team", "train-0"),
         "write_event": lambda: _events(port),
         "list_leases": lambda: port.list_leases(NS, {"a": "b"}),

@@ -13,7 +13,8 @@ def allowed(node: str, lease_namespace: str) -> list[tuple[str, str]]:
         ("GET", rf"/api/v1/nodes/{node}"), ("PATCH", rf"/api/v1/nodes/{node}"),
         ("PATCH", rf"/api/v1/nodes/{node}/status"),
         ("GET", r"/api/v1/nodes"),  # watch only, checked below
-        ("GET", r"/api/v1/pods"), ("POST", r"/api/v1/namespaces/[^/]+/pods/[^/]+/eviction"),
+        ("GET", r"/api/v1/pods"), ("GET", r"/api/v1/namespaces/[^/]+/pods"),  # lists by node (and name), below
+        ("POST", r"/api/v1/namespaces/[^/]+/pods/[^/]+/eviction"),
         # Events about the node live in `default`; Events about a pod in the pod's namespace
         ("POST", r"/api/v1/namespaces/[^/]+/events"), ("PATCH", r"/api/v1/namespaces/[^/]+/events/[^/]+"),
         ("GET", rf"/apis/coordination.k8s.io/v1/namespaces/{lease_namespace}/leases"),
@@ -30,7 +31,8 @@ def allowed(node: str, lease_namespace: str) -> list[tuple[str, str]]:
 
 def assert_only_allowed(requests: list[Request], node: str, lease_namespace: str) -> None:
     """Every request is one the RBAC rules grant, and nothing lists or watches cluster-wide: node watches are
-    by name, and every pod list or watch carries `fieldSelector=spec.nodeName=<node>`."""
+    by name, every pod list or watch carries `fieldSelector=spec.nodeName=<node>`, and a namespaced pod list
+    names one pod as well."""
     rules = allowed(node, lease_namespace)
     for r in requests:
         assert any(r.method == m and re.fullmatch(p, r.path) for m, p in rules), (r.method, r.path)
@@ -38,5 +40,9 @@ def assert_only_allowed(requests: list[Request], node: str, lease_namespace: str
             assert r.watch and r.query.get("fieldSelector") == f"metadata.name={node}", r
         if r.path == "/api/v1/pods":
             assert r.query.get("fieldSelector") == f"spec.nodeName={node}", r
+        if re.fullmatch(r"/api/v1/namespaces/[^/]+/pods", r.path):  # one pod of this node: by name and node
+            terms = r.query.get("fieldSelector", "").split(",")
+            assert not r.watch and f"spec.nodeName={node}" in terms and any(
+                t.startswith("metadata.name=") for t in terms), r
         if r.path == "/apis/resource.k8s.io/v1/resourceslices" and r.method == "GET":
             assert f"spec.nodeName={node}" in r.query.get("fieldSelector", "").split(","), r

@@ -2,7 +2,8 @@
 
 It implements just the endpoints the agent may use, with the semantics the agent relies on and that kmock does
 not emulate: merge patch with the resourceVersion precondition (409), strategic merge of `status.conditions` by
-type, the `spec.nodeName` field selector on pod lists and watches, watches of the Node and of pods with
+type, field selectors as the API server parses them (comma-separated `=`, `==`, `!=` terms over the fields each
+kind supports, 400 for any other field; pods: also listed per namespace), watches of the Node and of pods with
 resourceVersion / bookmarks / timeoutSeconds / 410 after compaction, one resourceVersion counter for every
 object (as etcd has), the Eviction subresource, Events with generateName, Leases with create-409 and
 replace-409, resource.k8s.io/v1 ResourceSlices and ResourceClaims (`tests.fakes.apidra`), and
@@ -10,8 +11,8 @@ SelfSubjectAccessReviews (201 with `status.allowed`; `denied` holds the (group, 
 RBAC refuses, as an authorizer that says no without a reason). Everything
 else answers 404 and is recorded, so tests can assert the agent made no other request.
 Faults (status codes, delays for client timeouts) are scripted per method and path; `pod_watch_gate` makes pod
-watches lag behind the store (lists stay current). Watch timeouts follow the
-injected clock.
+watches lag behind the store (lists stay current), `pod_lookup_gate` holds namespaced pod lists (a slow
+answer to the agent's one-pod lookup). Watch timeouts follow the injected clock.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import yaml
 from tests.fakes.apidra import ResourceApi
 from tests.fakes.apistore import EventsAndLeases, merge_patch
 from tests.fakes.clock import FakeClock
+from tests.fakes.fieldselect import SelectorError, field_selector, field_value
 from tests.fakes.httpdouble import Answer, HttpDouble, Request, status_body
 
 __all__ = ["ApiServerDouble", "Request", "container_spec", "merge_patch", "write_kubeconfig"]
@@ -76,11 +78,15 @@ class ApiServerDouble(EventsAndLeases, ResourceApi, HttpDouble):
         self.denied: set[tuple[str, str, str]] = set()  # (API group, resource[/subresource], verb) RBAC refuses
         # while set and not open, watches hold back pod events (a lagging watch: the list is current, the watch is not)
         self.pod_watch_gate: asyncio.Event | None = None
+        # while set and not open, namespaced pod lists (the agent's one-pod lookups) wait: a slow API server
+        self.pod_lookup_gate: asyncio.Event | None = None
         self._changed = asyncio.Event()
         self._expire = asyncio.Event()
         self._close = asyncio.Event()
 
     def _closing(self) -> None:
+        if self.pod_lookup_gate is not None:
+            self.pod_lookup_gate.set()
         self._expire.set()
         self._changed.set()
 
@@ -151,6 +157,10 @@ class ApiServerDouble(EventsAndLeases, ResourceApi, HttpDouble):
         """Every request on the pods collection (lists and watches, or only one kind)."""
         return [r for r in self.requests if r.path == "/api/v1/pods" and (watches is None or r.watch == watches)]
 
+    def namespaced_pod_requests(self) -> list[Request]:
+        """Every request on a namespace's pods collection (the agent's one-pod lookups)."""
+        return [r for r in self.requests if re.fullmatch(r"/api/v1/namespaces/[^/]+/pods", r.path)]
+
     @property
     def annotations(self) -> dict[str, str]:
         return self.node["metadata"].get("annotations") or {}
@@ -196,6 +206,10 @@ class ApiServerDouble(EventsAndLeases, ResourceApi, HttpDouble):
             return self._patch_status(r.body)
         if r.path == "/api/v1/pods" and r.method == "GET":
             return self._list_pods(r.query)
+        if (m := re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods", r.path)) and r.method == "GET":
+            if self.pod_lookup_gate is not None:
+                await self.pod_lookup_gate.wait()
+            return self._list_pods(r.query, m.group(1))
         if m := re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)/eviction", r.path):
             return self._evict(m.group(1), m.group(2), r.body)
         if m := re.fullmatch(r"/api/v1/namespaces/([^/]+)/events(?:/([^/]+))?", r.path):
@@ -253,16 +267,20 @@ class ApiServerDouble(EventsAndLeases, ResourceApi, HttpDouble):
 
     @staticmethod
     def _selects(selector: str, obj: dict[str, Any]) -> bool:
-        """The two field selectors the double knows; an empty selector selects everything."""
-        if not selector:
-            return True
-        if obj.get("kind") == "Pod":
-            return selector == f"spec.nodeName={obj['spec']['nodeName']}"
-        return selector == f"metadata.name={obj['metadata']['name']}"
+        """Whether `obj` matches every term of the field selector (an empty one selects everything)."""
+        kind = str(obj.get("kind"))
+        return all((field_value(obj, kind, name) == value) == equal
+                   for name, equal, value in field_selector(selector, kind))
 
-    def _list_pods(self, query: dict[str, str]) -> Answer:
+    def _list_pods(self, query: dict[str, str], namespace: str | None = None) -> Answer:
         selector = query.get("fieldSelector", "")
-        items = [p for p in self.pods.values() if self._selects(selector, p)]
+        try:
+            field_selector(selector, "Pod")
+        except SelectorError as exc:
+            return 400, status_body(400, f'Unable to find "pods" that match label selector "", field selector '
+                                         f'"{selector}": {exc}', "BadRequest"), {}
+        items = [p for p in self.pods.values()
+                 if (namespace is None or p["metadata"]["namespace"] == namespace) and self._selects(selector, p)]
         return 200, {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": str(self.rv)},
                      "items": items}, {}
 

@@ -201,3 +201,57 @@ async def test_the_node_watch_believes_only_its_own_node(port, api, clock: FakeC
     with pytest.raises(errors.ApiServerError, match="returned node 'gpu-node-2'"):
         async for _ in port.watch_node(start, 300):
             pass
+
+
+async def test_one_pod_is_found_by_a_namespaced_list_bounded_to_this_node(port, api):
+    api.add_pod("team", "train-0")
+    api.add_pod("team", "train-1", node="other-node")  # same namespace, another node: never read
+    api.add_pod("other", "train-0", node="other-node")
+    pod = await port.find_node_pod("team", "train-0")
+    assert pod is not None and pod.key == ("team", "train-0") and pod.uid == "uid-team-train-0"
+    assert await port.find_node_pod("team", "train-1") is None
+    assert await port.find_node_pod("team", "gone") is None
+    lists = api.namespaced_pod_requests()
+    assert [r.path for r in lists] == ["/api/v1/namespaces/team/pods"] * 3
+    assert {frozenset(r.query["fieldSelector"].split(",")) for r in lists} == {
+        frozenset({f"metadata.name={n}", f"spec.nodeName={NODE}"}) for n in ("train-0", "train-1", "gone")}
+    assert count(port, "list", "200") == 3  # a LIST, which `list pods` grants; never a GET of a pod
+
+
+async def test_a_bad_pod_name_is_refused_before_any_request(port, api):
+    for namespace, name in (("team", "a,spec.nodeName=other"), ("../kube-system", "x"), ("team", "")):
+        with pytest.raises(errors.ApiError) as caught:
+            await port.find_node_pod(namespace, name)
+        assert caught.value.code == 400
+    assert api.namespaced_pod_requests() == []
+
+
+async def test_a_list_answering_with_another_pod_is_not_believed(port, api):
+    api.add_pod("team", "train-0")
+    api.add_pod("team", "train-9")
+    api.pods[("team", "train-9")]["metadata"]["name"] = "train-0"  # a broken server or proxy: two answers
+    with pytest.raises(errors.ApiServerError):
+        await port.find_node_pod("team", "train-0")
+
+
+async def test_the_double_selects_fields_as_the_api_server_does(api):
+    import httpx2
+
+    api.add_pod("team", "a", phase="Pending")
+    api.add_pod("team", "b")
+    async with httpx2.AsyncClient(base_url=api.url) as http:
+        refused = await http.get("/api/v1/namespaces/team/pods", params={"fieldSelector": "spec.containers=x"})
+        both = await http.get("/api/v1/namespaces/team/pods",
+                              params={"fieldSelector": f"spec.nodeName=={NODE},status.phase!=Running"})
+    assert refused.status_code == 400 and refused.json()["reason"] == "BadRequest"
+    assert '"spec.containers" is not a known field selector' in refused.json()["message"]
+    assert [p["metadata"]["name"] for p in both.json()["items"]] == ["a"]
+
+
+async def test_the_in_memory_cluster_finds_only_its_own_pods() -> None:
+    from agent.kube.simulated import demo_cluster
+
+    cluster = demo_cluster("n1")
+    pod = await cluster.find_node_pod("default", "training-job-0")
+    assert pod is not None and pod.key == ("default", "training-job-0")
+    assert await cluster.find_node_pod("default", "nope") is None

@@ -3,11 +3,14 @@ PodResources v1 over unix sockets, the agent's device-plugin manager with owners
 and optionally a stand-in for NVIDIA's GPU plugin (NIC-only mode).
 
 `api`: whether the agent has pod specs (the own-node pod watch); without, it works from PodResources alone.
+`pod_lookup`: the cluster port the agent fetches a lagging pod's spec through (None: no fetches).
 `now`: the rate limits' clock (advanced by the test, 0.1 s per admission), or None for the real clock.
+`cluster` / `watch`: the real lightkube port on the API double and the agent's own-node pod watch through it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import shutil
 import tempfile
@@ -24,14 +27,20 @@ from agent.deviceplugin.manager import DevicePluginManager
 from agent.host.podresources import Reachability
 from agent.host.podresources.client import KubeletPodResources
 from agent.host.podresources.ratelimit import TokenBucket
+from agent.kube.cluster import LightkubeCluster, connect
+from agent.kube.metrics import ApiRequestCounter
 from agent.kube.model import PodView
+from agent.kube.podwatch import NodePodWatch
+from agent.kube.port import PodLookupApi
 from agent.ownership.service import OwnershipService, PodSpecs
+from agent.ownership.spec_fetch import PodSpecFetcher
 from agent.placement.policy import achieved_levels
 from agent.simulate.kubelet import LocalKubelet
 from agent.simulate.node import simulated_topology
 from agent.topology.model import Level, Topology
 from tests.deviceplugin.conftest import FAST, dp_config
-from tests.fakes.apiserver import container_spec
+from tests.fakes import fixtures
+from tests.fakes.apiserver import ApiServerDouble, container_spec, write_kubeconfig
 from tests.fakes.standin_plugin import StandInPlugin
 
 GPU, NIC = "nvidia.com/gpu", "gpunodeagent.io/sriov_rdma"
@@ -76,6 +85,8 @@ class Node:
     now: float = 0.0  # the rate limits' clock unless `real_clock`: the test advances it per admission
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     watched: PodSpecs | None = None  # pod specs from a real own-node pod watch instead of `specs`
+    pod_lookup: PodLookupApi | None = None
+    fetch_late_s: float = 30.0  # a fetch's own bound: generous, the tests hold answers on purpose
 
     def __post_init__(self) -> None:
         self.kubelet = LocalKubelet(self.directory / "dp", rng=random.Random(7),  # noqa: S311
@@ -96,8 +107,10 @@ class Node:
                                      reachability=Reachability(registry, "test"),
                                      bucket=TokenBucket(monotonic=self.clock))
         specs = self.watched or ((lambda: self.specs) if self.api else None)
-        self.service = OwnershipService(client, pod_specs=specs,
-                                        registry=registry, lookup_timeout=self.lookup_timeout)
+        fetcher = None if self.pod_lookup is None else PodSpecFetcher(self.pod_lookup, registry,
+                                                                      late_s=self.fetch_late_s)
+        self.service = OwnershipService(client, pod_specs=specs, registry=registry,
+                                        lookup_timeout=self.lookup_timeout, spec_fetcher=fetcher)
         config = dp_config(str(self.directory / "dp"), serve_gpus=self.serve_gpus)
         self.manager = DevicePluginManager(config, self.topology, registry=registry, **FAST,
                                            plugin_registry_dir=str(self.directory / "reg"),
@@ -116,6 +129,8 @@ class Node:
         if self.manager is not None:
             await self.manager.stop()
         if self.service is not None:
+            if self.service.spec_fetcher is not None:
+                await self.service.spec_fetcher.aclose()
             await self.service.port.aclose()
 
     def gpu_ids(self) -> list[str]:
@@ -160,3 +175,42 @@ async def node_factory() -> AsyncIterator:
             await node.nvidia.stop()
         await node.kubelet.stop()
         shutil.rmtree(node.directory, ignore_errors=True)
+
+
+@pytest.fixture
+async def cluster(api: ApiServerDouble, tmp_path: Path) -> AsyncIterator[LightkubeCluster]:
+    """The agent's real cluster port (lightkube) on the API double."""
+    port = connect(fixtures.NODE, ApiRequestCounter(CollectorRegistry()),
+                   str(write_kubeconfig(tmp_path / "kc", api.url)), timeout=2.0)
+    yield port
+    await port.aclose()
+
+
+@pytest.fixture
+async def watch(api: ApiServerDouble, cluster: LightkubeCluster) -> AsyncIterator[NodePodWatch]:
+    """The own-node pod watch, synced (its first list done) before the test starts."""
+    pods = NodePodWatch(cluster, lambda _pods: None, rng=random.Random(1))  # noqa: S311
+    stop = asyncio.Event()
+    task = asyncio.create_task(pods.run(stop))
+    try:
+        await until(lambda: pods.synced)
+        yield pods
+    finally:
+        if api.pod_watch_gate is not None:
+            api.pod_watch_gate.set()
+        stop.set()
+        await task
+
+
+async def until(condition: Callable[[], bool], deadline: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline
+    while not condition():
+        assert loop.time() < end, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def api_pod(api: ApiServerDouble, name: str, requests: dict[str, int]) -> tuple[str, str]:
+    """A pod in namespace ml on the double's node, one container asking for `requests`."""
+    api.add_pod("ml", name, containers=[container_spec("main", requests)])
+    return "ml", name

@@ -2,7 +2,7 @@
 the API double) is synced but lags, so a pod created at the instant the kubelet admits it has no spec yet.
 
 What main does then: the spec lookup finds nobody and the kubelet's records alone decide (rule 1), so the
-container still pairs; no GET is needed for it. Where rule 1 alone would see two candidates (a GPU-only pod and
+container still pairs; no spec is fetched for it. Where rule 1 alone would see two candidates (a GPU-only pod and
 a GPU-first container admitted back to back, GPUs under different switches), the spec the watch already has for
 one of them rules it out.
 """
@@ -11,58 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
-import pytest
-from prometheus_client import CollectorRegistry
-
-from agent.kube.cluster import LightkubeCluster, connect
-from agent.kube.metrics import ApiRequestCounter
+from agent.kube.cluster import LightkubeCluster
 from agent.kube.podwatch import NodePodWatch
 from agent.placement.tree import switch_groups
-from tests.fakes import fixtures
-from tests.fakes.apiserver import ApiServerDouble, container_spec, write_kubeconfig
-from tests.ownership.rig import GPU, NIC, Picks, node_factory, offered_only, pix
+from tests.fakes.apiserver import ApiServerDouble
+from tests.ownership.rig import GPU, NIC, Picks, api_pod, cluster, node_factory, offered_only, pix, until, watch
 
-__all__ = ["node_factory"]  # the fixture
-
-
-@pytest.fixture
-async def watch(api: ApiServerDouble, tmp_path: Path) -> AsyncIterator[NodePodWatch]:
-    """The own-node pod watch, synced (its first list done) before the test starts."""
-    cluster: LightkubeCluster = connect(fixtures.NODE, ApiRequestCounter(CollectorRegistry()),
-                                        str(write_kubeconfig(tmp_path / "kc", api.url)), timeout=2.0)
-    watch = NodePodWatch(cluster, lambda _pods: None, rng=random.Random(1))  # noqa: S311
-    stop = asyncio.Event()
-    task = asyncio.create_task(watch.run(stop))
-    try:
-        await until(lambda: watch.synced)
-        yield watch
-    finally:
-        if api.pod_watch_gate is not None:
-            api.pod_watch_gate.set()
-        stop.set()
-        await task
-        await cluster.aclose()
-
-
-async def until(condition: Callable[[], bool], deadline: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline
-    while not condition():
-        assert loop.time() < end, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
-def api_pod(api: ApiServerDouble, name: str, requests: dict[str, int]) -> tuple[str, str]:
-    api.add_pod("ml", name, containers=[container_spec("main", requests)])
-    return "ml", name
+__all__ = ["cluster", "node_factory", "watch"]  # the fixtures
 
 
 async def test_a_pod_the_watch_has_not_delivered_pairs_from_the_kubelets_records(
-        node_factory, api: ApiServerDouble, watch: NodePodWatch) -> None:
-    node = await node_factory(serve_gpus=False, profile="dgx-h100",
+        node_factory, api: ApiServerDouble, cluster: LightkubeCluster, watch: NodePodWatch) -> None:
+    node = await node_factory(serve_gpus=False, profile="dgx-h100", pod_lookup=cluster,
                               watched=lambda: watch.pods if watch.synced else None)
     api.pod_watch_gate = asyncio.Event()  # from now on the watch lags
     rng = random.Random(2)  # noqa: S311
@@ -86,14 +47,16 @@ async def test_a_pod_the_watch_has_not_delivered_pairs_from_the_kubelets_records
     assert node.sample("gpu_node_agent_pod_resources_lookups_total", result="exact") == gpu_first
     assert node.sample("gpu_node_agent_preference_fallbacks_total", reason="no_new_holder") == 12 - gpu_first
     assert node.sample("gpu_node_agent_preference_fallbacks_total", reason="ambiguous") == 0
+    assert api.namespaced_pod_requests() == []  # one new holder: no spec was fetched
     api.pod_watch_gate.set()
     await until(lambda: all(k in watch.pods for k in live))
     offered_only(node)
 
 
 async def test_the_watchs_spec_rules_out_a_gpu_only_pod_rule_1_would_count(
-        node_factory, api: ApiServerDouble, watch: NodePodWatch) -> None:
-    node = await node_factory(serve_gpus=False, watched=lambda: watch.pods if watch.synced else None)
+        node_factory, api: ApiServerDouble, cluster: LightkubeCluster, watch: NodePodWatch) -> None:
+    node = await node_factory(serve_gpus=False, pod_lookup=cluster,
+                              watched=lambda: watch.pods if watch.synced else None)
     assert node.nvidia is not None
     picks = Picks()
     node.nvidia.rng = picks  # type: ignore[assignment]
@@ -114,3 +77,4 @@ async def test_the_watchs_spec_rules_out_a_gpu_only_pod_rule_1_would_count(
     assert got[GPU] == [b] and pix(node.topology, b, got[NIC][0]), got
     assert node.sample("gpu_node_agent_preference_fallbacks_total", reason="ambiguous") == 0
     assert node.sample("gpu_node_agent_pod_resources_lookups_total", result="exact") == 1
+    assert api.namespaced_pod_requests() == []  # the watch's spec was enough

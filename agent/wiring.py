@@ -341,14 +341,16 @@ def netacct(cfg: AgentConfig, registry: CollectorRegistry, cluster: ClusterPort)
     return NetacctService(cfg.netacct, registry, default_pod_source(cfg.netacct, cluster.get))
 
 
-def _netacct_subsystem(service: NetacctService) -> Subsystem:
+def _kernel_state_subsystem(name: str, service: NetacctService | ShapingService) -> Subsystem:
+    """netacct or shaping: `close` keeps what they wrote in the kernel (rules, sets, shapers), so counters and
+    limits continue across a restart; `netacct cleanup` / `shaping cleanup` remove them."""
     async def run(stop: asyncio.Event) -> None:
         try:
             await service.run(stop)
         finally:
-            service.close()  # keeps the rules, so counters continue after a restart; `netacct cleanup` removes them
+            service.close()
 
-    return Subsystem("netacct", run)
+    return Subsystem(name, run)
 
 
 def shaping(cfg: AgentConfig, registry: CollectorRegistry, cluster: ClusterPort,
@@ -367,16 +369,6 @@ def shaping(cfg: AgentConfig, registry: CollectorRegistry, cluster: ClusterPort,
         events = None  # no cluster: bad annotations are only logged
     return ShapingService(cfg.shaping, cfg.netacct.internal_networks(), registry, pods, NetlinkTc(),
                           events=events, owns_source=netacct is None)
-
-
-def _shaping_subsystem(service: ShapingService) -> Subsystem:
-    async def run(stop: asyncio.Event) -> None:
-        try:
-            await service.run(stop)
-        finally:
-            service.close()  # keeps the shapers; `shaping cleanup` (or `netacct cleanup`) removes them
-
-    return Subsystem("shaping", run)
 
 
 @dataclass
@@ -443,10 +435,10 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
         wiring.subsystems.append(Subsystem("remediation", wiring.remediation.run))
     if cfg.netacct.enabled:
         wiring.netacct = netacct(cfg, registry, wiring.cluster)
-        wiring.subsystems.append(_netacct_subsystem(wiring.netacct))
+        wiring.subsystems.append(_kernel_state_subsystem("netacct", wiring.netacct))
     if cfg.shaping.enabled:
         wiring.shaping = shaping(cfg, registry, wiring.cluster, wiring.netacct)
-        wiring.subsystems.append(_shaping_subsystem(wiring.shaping))
+        wiring.subsystems.append(_kernel_state_subsystem("shaping", wiring.shaping))
     listeners = [s.on_topology for s in wiring.subsystems if s.on_topology is not None]
     wiring.subsystems.append(rescans(hardware, rescan, cfg.topology.rescan_interval_seconds, listeners))
     return wiring

@@ -60,12 +60,18 @@ class PodSpecFetcher:
     async def fetch(self, keys: Iterable[PodKey], timeout: float) -> dict[PodKey, PodView]:
         """Fetch the specs of `keys` (at most `MAX_PODS`, joining fetches in flight) and wait for them at most
         `timeout` seconds; returns the specs known then. Never raises for API failures."""
-        wanted = [k for k in dict.fromkeys(keys) if k not in self.fetched][:MAX_PODS]
+        asked = list(dict.fromkeys(keys))
+        wanted = [k for k in asked if k not in self.fetched][:MAX_PODS]
         tasks = [self._start(k) for k in wanted]
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=max(timeout, 0.0))
-            self._late.update(k for k, t in zip(wanted, tasks, strict=True) if t in pending)
-        return {k: self.fetched[k] for k in wanted if k in self.fetched}
+        try:
+            if tasks:
+                await asyncio.wait(tasks, timeout=max(timeout, 0.0))
+        finally:
+            # also when the caller is cancelled while waiting (the kubelet gave up on the preference call): an
+            # answer after that served no call in time, so it counts as late
+            self._late.update(k for k, t in zip(wanted, tasks, strict=True) if not t.done())
+        # every asked-for spec known now, kept ones included (not only those this call fetched)
+        return {k: self.fetched[k] for k in asked if k in self.fetched}
 
     def _start(self, key: PodKey) -> asyncio.Task[PodView | None]:
         task = self._inflight.get(key)

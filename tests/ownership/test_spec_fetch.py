@@ -146,7 +146,8 @@ async def test_a_caller_cancelled_while_waiting_leaves_its_fetches_late(rig: Rig
 
 
 async def test_the_fetch_bound_ends_a_stuck_fetch_as_an_error_and_the_next_call_asks_again() -> None:
-    rig = Rig(pods=2, late_s=0.05)  # the API server never answers while held
+    assert PodSpecFetcher(HeldLookups(InMemoryCluster("node-a")), None).late_s == spec_fetch.LATE_S == 2.0
+    rig = Rig(pods=2, late_s=0.05)  # the same bound, shortened: the API server never answers while held
     rig.api.hold = True
     assert await rig.fetcher.fetch([rig.key(0)], 0.0) == {}
     await until(lambda: rig.outcomes() != counted())

@@ -115,8 +115,10 @@ def _parse_message(data: bytes, pos: int, end: int, dump: SetDump) -> None:
         pos += (size + 3) & ~3
 
 
-class IpsetReader:
-    """Dumps named sets over one netlink socket; not thread-safe (callers hold their own lock)."""
+class NetfilterSocket:
+    """One NETLINK_NETFILTER socket for a reader, opened on first use (in `netns`), with its own request sequence;
+    readers close it after a failed dump, since a half-read dump leaves it out of step. Not thread-safe (callers
+    hold their own lock)."""
 
     def __init__(self, netns: str | None = None, timeout: float = 5.0) -> None:
         self._netns = netns
@@ -130,12 +132,19 @@ class IpsetReader:
             self._sock.close()
             self._sock = None
 
-    def dump(self, name: str) -> SetDump | None:
-        """Members and counters of set `name`, or None when no such set exists."""
+    def _socket(self) -> socket.socket:
         if self._sock is None:
             self._sock = open_socket(self._netns, self._timeout)
+        return self._sock
+
+
+class IpsetReader(NetfilterSocket):
+    """Dumps named sets over one netlink socket."""
+
+    def dump(self, name: str) -> SetDump | None:
+        """Members and counters of set `name`, or None when no such set exists."""
         try:
-            return self._dump(self._sock, name)
+            return self._dump(self._socket(), name)
         except OSError:
             self.close()  # a half-read dump leaves the socket out of step; start clean next time
             raise

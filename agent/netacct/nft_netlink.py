@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import errno
 import functools
-import itertools
-import socket
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
 from agent.host.netlink import NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NetlinkTruncated, messages
-from agent.netacct.ipset_netlink import open_socket
+from agent.netacct.ipset_netlink import NetfilterSocket
 
 NFNL_SUBSYS_NFTABLES = 10
 NFPROTO_INET = 1
@@ -147,36 +145,26 @@ def _cstr(text: str) -> bytes:
     return text.encode() + b"\0"
 
 
-class NftReader:
-    """Dumps one nftables table (family inet) over one netlink socket; not thread-safe (callers hold a lock)."""
+class NftReader(NetfilterSocket):
+    """Dumps one nftables table (family inet) over one netlink socket."""
 
     def __init__(self, table: str, netns: str | None = None, timeout: float = 5.0) -> None:
+        super().__init__(netns, timeout)
         self.table = table
-        self._netns = netns
-        self._timeout = timeout
-        self._sock: socket.socket | None = None
-        self._seq = itertools.count(1)
-
-    def close(self) -> None:
-        """Close the socket (a later call opens a new one)."""
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
 
     def _dump(self, command: int, attrs: bytes, what: str) -> Iterator[tuple[bytes, int, int]] | None:
         """Every answer message of one dump as (datagram, attributes start, end); None when the kernel says
         ENOENT (no such table or set)."""
-        if self._sock is None:
-            self._sock = open_socket(self._netns, self._timeout)
+        sock = self._socket()
         seq = next(self._seq)
         body = struct.pack("=BBH", NFPROTO_INET, 0, 0) + attrs
         header = _HDR.pack(_HDR.size + len(body), (NFNL_SUBSYS_NFTABLES << 8) | command,
                            NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
         out: list[tuple[bytes, int, int]] = []
         try:
-            self._sock.send(header + body)
+            sock.send(header + body)
             while True:
-                data = self._sock.recv(1 << 20)
+                data = sock.recv(1 << 20)
                 for kind, start, end in messages(data, seq, what):
                     if kind == NLMSG_DONE:
                         return iter(out)

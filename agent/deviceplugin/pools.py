@@ -13,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from agent.config.model import DevicePluginConfig, PoolConfig, SelectorConfig
 from agent.config.resources import resource_name_problem
@@ -81,11 +83,27 @@ class ResourcePool:
         """Full name the kubelet registers, e.g. `gpunodeagent.io/sriov_rdma`."""
         return f"{self.prefix}/{self.name}"
 
+    @cached_property
+    def _by_id(self) -> dict[str, PoolDevice]:
+        # built once per pool (a rescan builds a new one): Allocate and health look devices up by ID, and a
+        # replica pool holds up to 8,192 of them
+        found: dict[str, PoolDevice] = {}
+        for device in self.devices:
+            found.setdefault(device.id, device)
+        return found
+
+    @cached_property
+    def _by_physical(self) -> dict[str, tuple[str, ...]]:
+        grouped: dict[str, list[str]] = {}
+        for device in self.devices:
+            grouped.setdefault(device.physical_id, []).append(device.id)
+        return {physical_id: tuple(ids) for physical_id, ids in grouped.items()}
+
     def device(self, device_id: str) -> PoolDevice | None:
         """The device with this ID, or None."""
-        return next((d for d in self.devices if d.id == device_id), None)
+        return self._by_id.get(device_id)
 
-    @property
+    @cached_property
     def ids(self) -> tuple[str, ...]:
         """Device IDs in pool order."""
         return tuple(d.id for d in self.devices)
@@ -97,7 +115,12 @@ class ResourcePool:
 
     def serves_physical(self, device_id: str) -> bool:
         """Whether a device of the pool is `device_id` or one of its replicas (health events name those)."""
-        return any(d.physical_id == device_id for d in self.devices)
+        return device_id in self._by_physical
+
+    def ids_of(self, physical_ids: Iterable[str]) -> frozenset[str]:
+        """The pool's IDs of these devices (each device itself, or all its replicas); the cost is that of
+        `physical_ids`, not of the pool."""
+        return frozenset(i for physical_id in physical_ids for i in self._by_physical.get(physical_id, ()))
 
 
 @dataclass(frozen=True)

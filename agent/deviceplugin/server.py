@@ -131,12 +131,17 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
         """IDs of the pool's devices not marked Unhealthy."""
         return frozenset(d.id for d in self._pool.devices if self._device_health.is_healthy(d.physical_id))
 
+    def _unhealthy_ids(self) -> frozenset[str]:
+        """IDs of the pool's devices marked Unhealthy (all replicas of an Unhealthy GPU), from the health owner's
+        few Unhealthy devices rather than a pass over the pool."""
+        return self._pool.ids_of(self._device_health.unhealthy())
+
     def device_list(self) -> list[api_pb2.Device]:
         """The full list ListAndWatch sends: every device with its health and NUMA node when known."""
         devices = []
-        healthy = self.healthy_ids()
+        unhealthy = self._unhealthy_ids()
         for device in self._pool.devices:
-            message = api_pb2.Device(ID=device.id, health=HEALTHY if device.id in healthy else UNHEALTHY)
+            message = api_pb2.Device(ID=device.id, health=UNHEALTHY if device.id in unhealthy else HEALTHY)
             if device.numa is not None and not self._pool.exclude_topology:
                 message.topology.nodes.add(ID=device.numa)
             devices.append(message)
@@ -189,7 +194,7 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
         """One preference per container; never an error, which would fail the pod's admission."""
         response = api_pb2.PreferredAllocationResponse()
         partner = await self._partner() if len(request.container_requests) == 1 else None
-        unhealthy = frozenset(self._pool.ids) - self.healthy_ids()
+        unhealthy = self._unhealthy_ids()
         for container in request.container_requests:
             asked = ContainerRequest(
                 served=self._pool.ids, available=tuple(container.available_deviceIDs),

@@ -7,7 +7,8 @@ import logging
 import pytest
 
 from agent.config.model import DevicePluginConfig, PoolConfig, SelectorConfig
-from agent.deviceplugin.pools import PoolConfigError, build_pools, socket_name
+from agent.config.sharing import ReplicatedResourceConfig, TimeSlicingConfig
+from agent.deviceplugin.pools import PoolConfigError, build_pools, share, socket_name
 from agent.host.unixsocket import MAX_SOCKET_PATH
 from tests.deviceplugin.conftest import GPU_UUIDS, small_topology
 
@@ -118,3 +119,13 @@ def test_exclude_topology_and_unknown_numa() -> None:
     assert pool.exclude_topology
     unknown = build_pools(small_topology(numa_unknown=True), DevicePluginConfig()).pools[0]
     assert {d.numa for d in unknown.devices} == {None}
+
+
+def test_replica_pool_maps_physical_ids_to_its_replicas() -> None:
+    [gpus] = [p for p in build_pools(small_topology(), DevicePluginConfig(serve_gpus=True)).pools if p.kind == "gpu"]
+    sharing = TimeSlicingConfig(resources=[ReplicatedResourceConfig(name=gpus.resource_name, replicas=3)])
+    [pool] = share([gpus], sharing)
+    assert pool.serves_physical(GPU_UUIDS[1]) and not pool.serves_physical(f"{GPU_UUIDS[1]}::0")
+    assert pool.ids_of([GPU_UUIDS[1], "GPU-not-here"]) == {f"{GPU_UUIDS[1]}::{n}" for n in range(3)}
+    assert pool.device(f"{GPU_UUIDS[2]}::2") == pool.devices[8]
+    assert gpus.ids_of([GPU_UUIDS[0]]) == {GPU_UUIDS[0]} and gpus.device("nope") is None

@@ -26,6 +26,7 @@ from agent.deviceplugin.pools import ResourcePool, mig_resource_name
 from agent.ownership.admitted import Admission
 from agent.ownership.service import OwnershipService
 from agent.placement.policy import DeviceKind
+from agent.placement.replicas import physical
 from agent.placement.tree import switch_groups
 
 STALE_POLLS = 3
@@ -86,7 +87,7 @@ class OwnershipFacts:
         likely, self._likely = self._likely, None
         served = any(p.kind == kind.value for p in self._pools())
         if likely is not None and likely[0] is kind and not served:
-            return frozenset(i.partition("::")[0] for i in likely[1])
+            return frozenset(physical(i) for i in likely[1])
         latest, read_at = self.service.latest, self.service.read_at
         if latest is None or read_at is None:
             return None
@@ -97,5 +98,5 @@ class OwnershipFacts:
             of_resource = latest.free(resource)
             if of_resource is None:
                 return None
-            free |= {i.partition("::")[0] for i in of_resource}
+            free |= {physical(i) for i in of_resource}
         return frozenset(free)

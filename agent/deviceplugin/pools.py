@@ -20,6 +20,7 @@ from functools import cached_property
 from agent.config.model import DevicePluginConfig, PoolConfig, SelectorConfig
 from agent.config.resources import resource_name_problem
 from agent.config.sharing import TimeSlicingConfig
+from agent.placement.replicas import physical
 from agent.topology.model import BusIdError, Gpu, MigDevice, Nic, Topology, Vf, normalize_bus_id
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class PoolDevice:
     def physical_id(self) -> str:
         """The device behind this ID: itself, or the GPU (or MIG device) a replica shares. Health is recorded
         under it, so all replicas of a GPU go Unhealthy together."""
-        return self.id.rpartition("::")[0] if self.replica is not None else self.id
+        return physical(self.id) if self.replica is not None else self.id
 
     @property
     def rdma(self) -> str | None:

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from agent.host.busid import BusIdError, normalize_bus_id
+from agent.placement.replicas import physical
 from agent.topology.model import Level, Location, Topology
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class PcieTree:
         string that sorts by GPU index), the canonical bus id.
         """
         if gpu:
-            device_id = device_id.partition("::")[0]  # a time-sliced replica is its GPU or MIG device
+            device_id = physical(device_id)  # a time-sliced replica is its GPU or MIG device
             mig = self._mig_by_id.get(device_id)
             if mig is not None:
                 return self.gpu_node[mig[0]], mig[1]
@@ -272,7 +273,7 @@ def switch_groups(topology: Topology, gpu: bool, device_ids: frozenset[str]) -> 
     tree = tree_for(topology)
     groups: set[int] = set()
     for device_id in device_ids:
-        found = tree.locate(gpu, device_id.partition("::")[0])
+        found = tree.locate(gpu, device_id)
         if found is None:
             return None
         node = found[0]

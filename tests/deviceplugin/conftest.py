@@ -7,6 +7,7 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import pytest
@@ -15,6 +16,7 @@ from agent.config.model import DevicePluginConfig
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.simulate.kubelet import LocalKubelet
+from agent.simulate.node import simulated_topology
 from agent.topology.model import (
     Gpu,
     Location,
@@ -127,3 +129,14 @@ async def first_list(channel: grpc.aio.Channel) -> tuple[grpc.aio.UnaryStreamCal
     call = api_pb2_grpc.DevicePluginStub(channel).ListAndWatch(api_pb2.Empty())
     response = await asyncio.wait_for(call.read(), 5)
     return call, list(response.devices)
+
+
+# simulated DGX H100 nodes, built once per test module: 8 whole GPUs, and GPUs 0-3 in MIG mode (seven 1g.10gb each)
+@pytest.fixture(scope="module")
+def dgx(tmp_path_factory: pytest.TempPathFactory) -> Topology:
+    return simulated_topology("dgx-h100", Path(tmp_path_factory.mktemp("dgx")))
+
+
+@pytest.fixture(scope="module")
+def mig_node(tmp_path_factory: pytest.TempPathFactory) -> Topology:
+    return simulated_topology("dgx-h100-mig", Path(tmp_path_factory.mktemp("mig")))

@@ -43,11 +43,6 @@ def seeded(seed: int) -> random.Random:
 
 
 @pytest.fixture(scope="module")
-def dgx(tmp_path_factory: pytest.TempPathFactory) -> Topology:
-    return simulated_topology("dgx-h100", Path(tmp_path_factory.mktemp("dgx")))
-
-
-@pytest.fixture(scope="module")
 def pairs(tmp_path_factory: pytest.TempPathFactory) -> Topology:
     return simulated_topology("pcie-pairs", Path(tmp_path_factory.mktemp("pairs")))
 

@@ -14,7 +14,6 @@ import pytest
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.nvidia import GpuServing, gpu_payload
 from agent.simulate.kubelet import LocalKubelet
-from agent.simulate.node import simulated_topology
 from agent.topology.model import Level, Topology
 from tests.deviceplugin.conftest import dp_config
 
@@ -23,11 +22,6 @@ MIG = "nvidia.com/mig-1g.10gb"
 RDMA = "gpunodeagent.io/sriov_rdma"
 NOT_SERVED = "gpu_node_agent_devices_not_served"
 MakeManager = Callable[..., Awaitable[DevicePluginManager]]
-
-
-@pytest.fixture(scope="module")
-def mig_node(tmp_path_factory: pytest.TempPathFactory) -> Topology:
-    return simulated_topology("dgx-h100-mig", Path(tmp_path_factory.mktemp("mig")))
 
 
 def all_mig(topology: Topology) -> Topology:

@@ -18,7 +18,6 @@ from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.v1beta1 import api_pb2
 from agent.placement.policy import achieved_levels
 from agent.simulate.kubelet import AdmissionError, LocalKubelet
-from agent.simulate.node import simulated_topology
 from agent.topology.model import Level, Topology
 from tests.deviceplugin.conftest import dp_config
 
@@ -28,11 +27,6 @@ SHARED = "nvidia.com/gpu.shared"
 MIG = "nvidia.com/mig-1g.10gb"
 RDMA = "gpunodeagent.io/sriov_rdma"
 MakeManager = Callable[..., Awaitable[DevicePluginManager]]
-
-
-@pytest.fixture(scope="module")
-def dgx(tmp_path_factory: pytest.TempPathFactory) -> Topology:
-    return simulated_topology("dgx-h100", Path(tmp_path_factory.mktemp("dgx")))
 
 
 def nvidia_config(path: Path, directory: str, **changes: object):
@@ -123,8 +117,8 @@ async def test_a_replica_and_a_nic_sit_under_one_switch(kubelet: LocalKubelet, m
 
 
 async def test_mig_devices_are_time_sliced_by_their_resource_name(kubelet: LocalKubelet, make_manager: MakeManager,
-                                                                  tmp_path: Path) -> None:
-    node = simulated_topology("dgx-h100-mig", tmp_path / "mig")
+                                                                  tmp_path: Path, mig_node: Topology) -> None:
+    node = mig_node
     path = write(tmp_path, "version: v1\nflags:\n  migStrategy: mixed\nsharing:\n  timeSlicing:\n    resources:\n"
                            "    - name: mig-1g.10gb\n      replicas: 2\n")
     await serve(kubelet, make_manager, nvidia_config(path, str(kubelet.directory)), node)

@@ -28,8 +28,8 @@ from agent.host.netlink import (
     NLMSG_DONE,
     NetlinkTruncated,
     messages,
+    open_socket,
 )
-from agent.host.netns import entered
 from agent.host.tc import LIMITED, ROOT, ShaperCounters, TcError
 
 RTM_NEWTCLASS, RTM_GETTCLASS = 40, 42
@@ -92,15 +92,7 @@ class ClassCounters:
 
     def _sock(self) -> socket.socket:
         if self._socket is None:
-            with entered(self.netns):
-                sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, socket.NETLINK_ROUTE)
-            try:
-                sock.settimeout(self.timeout)
-                sock.bind((0, 0))
-            except OSError:
-                sock.close()
-                raise
-            self._socket = sock
+            self._socket = open_socket(socket.NETLINK_ROUTE, self.netns, timeout=self.timeout)
         return self._socket
 
     def read(self, indexes: Iterable[int]) -> dict[int, ShaperCounters]:

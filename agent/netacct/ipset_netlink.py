@@ -18,8 +18,8 @@ import socket
 import struct
 from dataclasses import dataclass, field
 
+from agent.host import netlink
 from agent.host.netlink import HEADER, NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NetlinkTruncated, messages
-from agent.host.netns import entered
 
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_IPSET = 6
@@ -46,15 +46,6 @@ class SetDump:
     family: int = 0
     flags: int = 0
     members: dict[tuple[bytes, int], tuple[int, int]] = field(default_factory=dict)
-
-
-def open_socket(netns: str | None = None, timeout: float = 5.0) -> socket.socket:
-    """A NETLINK_NETFILTER socket in this thread's namespace, or in the named one."""
-    with entered(netns):
-        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
-    sock.settimeout(timeout)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
-    return sock
 
 
 def _attr(kind: int, payload: bytes) -> bytes:
@@ -134,7 +125,8 @@ class NetfilterSocket:
 
     def _socket(self) -> socket.socket:
         if self._sock is None:
-            self._sock = open_socket(self._netns, self._timeout)
+            self._sock = netlink.open_socket(NETLINK_NETFILTER, self._netns, receive_buffer=1 << 20,
+                                             timeout=self._timeout)
         return self._sock
 
 

@@ -3,7 +3,8 @@ counters, ipset and nftables dumps).
 
 One datagram holds whole messages, each an `nlmsghdr` and its body, aligned to 4 bytes. `messages` walks them:
 it yields (type, body start, end) for the messages of one request (`seq`), raises `NetlinkTruncated` for a cut
-message and `OSError` for an error answer; a zero error (an ACK) is skipped. `open_socket` opens one, in a
+message and `OSError` for an error answer; a zero error (an ACK) is skipped. `attrs` walks a body's attributes
+and `attr` builds one. `open_socket` opens one, in a
 named network namespace when asked (namespaces are per thread: the calling thread switches in and back).
 """
 
@@ -45,6 +46,23 @@ def messages(data: bytes, seq: int | None, what: str) -> Iterator[tuple[int, int
                 raise OSError(code, f"{what}: {os.strerror(code)}")
             continue
         yield kind, body, end
+
+
+def attrs(data: bytes, pos: int, end: int) -> Iterator[tuple[int, int, int]]:
+    """(type without the nested / byte-order flags, payload start, payload end) of each attribute in
+    data[pos:end]; one that runs past `end` (or claims less than its header) raises NetlinkTruncated."""
+    while pos + ATTR.size <= end:
+        size, kind = ATTR.unpack_from(data, pos)
+        if size < ATTR.size or pos + size > end:
+            raise NetlinkTruncated("truncated attribute")
+        yield kind & ATTR_TYPE_MASK, pos + ATTR.size, pos + size
+        pos += (size + 3) & ~3
+
+
+def attr(kind: int, payload: bytes) -> bytes:
+    """One attribute, padded to 4 bytes."""
+    size = ATTR.size + len(payload)
+    return ATTR.pack(size, kind) + payload + b"\0" * (-size % 4)
 
 
 def open_socket(protocol: int, netns: str | None = None, *, groups: int = 0, receive_buffer: int | None = None,

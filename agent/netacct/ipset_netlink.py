@@ -19,7 +19,17 @@ import struct
 from dataclasses import dataclass, field
 
 from agent.host import netlink
-from agent.host.netlink import HEADER, NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NetlinkTruncated, messages
+from agent.host.netlink import (
+    ATTR,
+    ATTR_TYPE_MASK,
+    HEADER,
+    NLM_F_DUMP,
+    NLM_F_REQUEST,
+    NLMSG_DONE,
+    NetlinkTruncated,
+    attr,
+    messages,
+)
 
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_IPSET = 6
@@ -28,8 +38,6 @@ IPSET_PROTOCOL = 7
 ATTR_PROTOCOL, ATTR_SETNAME, ATTR_TYPENAME, ATTR_FAMILY, ATTR_DATA, ATTR_ADT = 1, 2, 3, 5, 7, 8
 ELEM_IP, ELEM_CIDR, ELEM_CADT_FLAGS, ELEM_BYTES, ELEM_PACKETS = 1, 3, 8, 24, 25
 FLAG_WITH_COUNTERS = 1 << 3
-_TYPE_MASK = 0x3FFF  # strips NLA_F_NESTED and NLA_F_NET_BYTEORDER
-_NLA = struct.Struct("=HH")
 _U64 = struct.Struct(">Q")
 
 
@@ -48,14 +56,9 @@ class SetDump:
     members: dict[tuple[bytes, int], tuple[int, int]] = field(default_factory=dict)
 
 
-def _attr(kind: int, payload: bytes) -> bytes:
-    size = _NLA.size + len(payload)
-    return _NLA.pack(size, kind) + payload + b"\0" * (-size % 4)
-
-
 def _request(name: str, seq: int) -> bytes:
     body = struct.pack("=BBH", socket.AF_INET, 0, 0)
-    body += _attr(ATTR_PROTOCOL, bytes([IPSET_PROTOCOL])) + _attr(ATTR_SETNAME, name.encode() + b"\0")
+    body += attr(ATTR_PROTOCOL, bytes([IPSET_PROTOCOL])) + attr(ATTR_SETNAME, name.encode() + b"\0")
     return HEADER.pack(HEADER.size + len(body), (NFNL_SUBSYS_IPSET << 8) | IPSET_CMD_LIST,
                      NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
 
@@ -63,10 +66,10 @@ def _request(name: str, seq: int) -> bytes:
 def _parse_element(data: bytes, pos: int, end: int) -> tuple[tuple[bytes, int], tuple[int, int]]:
     address, cidr, packets, octets = b"", -1, 0, 0
     while pos < end:
-        size, kind = _NLA.unpack_from(data, pos)
-        kind &= _TYPE_MASK
+        size, kind = ATTR.unpack_from(data, pos)
+        kind &= ATTR_TYPE_MASK
         if kind == ELEM_IP:
-            inner, _ = _NLA.unpack_from(data, pos + 4)
+            inner, _ = ATTR.unpack_from(data, pos + 4)
             address = data[pos + 8:pos + 4 + inner]
         elif kind == ELEM_BYTES:
             octets = _U64.unpack_from(data, pos + 4)[0]
@@ -83,12 +86,12 @@ def _parse_element(data: bytes, pos: int, end: int) -> tuple[tuple[bytes, int], 
 def _parse_message(data: bytes, pos: int, end: int, dump: SetDump) -> None:
     pos += 4  # nfgenmsg
     while pos < end:
-        size, kind = _NLA.unpack_from(data, pos)
-        kind &= _TYPE_MASK
+        size, kind = ATTR.unpack_from(data, pos)
+        kind &= ATTR_TYPE_MASK
         if kind == ATTR_ADT:
             inner, inner_end = pos + 4, pos + size
             while inner < inner_end:
-                item_size, _ = _NLA.unpack_from(data, inner)
+                item_size, _ = ATTR.unpack_from(data, inner)
                 key, value = _parse_element(data, inner + 4, inner + item_size)
                 dump.members[key] = value
                 inner += (item_size + 3) & ~3
@@ -99,8 +102,8 @@ def _parse_message(data: bytes, pos: int, end: int, dump: SetDump) -> None:
         elif kind == ATTR_DATA:
             inner, inner_end = pos + 4, pos + size
             while inner < inner_end:
-                item_size, item_kind = _NLA.unpack_from(data, inner)
-                if item_kind & _TYPE_MASK == ELEM_CADT_FLAGS:
+                item_size, item_kind = ATTR.unpack_from(data, inner)
+                if item_kind & ATTR_TYPE_MASK == ELEM_CADT_FLAGS:
                     dump.flags = struct.unpack_from(">I", data, inner + 4)[0]
                 inner += (item_size + 3) & ~3
         pos += (size + 3) & ~3

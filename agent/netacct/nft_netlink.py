@@ -109,19 +109,26 @@ def _string(data: bytes, start: int, end: int) -> str:
     return data[start:end].split(b"\0", 1)[0].decode()
 
 
+def _counts(data: bytes, start: int, end: int) -> Counts:
+    """(packets, bytes) of a counter's attributes (NFTA_COUNTER_BYTES / NFTA_COUNTER_PACKETS)."""
+    packets = octets = 0
+    for kind, s, _ in attrs(data, start, end):
+        if kind == COUNTER_BYTES:
+            octets = _BE64.unpack_from(data, s)[0]
+        elif kind == COUNTER_PACKETS:
+            packets = _BE64.unpack_from(data, s)[0]
+    return packets, octets
+
+
 def _counter(data: bytes, start: int, end: int) -> Counts | None:
     """(packets, bytes) of a `counter` expression (NFTA_EXPR_NAME / NFTA_EXPR_DATA), else None."""
-    name, packets, octets, found = "", 0, 0, False
+    name, value = "", None
     for kind, s, e in attrs(data, start, end):
         if kind == EXPR_NAME:
             name = _string(data, s, e)
         elif kind == EXPR_DATA:
-            for inner, a, _ in attrs(data, s, e):
-                if inner == COUNTER_BYTES:
-                    octets, found = _BE64.unpack_from(data, a)[0], True
-                elif inner == COUNTER_PACKETS:
-                    packets = _BE64.unpack_from(data, a)[0]
-    return (packets, octets) if name == "counter" and found else None
+            value = _counts(data, s, e)
+    return value if name == "counter" else None
 
 
 def _comment(userdata: bytes) -> str:
@@ -172,6 +179,15 @@ class NftReader(NetfilterSocket):
             self.close()
             raise NftNetlinkError(errno.EPROTO, f"{what}: malformed reply: {exc}") from exc
 
+    def _of_table(self, dump: Iterator[tuple[bytes, int, int]] | None,
+                  table_attr: int) -> Iterator[tuple[bytes, list[tuple[int, int, int]]]]:
+        """The attributes of each answer message that names this table in `table_attr` (the kernel's chain dump
+        does not filter by table; the others do, and this costs them nothing)."""
+        for data, start, end in dump or ():
+            found = list(attrs(data, start, end))
+            if any(kind == table_attr and _string(data, s, e) == self.table for kind, s, e in found):
+                yield data, found
+
     @_decoding
     def counters(self) -> dict[str, Counts]:
         """The table's named counters (empty when the table does not exist: the kernel filters, it does not
@@ -179,25 +195,14 @@ class NftReader(NetfilterSocket):
         request = attr(OBJ_TABLE, _cstr(self.table)) + attr(OBJ_TYPE, _BE32.pack(OBJECT_COUNTER))
         dump = self._dump(MSG_GETOBJ, request, f"nft list counters table inet {self.table}")
         out: dict[str, Counts] = {}
-        if dump is None:
-            return out
-        for data, start, end in dump:
-            name, table, value = "", "", (0, 0)
-            for kind, s, e in attrs(data, start, end):
+        for data, found in self._of_table(dump, OBJ_TABLE):
+            name, value = "", (0, 0)
+            for kind, s, e in found:
                 if kind == OBJ_NAME:
                     name = _string(data, s, e)
-                elif kind == OBJ_TABLE:
-                    table = _string(data, s, e)
                 elif kind == OBJ_DATA:
-                    packets = octets = 0
-                    for inner, a, _ in attrs(data, s, e):
-                        if inner == COUNTER_BYTES:
-                            octets = _BE64.unpack_from(data, a)[0]
-                        elif inner == COUNTER_PACKETS:
-                            packets = _BE64.unpack_from(data, a)[0]
-                    value = (packets, octets)
-            if table == self.table:
-                out[name] = value
+                    value = _counts(data, s, e)
+            out[name] = value
         return out
 
     @_decoding
@@ -207,13 +212,11 @@ class NftReader(NetfilterSocket):
         if dump is None:
             return None
         out: dict[str, SetInfo] = {}
-        for data, start, end in dump:
-            info, table = SetInfo(""), ""
-            for kind, s, e in attrs(data, start, end):
+        for data, found in self._of_table(dump, SET_TABLE):
+            info = SetInfo("")
+            for kind, s, e in found:
                 if kind == SET_NAME:
                     info.name = _string(data, s, e)
-                elif kind == SET_TABLE:
-                    table = _string(data, s, e)
                 elif kind == SET_FLAGS:
                     info.flags = _BE32.unpack_from(data, s)[0]
                 elif kind == SET_KEY_TYPE:
@@ -224,8 +227,7 @@ class NftReader(NetfilterSocket):
                     for _, a, b in attrs(data, s, e):
                         info.counter |= any(k == EXPR_NAME and _string(data, x, y) == "counter"
                                             for k, x, y in attrs(data, a, b))
-            if table == self.table:
-                out[info.name] = info
+            out[info.name] = info
         return out
 
     @_decoding
@@ -233,13 +235,11 @@ class NftReader(NetfilterSocket):
         """The table's chains with their hooks and their rules' comments (empty when the table does not exist)."""
         dump = self._dump(MSG_GETCHAIN, attr(CHAIN_TABLE, _cstr(self.table)), f"nft list chains inet {self.table}")
         out: dict[str, ChainInfo] = {}
-        for data, start, end in dump or ():
-            info, table = ChainInfo(""), ""
-            for kind, s, e in attrs(data, start, end):
+        for data, found in self._of_table(dump, CHAIN_TABLE):
+            info = ChainInfo("")
+            for kind, s, e in found:
                 if kind == CHAIN_NAME:
                     info.name = _string(data, s, e)
-                elif kind == CHAIN_TABLE:
-                    table = _string(data, s, e)
                 elif kind == CHAIN_TYPE:
                     info.kind = _string(data, s, e)
                 elif kind == CHAIN_HOOK:
@@ -248,19 +248,16 @@ class NftReader(NetfilterSocket):
                             info.hook = _BE32.unpack_from(data, a)[0]
                         elif inner == HOOK_PRIORITY:
                             info.priority = _BE32S.unpack_from(data, a)[0]
-            if table == self.table:
-                out[info.name] = info
+            out[info.name] = info
         rules = self._dump(MSG_GETRULE, attr(RULE_TABLE, _cstr(self.table)), f"nft list table inet {self.table}")
-        for data, start, end in rules or ():
-            chain, table, comment = "", "", ""
-            for kind, s, e in attrs(data, start, end):
+        for data, found in self._of_table(rules, RULE_TABLE):
+            chain, comment = "", ""
+            for kind, s, e in found:
                 if kind == RULE_CHAIN:
                     chain = _string(data, s, e)
-                elif kind == RULE_TABLE:
-                    table = _string(data, s, e)
                 elif kind == RULE_USERDATA:
                     comment = _comment(data[s:e])
-            if table == self.table and chain in out:
+            if chain in out:
                 out[chain].comments.append(comment)
         return out
 

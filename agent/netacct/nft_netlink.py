@@ -22,14 +22,9 @@ from typing import ParamSpec, TypeVar
 from agent.host.netlink import (
     ATTR,
     ATTR_TYPE_MASK,
-    HEADER,
-    NLM_F_DUMP,
-    NLM_F_REQUEST,
-    NLMSG_DONE,
     NetlinkTruncated,
     attr,
     attrs,
-    messages,
 )
 from agent.netacct.ipset_netlink import NetfilterSocket
 
@@ -153,33 +148,14 @@ class NftReader(NetfilterSocket):
         super().__init__(netns, timeout)
         self.table = table
 
-    def _dump(self, command: int, request: bytes, what: str) -> Iterator[tuple[bytes, int, int]] | None:
-        """Every answer message of one dump as (datagram, attributes start, end); None when the kernel says
-        ENOENT (no such table or set)."""
-        sock = self._socket()
-        seq = next(self._seq)
-        body = struct.pack("=BBH", NFPROTO_INET, 0, 0) + request
-        header = HEADER.pack(HEADER.size + len(body), (NFNL_SUBSYS_NFTABLES << 8) | command,
-                           NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
-        out: list[tuple[bytes, int, int]] = []
-        try:
-            sock.send(header + body)
-            while True:
-                data = sock.recv(1 << 20)
-                for kind, start, end in messages(data, seq, what):
-                    if kind == NLMSG_DONE:
-                        return iter(out)
-                    out.append((data, start + 4, end))  # after nfgenmsg
-        except OSError as exc:
-            self.close()  # a half-read dump leaves the socket out of step; start clean next time
-            if exc.errno == errno.ENOENT:
-                return None
-            raise
-        except (NetlinkTruncated, struct.error, IndexError) as exc:
-            self.close()
-            raise NftNetlinkError(errno.EPROTO, f"{what}: malformed reply: {exc}") from exc
+    error = NftNetlinkError
 
-    def _of_table(self, dump: Iterator[tuple[bytes, int, int]] | None,
+    def _nft_dump(self, command: int, request: bytes, what: str) -> list[tuple[bytes, int, int]] | None:
+        """Every answer message of one dump of this family; None when the kernel says ENOENT (no such table or
+        set)."""
+        return self._dump(NFNL_SUBSYS_NFTABLES, command, NFPROTO_INET, request, what)
+
+    def _of_table(self, dump: list[tuple[bytes, int, int]] | None,
                   table_attr: int) -> Iterator[tuple[bytes, list[tuple[int, int, int]]]]:
         """The attributes of each answer message that names this table in `table_attr` (the kernel's chain dump
         does not filter by table; the others do, and this costs them nothing)."""
@@ -193,7 +169,7 @@ class NftReader(NetfilterSocket):
         """The table's named counters (empty when the table does not exist: the kernel filters, it does not
         refuse)."""
         request = attr(OBJ_TABLE, _cstr(self.table)) + attr(OBJ_TYPE, _BE32.pack(OBJECT_COUNTER))
-        dump = self._dump(MSG_GETOBJ, request, f"nft list counters table inet {self.table}")
+        dump = self._nft_dump(MSG_GETOBJ, request, f"nft list counters table inet {self.table}")
         out: dict[str, Counts] = {}
         for data, found in self._of_table(dump, OBJ_TABLE):
             name, value = "", (0, 0)
@@ -208,7 +184,7 @@ class NftReader(NetfilterSocket):
     @_decoding
     def sets(self) -> dict[str, SetInfo] | None:
         """The table's set definitions, or None when the table does not exist."""
-        dump = self._dump(MSG_GETSET, attr(SET_TABLE, _cstr(self.table)), f"nft list sets table inet {self.table}")
+        dump = self._nft_dump(MSG_GETSET, attr(SET_TABLE, _cstr(self.table)), f"nft list sets table inet {self.table}")
         if dump is None:
             return None
         out: dict[str, SetInfo] = {}
@@ -233,7 +209,7 @@ class NftReader(NetfilterSocket):
     @_decoding
     def chains(self) -> dict[str, ChainInfo]:
         """The table's chains with their hooks and their rules' comments (empty when the table does not exist)."""
-        dump = self._dump(MSG_GETCHAIN, attr(CHAIN_TABLE, _cstr(self.table)), f"nft list chains inet {self.table}")
+        dump = self._nft_dump(MSG_GETCHAIN, attr(CHAIN_TABLE, _cstr(self.table)), f"nft list chains inet {self.table}")
         out: dict[str, ChainInfo] = {}
         for data, found in self._of_table(dump, CHAIN_TABLE):
             info = ChainInfo("")
@@ -249,7 +225,7 @@ class NftReader(NetfilterSocket):
                         elif inner == HOOK_PRIORITY:
                             info.priority = _BE32S.unpack_from(data, a)[0]
             out[info.name] = info
-        rules = self._dump(MSG_GETRULE, attr(RULE_TABLE, _cstr(self.table)), f"nft list table inet {self.table}")
+        rules = self._nft_dump(MSG_GETRULE, attr(RULE_TABLE, _cstr(self.table)), f"nft list table inet {self.table}")
         for data, found in self._of_table(rules, RULE_TABLE):
             chain, comment = "", ""
             for kind, s, e in found:
@@ -266,7 +242,7 @@ class NftReader(NetfilterSocket):
         """One set's elements with their counters (and, when `ranges`, the ranges of an interval set); None when
         the set does not exist."""
         request = attr(ELEM_LIST_TABLE, _cstr(self.table)) + attr(ELEM_LIST_SET, _cstr(set_name))
-        dump = self._dump(MSG_GETSETELEM, request, f"nft list set inet {self.table} {set_name}")
+        dump = self._nft_dump(MSG_GETSETELEM, request, f"nft list set inet {self.table} {set_name}")
         if dump is None:
             return None
         out = Elements()

@@ -30,8 +30,8 @@ from agent.host.netlink import (
     NLMSG_OVERRUN,
     NetlinkTruncated,
     messages,
+    open_socket,
 )
-from agent.host.netns import entered
 
 RTMGRP_LINK = 1  # the multicast group bit of RTNLGRP_LINK (group 1)
 RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK = 16, 17, 18
@@ -102,23 +102,9 @@ def _link(data: bytes, pos: int, end: int) -> tuple[str, NetdevState]:
     return name, NetdevState(operstate, carrier)
 
 
-def _socket(netns: str | None, groups: int = 0, receive_buffer: int | None = None) -> socket.socket:
-    with entered(netns):
-        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, socket.NETLINK_ROUTE)
-    try:
-        if receive_buffer is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
-        sock.bind((0, groups))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def dump_links(netns: str | None = None, timeout: float = 5.0) -> dict[str, NetdevState]:
     """Every netdev of the namespace, by name (one RTM_GETLINK dump; blocking, run it in a worker thread)."""
-    with _socket(netns) as sock:
-        sock.settimeout(timeout)
+    with open_socket(socket.NETLINK_ROUTE, netns, timeout=timeout) as sock:
         seq = next(_seq)
         request = HEADER.pack(HEADER.size + _IFINFO.size, RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
         sock.send(request + _IFINFO.pack(socket.AF_UNSPEC, 0, 0, 0, 0, 0))
@@ -133,7 +119,7 @@ class LinkSubscription:
     """RTNLGRP_LINK notifications: `changed()` waits for the next ones; `close()` ends the subscription."""
 
     def __init__(self, netns: str | None = None, receive_buffer: int | None = 1 << 20) -> None:
-        self._sock = _socket(netns, RTMGRP_LINK, receive_buffer)
+        self._sock = open_socket(socket.NETLINK_ROUTE, netns, groups=RTMGRP_LINK, receive_buffer=receive_buffer)
         self._sock.setblocking(False)
         self.overruns = 0  # ENOBUFS from the kernel: notifications were dropped
 

@@ -20,16 +20,15 @@ import struct
 from collections.abc import Iterable
 
 from agent.host.netlink import (
-    ATTR,
-    ATTR_TYPE_MASK,
     HEADER,
     NLM_F_DUMP,
     NLM_F_REQUEST,
     NLMSG_DONE,
     NetlinkTruncated,
+    attrs,
     messages,
+    open_socket,
 )
-from agent.host.netns import entered
 from agent.host.tc import LIMITED, ROOT, ShaperCounters, TcError
 
 RTM_NEWTCLASS, RTM_GETTCLASS = 40, 42
@@ -42,23 +41,13 @@ _U32 = struct.Struct("=I")
 _seq = itertools.count(1)
 
 
-def _attrs(data: bytes, pos: int, end: int) -> Iterable[tuple[int, int, int]]:
-    """(type, payload start, payload end) of each attribute in data[pos:end]."""
-    while pos + ATTR.size <= end:
-        size, kind = ATTR.unpack_from(data, pos)
-        if size < ATTR.size or pos + size > end:
-            return
-        yield kind & ATTR_TYPE_MASK, pos + ATTR.size, pos + size
-        pos += (size + 3) & ~3
-
-
 def _stats(data: bytes, pos: int, end: int) -> ShaperCounters:
     """Bytes and drops from a class message's attributes (TCA_STATS2 only)."""
     sent = drops = 0
-    for kind, start, stop in _attrs(data, pos, end):
+    for kind, start, stop in attrs(data, pos, end):
         if kind != TCA_STATS2:
             continue
-        for inner, at, until in _attrs(data, start, stop):
+        for inner, at, until in attrs(data, start, stop):
             if inner == TCA_STATS_BASIC and until - at >= _U64.size:
                 (sent,) = _U64.unpack_from(data, at)  # gnet_stats_basic: __u64 bytes, __u32 packets
             elif inner == TCA_STATS_QUEUE and until - at >= 12:
@@ -92,15 +81,7 @@ class ClassCounters:
 
     def _sock(self) -> socket.socket:
         if self._socket is None:
-            with entered(self.netns):
-                sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, socket.NETLINK_ROUTE)
-            try:
-                sock.settimeout(self.timeout)
-                sock.bind((0, 0))
-            except OSError:
-                sock.close()
-                raise
-            self._socket = sock
+            self._socket = open_socket(socket.NETLINK_ROUTE, self.netns, timeout=self.timeout)
         return self._socket
 
     def read(self, indexes: Iterable[int]) -> dict[int, ShaperCounters]:

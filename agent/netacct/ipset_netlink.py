@@ -18,8 +18,18 @@ import socket
 import struct
 from dataclasses import dataclass, field
 
-from agent.host.netlink import HEADER, NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NetlinkTruncated, messages
-from agent.host.netns import entered
+from agent.host import netlink
+from agent.host.netlink import (
+    ATTR,
+    ATTR_TYPE_MASK,
+    HEADER,
+    NLM_F_DUMP,
+    NLM_F_REQUEST,
+    NLMSG_DONE,
+    NetlinkTruncated,
+    attr,
+    messages,
+)
 
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_IPSET = 6
@@ -28,8 +38,6 @@ IPSET_PROTOCOL = 7
 ATTR_PROTOCOL, ATTR_SETNAME, ATTR_TYPENAME, ATTR_FAMILY, ATTR_DATA, ATTR_ADT = 1, 2, 3, 5, 7, 8
 ELEM_IP, ELEM_CIDR, ELEM_CADT_FLAGS, ELEM_BYTES, ELEM_PACKETS = 1, 3, 8, 24, 25
 FLAG_WITH_COUNTERS = 1 << 3
-_TYPE_MASK = 0x3FFF  # strips NLA_F_NESTED and NLA_F_NET_BYTEORDER
-_NLA = struct.Struct("=HH")
 _U64 = struct.Struct(">Q")
 
 
@@ -48,34 +56,13 @@ class SetDump:
     members: dict[tuple[bytes, int], tuple[int, int]] = field(default_factory=dict)
 
 
-def open_socket(netns: str | None = None, timeout: float = 5.0) -> socket.socket:
-    """A NETLINK_NETFILTER socket in this thread's namespace, or in the named one."""
-    with entered(netns):
-        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
-    sock.settimeout(timeout)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
-    return sock
-
-
-def _attr(kind: int, payload: bytes) -> bytes:
-    size = _NLA.size + len(payload)
-    return _NLA.pack(size, kind) + payload + b"\0" * (-size % 4)
-
-
-def _request(name: str, seq: int) -> bytes:
-    body = struct.pack("=BBH", socket.AF_INET, 0, 0)
-    body += _attr(ATTR_PROTOCOL, bytes([IPSET_PROTOCOL])) + _attr(ATTR_SETNAME, name.encode() + b"\0")
-    return HEADER.pack(HEADER.size + len(body), (NFNL_SUBSYS_IPSET << 8) | IPSET_CMD_LIST,
-                     NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
-
-
 def _parse_element(data: bytes, pos: int, end: int) -> tuple[tuple[bytes, int], tuple[int, int]]:
     address, cidr, packets, octets = b"", -1, 0, 0
     while pos < end:
-        size, kind = _NLA.unpack_from(data, pos)
-        kind &= _TYPE_MASK
+        size, kind = ATTR.unpack_from(data, pos)
+        kind &= ATTR_TYPE_MASK
         if kind == ELEM_IP:
-            inner, _ = _NLA.unpack_from(data, pos + 4)
+            inner, _ = ATTR.unpack_from(data, pos + 4)
             address = data[pos + 8:pos + 4 + inner]
         elif kind == ELEM_BYTES:
             octets = _U64.unpack_from(data, pos + 4)[0]
@@ -90,14 +77,13 @@ def _parse_element(data: bytes, pos: int, end: int) -> tuple[tuple[bytes, int], 
 
 
 def _parse_message(data: bytes, pos: int, end: int, dump: SetDump) -> None:
-    pos += 4  # nfgenmsg
     while pos < end:
-        size, kind = _NLA.unpack_from(data, pos)
-        kind &= _TYPE_MASK
+        size, kind = ATTR.unpack_from(data, pos)
+        kind &= ATTR_TYPE_MASK
         if kind == ATTR_ADT:
             inner, inner_end = pos + 4, pos + size
             while inner < inner_end:
-                item_size, _ = _NLA.unpack_from(data, inner)
+                item_size, _ = ATTR.unpack_from(data, inner)
                 key, value = _parse_element(data, inner + 4, inner + item_size)
                 dump.members[key] = value
                 inner += (item_size + 3) & ~3
@@ -108,17 +94,19 @@ def _parse_message(data: bytes, pos: int, end: int, dump: SetDump) -> None:
         elif kind == ATTR_DATA:
             inner, inner_end = pos + 4, pos + size
             while inner < inner_end:
-                item_size, item_kind = _NLA.unpack_from(data, inner)
-                if item_kind & _TYPE_MASK == ELEM_CADT_FLAGS:
+                item_size, item_kind = ATTR.unpack_from(data, inner)
+                if item_kind & ATTR_TYPE_MASK == ELEM_CADT_FLAGS:
                     dump.flags = struct.unpack_from(">I", data, inner + 4)[0]
                 inner += (item_size + 3) & ~3
         pos += (size + 3) & ~3
 
 
 class NetfilterSocket:
-    """One NETLINK_NETFILTER socket for a reader, opened on first use (in `netns`), with its own request sequence;
-    readers close it after a failed dump, since a half-read dump leaves it out of step. Not thread-safe (callers
-    hold their own lock)."""
+    """One NETLINK_NETFILTER socket for a reader, opened on first use (in `netns`), with its own request sequence,
+    and the dump loop of its readers; a failed dump closes it, since a half-read dump leaves it out of step. Errors
+    are raised as `error` (the reader's own OSError subclass). Not thread-safe (callers hold their own lock)."""
+
+    error: type[OSError] = OSError
 
     def __init__(self, netns: str | None = None, timeout: float = 5.0) -> None:
         self._netns = netns
@@ -134,39 +122,57 @@ class NetfilterSocket:
 
     def _socket(self) -> socket.socket:
         if self._sock is None:
-            self._sock = open_socket(self._netns, self._timeout)
+            self._sock = netlink.open_socket(NETLINK_NETFILTER, self._netns, receive_buffer=1 << 20,
+                                             timeout=self._timeout)
         return self._sock
+
+    def _dump(self, subsystem: int, command: int, family: int, request: bytes,
+              what: str) -> list[tuple[bytes, int, int]] | None:
+        """Every answer message of one nfnetlink dump as (datagram, attributes start after nfgenmsg, end); None
+        when the kernel answers ENOENT (no such set or table: that answer is the whole dump, the socket stays in
+        step)."""
+        seq = next(self._seq)
+        body = struct.pack("=BBH", family, 0, 0) + request
+        out: list[tuple[bytes, int, int]] = []
+        try:
+            sock = self._socket()
+            sock.send(HEADER.pack(HEADER.size + len(body), (subsystem << 8) | command, NLM_F_REQUEST | NLM_F_DUMP,
+                                  seq, 0) + body)
+            while True:
+                data = sock.recv(1 << 20)
+                try:
+                    for kind, start, end in messages(data, seq, what):
+                        if kind == NLMSG_DONE:
+                            return out
+                        out.append((data, start + 4, end))
+                except OSError as exc:  # the kernel's error answer (messages raises it)
+                    if exc.errno == errno.ENOENT:
+                        return None
+                    raise self.error(exc.errno, exc.strerror) from None
+        except OSError:
+            self.close()  # a half-read dump leaves the socket out of step; start clean next time
+            raise
+        except (NetlinkTruncated, struct.error) as exc:
+            self.close()
+            raise self.error(errno.EPROTO, f"{what}: malformed reply: {exc}") from exc
 
 
 class IpsetReader(NetfilterSocket):
     """Dumps named sets over one netlink socket."""
 
+    error = NetlinkError
+
     def dump(self, name: str) -> SetDump | None:
         """Members and counters of set `name`, or None when no such set exists."""
-        try:
-            return self._dump(self._socket(), name)
-        except OSError:
-            self.close()  # a half-read dump leaves the socket out of step; start clean next time
-            raise
-        except (struct.error, IndexError, UnicodeDecodeError) as exc:
-            self.close()
-            raise NetlinkError(errno.EPROTO, f"ipset list {name}: malformed reply: {exc}") from exc
-
-    def _dump(self, sock: socket.socket, name: str) -> SetDump | None:
-        seq = next(self._seq)
-        sock.send(_request(name, seq))
-        dump = SetDump(name)
         what = f"ipset list {name}"
-        while True:
-            data = sock.recv(1 << 20)
-            try:
-                for kind, start, end in messages(data, seq, what):
-                    if kind == NLMSG_DONE:
-                        return dump
-                    _parse_message(data, start, end, dump)
-            except NetlinkTruncated as exc:
-                raise NetlinkError(errno.EPROTO, str(exc)) from None
-            except OSError as exc:  # the kernel's error answer (messages raises it)
-                if exc.errno == errno.ENOENT:
-                    return None
-                raise NetlinkError(exc.errno, exc.strerror) from None
+        request = attr(ATTR_PROTOCOL, bytes([IPSET_PROTOCOL])) + attr(ATTR_SETNAME, name.encode() + b"\0")
+        answer = self._dump(NFNL_SUBSYS_IPSET, IPSET_CMD_LIST, socket.AF_INET, request, what)
+        if answer is None:
+            return None
+        dump = SetDump(name)
+        try:
+            for data, start, end in answer:
+                _parse_message(data, start, end, dump)
+        except (struct.error, IndexError, UnicodeDecodeError) as exc:
+            raise NetlinkError(errno.EPROTO, f"{what}: malformed reply: {exc}") from exc
+        return dump

@@ -19,7 +19,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
-from agent.host.netlink import NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NetlinkTruncated, messages
+from agent.host.netlink import (
+    ATTR,
+    ATTR_TYPE_MASK,
+    NetlinkTruncated,
+    attr,
+    attrs,
+)
 from agent.netacct.ipset_netlink import NetfilterSocket
 
 NFNL_SUBSYS_NFTABLES = 10
@@ -38,8 +44,6 @@ COUNTER_BYTES, COUNTER_PACKETS = 1, 2
 SET_INTERVAL = 0x4
 ELEM_INTERVAL_END = 0x1
 UDATA_RULE_COMMENT = 0
-_NLA = struct.Struct("=HH")
-_HDR = struct.Struct("=IHHII")
 _BE32 = struct.Struct(">I")
 _BE32S = struct.Struct(">i")
 _BE64 = struct.Struct(">Q")
@@ -96,33 +100,30 @@ class Elements:
     ranges: list[Range] = field(default_factory=list)
 
 
-def _attrs(data: bytes, pos: int, end: int) -> Iterator[tuple[int, int, int]]:
-    """(type, payload start, payload end) of each attribute in [pos, end)."""
-    while pos + 4 <= end:
-        size, kind = _NLA.unpack_from(data, pos)
-        if size < 4 or pos + size > end:
-            raise NetlinkTruncated("nftables: truncated attribute")
-        yield kind & 0x3FFF, pos + 4, pos + size
-        pos += (size + 3) & ~3
-
-
 def _string(data: bytes, start: int, end: int) -> str:
     return data[start:end].split(b"\0", 1)[0].decode()
 
 
+def _counts(data: bytes, start: int, end: int) -> Counts:
+    """(packets, bytes) of a counter's attributes (NFTA_COUNTER_BYTES / NFTA_COUNTER_PACKETS)."""
+    packets = octets = 0
+    for kind, s, _ in attrs(data, start, end):
+        if kind == COUNTER_BYTES:
+            octets = _BE64.unpack_from(data, s)[0]
+        elif kind == COUNTER_PACKETS:
+            packets = _BE64.unpack_from(data, s)[0]
+    return packets, octets
+
+
 def _counter(data: bytes, start: int, end: int) -> Counts | None:
     """(packets, bytes) of a `counter` expression (NFTA_EXPR_NAME / NFTA_EXPR_DATA), else None."""
-    name, packets, octets, found = "", 0, 0, False
-    for kind, s, e in _attrs(data, start, end):
+    name, value = "", None
+    for kind, s, e in attrs(data, start, end):
         if kind == EXPR_NAME:
             name = _string(data, s, e)
         elif kind == EXPR_DATA:
-            for inner, a, _ in _attrs(data, s, e):
-                if inner == COUNTER_BYTES:
-                    octets, found = _BE64.unpack_from(data, a)[0], True
-                elif inner == COUNTER_PACKETS:
-                    packets = _BE64.unpack_from(data, a)[0]
-    return (packets, octets) if name == "counter" and found else None
+            value = _counts(data, s, e)
+    return value if name == "counter" else None
 
 
 def _comment(userdata: bytes) -> str:
@@ -136,11 +137,6 @@ def _comment(userdata: bytes) -> str:
     return ""
 
 
-def _attr(kind: int, payload: bytes) -> bytes:
-    size = _NLA.size + len(payload)
-    return _NLA.pack(size, kind) + payload + b"\0" * (-size % 4)
-
-
 def _cstr(text: str) -> bytes:
     return text.encode() + b"\0"
 
@@ -152,74 +148,51 @@ class NftReader(NetfilterSocket):
         super().__init__(netns, timeout)
         self.table = table
 
-    def _dump(self, command: int, attrs: bytes, what: str) -> Iterator[tuple[bytes, int, int]] | None:
-        """Every answer message of one dump as (datagram, attributes start, end); None when the kernel says
-        ENOENT (no such table or set)."""
-        sock = self._socket()
-        seq = next(self._seq)
-        body = struct.pack("=BBH", NFPROTO_INET, 0, 0) + attrs
-        header = _HDR.pack(_HDR.size + len(body), (NFNL_SUBSYS_NFTABLES << 8) | command,
-                           NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
-        out: list[tuple[bytes, int, int]] = []
-        try:
-            sock.send(header + body)
-            while True:
-                data = sock.recv(1 << 20)
-                for kind, start, end in messages(data, seq, what):
-                    if kind == NLMSG_DONE:
-                        return iter(out)
-                    out.append((data, start + 4, end))  # after nfgenmsg
-        except OSError as exc:
-            self.close()  # a half-read dump leaves the socket out of step; start clean next time
-            if exc.errno == errno.ENOENT:
-                return None
-            raise
-        except (NetlinkTruncated, struct.error, IndexError) as exc:
-            self.close()
-            raise NftNetlinkError(errno.EPROTO, f"{what}: malformed reply: {exc}") from exc
+    error = NftNetlinkError
+
+    def _nft_dump(self, command: int, request: bytes, what: str) -> list[tuple[bytes, int, int]] | None:
+        """Every answer message of one dump of this family; None when the kernel says ENOENT (no such table or
+        set)."""
+        return self._dump(NFNL_SUBSYS_NFTABLES, command, NFPROTO_INET, request, what)
+
+    def _of_table(self, dump: list[tuple[bytes, int, int]] | None,
+                  table_attr: int) -> Iterator[tuple[bytes, list[tuple[int, int, int]]]]:
+        """The attributes of each answer message that names this table in `table_attr` (the kernel's chain dump
+        does not filter by table; the others do, and this costs them nothing)."""
+        for data, start, end in dump or ():
+            found = list(attrs(data, start, end))
+            if any(kind == table_attr and _string(data, s, e) == self.table for kind, s, e in found):
+                yield data, found
 
     @_decoding
     def counters(self) -> dict[str, Counts]:
         """The table's named counters (empty when the table does not exist: the kernel filters, it does not
         refuse)."""
-        attrs = _attr(OBJ_TABLE, _cstr(self.table)) + _attr(OBJ_TYPE, _BE32.pack(OBJECT_COUNTER))
-        dump = self._dump(MSG_GETOBJ, attrs, f"nft list counters table inet {self.table}")
+        request = attr(OBJ_TABLE, _cstr(self.table)) + attr(OBJ_TYPE, _BE32.pack(OBJECT_COUNTER))
+        dump = self._nft_dump(MSG_GETOBJ, request, f"nft list counters table inet {self.table}")
         out: dict[str, Counts] = {}
-        if dump is None:
-            return out
-        for data, start, end in dump:
-            name, table, value = "", "", (0, 0)
-            for kind, s, e in _attrs(data, start, end):
+        for data, found in self._of_table(dump, OBJ_TABLE):
+            name, value = "", (0, 0)
+            for kind, s, e in found:
                 if kind == OBJ_NAME:
                     name = _string(data, s, e)
-                elif kind == OBJ_TABLE:
-                    table = _string(data, s, e)
                 elif kind == OBJ_DATA:
-                    packets = octets = 0
-                    for inner, a, _ in _attrs(data, s, e):
-                        if inner == COUNTER_BYTES:
-                            octets = _BE64.unpack_from(data, a)[0]
-                        elif inner == COUNTER_PACKETS:
-                            packets = _BE64.unpack_from(data, a)[0]
-                    value = (packets, octets)
-            if table == self.table:
-                out[name] = value
+                    value = _counts(data, s, e)
+            out[name] = value
         return out
 
     @_decoding
     def sets(self) -> dict[str, SetInfo] | None:
         """The table's set definitions, or None when the table does not exist."""
-        dump = self._dump(MSG_GETSET, _attr(SET_TABLE, _cstr(self.table)), f"nft list sets table inet {self.table}")
+        dump = self._nft_dump(MSG_GETSET, attr(SET_TABLE, _cstr(self.table)), f"nft list sets table inet {self.table}")
         if dump is None:
             return None
         out: dict[str, SetInfo] = {}
-        for data, start, end in dump:
-            info, table = SetInfo(""), ""
-            for kind, s, e in _attrs(data, start, end):
+        for data, found in self._of_table(dump, SET_TABLE):
+            info = SetInfo("")
+            for kind, s, e in found:
                 if kind == SET_NAME:
                     info.name = _string(data, s, e)
-                elif kind == SET_TABLE:
-                    table = _string(data, s, e)
                 elif kind == SET_FLAGS:
                     info.flags = _BE32.unpack_from(data, s)[0]
                 elif kind == SET_KEY_TYPE:
@@ -227,46 +200,40 @@ class NftReader(NetfilterSocket):
                 elif kind == SET_EXPR:
                     info.counter = _string(data, s + 4, e) == "counter" if e - s > 4 else False
                 elif kind == SET_EXPRESSIONS:
-                    for _, a, b in _attrs(data, s, e):
+                    for _, a, b in attrs(data, s, e):
                         info.counter |= any(k == EXPR_NAME and _string(data, x, y) == "counter"
-                                            for k, x, y in _attrs(data, a, b))
-            if table == self.table:
-                out[info.name] = info
+                                            for k, x, y in attrs(data, a, b))
+            out[info.name] = info
         return out
 
     @_decoding
     def chains(self) -> dict[str, ChainInfo]:
         """The table's chains with their hooks and their rules' comments (empty when the table does not exist)."""
-        dump = self._dump(MSG_GETCHAIN, _attr(CHAIN_TABLE, _cstr(self.table)), f"nft list chains inet {self.table}")
+        dump = self._nft_dump(MSG_GETCHAIN, attr(CHAIN_TABLE, _cstr(self.table)), f"nft list chains inet {self.table}")
         out: dict[str, ChainInfo] = {}
-        for data, start, end in dump or ():
-            info, table = ChainInfo(""), ""
-            for kind, s, e in _attrs(data, start, end):
+        for data, found in self._of_table(dump, CHAIN_TABLE):
+            info = ChainInfo("")
+            for kind, s, e in found:
                 if kind == CHAIN_NAME:
                     info.name = _string(data, s, e)
-                elif kind == CHAIN_TABLE:
-                    table = _string(data, s, e)
                 elif kind == CHAIN_TYPE:
                     info.kind = _string(data, s, e)
                 elif kind == CHAIN_HOOK:
-                    for inner, a, _ in _attrs(data, s, e):
+                    for inner, a, _ in attrs(data, s, e):
                         if inner == HOOK_NUM:
                             info.hook = _BE32.unpack_from(data, a)[0]
                         elif inner == HOOK_PRIORITY:
                             info.priority = _BE32S.unpack_from(data, a)[0]
-            if table == self.table:
-                out[info.name] = info
-        rules = self._dump(MSG_GETRULE, _attr(RULE_TABLE, _cstr(self.table)), f"nft list table inet {self.table}")
-        for data, start, end in rules or ():
-            chain, table, comment = "", "", ""
-            for kind, s, e in _attrs(data, start, end):
+            out[info.name] = info
+        rules = self._nft_dump(MSG_GETRULE, attr(RULE_TABLE, _cstr(self.table)), f"nft list table inet {self.table}")
+        for data, found in self._of_table(rules, RULE_TABLE):
+            chain, comment = "", ""
+            for kind, s, e in found:
                 if kind == RULE_CHAIN:
                     chain = _string(data, s, e)
-                elif kind == RULE_TABLE:
-                    table = _string(data, s, e)
                 elif kind == RULE_USERDATA:
                     comment = _comment(data[s:e])
-            if table == self.table and chain in out:
+            if chain in out:
                 out[chain].comments.append(comment)
         return out
 
@@ -274,14 +241,14 @@ class NftReader(NetfilterSocket):
     def elements(self, set_name: str, ranges: bool = False) -> Elements | None:
         """One set's elements with their counters (and, when `ranges`, the ranges of an interval set); None when
         the set does not exist."""
-        attrs = _attr(ELEM_LIST_TABLE, _cstr(self.table)) + _attr(ELEM_LIST_SET, _cstr(set_name))
-        dump = self._dump(MSG_GETSETELEM, attrs, f"nft list set inet {self.table} {set_name}")
+        request = attr(ELEM_LIST_TABLE, _cstr(self.table)) + attr(ELEM_LIST_SET, _cstr(set_name))
+        dump = self._nft_dump(MSG_GETSETELEM, request, f"nft list set inet {self.table} {set_name}")
         if dump is None:
             return None
         out = Elements()
         bounds: list[tuple[int, int, int]] | None = [] if ranges else None  # (address, 0 end / 1 start, bits)
         for data, start, end in dump:
-            for kind, s, e in _attrs(data, start, end):
+            for kind, s, e in attrs(data, start, end):
                 if kind == ELEM_LIST_ELEMENTS:
                     _elements(data, s, e, out.counted, bounds)
         if bounds is not None:
@@ -292,8 +259,8 @@ class NftReader(NetfilterSocket):
 def _elements(data: bytes, pos: int, end: int, counted: dict[bytes, Counts],
               bounds: list[tuple[int, int, int]] | None) -> None:
     """Decode a NFTA_SET_ELEM_LIST_ELEMENTS payload. The hot loop of a scrape (8,000 elements at 1,000 pods), so
-    it walks the attributes inline instead of through `_attrs`, and checks every length against `end`."""
-    unpack, be32, be64 = _NLA.unpack_from, _BE32.unpack_from, _BE64.unpack_from
+    it walks the attributes inline instead of through `attrs`, and checks every length against `end`."""
+    unpack, be32, be64 = ATTR.unpack_from, _BE32.unpack_from, _BE64.unpack_from
     while pos + 4 <= end:
         size, _ = unpack(data, pos)
         elem_end = pos + size
@@ -306,7 +273,7 @@ def _elements(data: bytes, pos: int, end: int, counted: dict[bytes, Counts],
             iend = inner + isize
             if isize < 4 or iend > elem_end:
                 raise NetlinkTruncated("nftables: truncated set element attribute")
-            ikind &= 0x3FFF
+            ikind &= ATTR_TYPE_MASK
             if ikind == ELEM_KEY and isize >= 8:
                 vsize, _ = unpack(data, inner + 4)
                 key = data[inner + 8:inner + 4 + vsize]
@@ -321,13 +288,13 @@ def _elements(data: bytes, pos: int, end: int, counted: dict[bytes, Counts],
                 c = data_at + 4
                 while c + 12 <= cend:
                     csize, ckind = unpack(data, c)
-                    if ckind & 0x3FFF == COUNTER_BYTES:
+                    if ckind & ATTR_TYPE_MASK == COUNTER_BYTES:
                         octets = be64(data, c + 4)[0]
-                    elif ckind & 0x3FFF == COUNTER_PACKETS:
+                    elif ckind & ATTR_TYPE_MASK == COUNTER_PACKETS:
                         packets = be64(data, c + 4)[0]
                     c += (csize + 3) & ~3
             elif ikind == ELEM_EXPRESSIONS:
-                for _, a, b in _attrs(data, inner + 4, iend):
+                for _, a, b in attrs(data, inner + 4, iend):
                     packets, octets = _counter(data, a, b) or (packets, octets)
             inner += (isize + 3) & ~3
         counted[key] = (packets, octets)

@@ -109,3 +109,13 @@ def test_stale_replies_of_another_request_are_skipped() -> None:
     reader, _ = reader_with([stale, message(1, [element("10.0.0.1", 1, 1)]) + control(1, NLMSG_DONE)])
     dump = reader.dump("x")
     assert dump is not None and list(dump.members) == [(ipaddress.ip_address("10.0.0.1").packed, 32)]
+
+
+def test_a_missing_set_keeps_the_socket_and_a_cut_reply_drops_it() -> None:
+    reader, sock = reader_with([control(1, NLMSG_ERROR, errno.ENOENT)])
+    assert reader.dump("nope") is None
+    assert reader._sock is sock  # the error answer is the whole dump: nothing is left in flight
+    reader, _ = reader_with([message(1, [element("10.0.0.1", 1, 1)])[:-6]])
+    with pytest.raises(nl.NetlinkError):
+        reader.dump("x")
+    assert reader._sock is None

@@ -264,8 +264,8 @@ async def _relay_flips(device_health: DeviceHealth, dra: DraService | None,
 
 
 def _gpu_bus_id(hardware: Hardware, device_id: str) -> str | None:
-    """The bus id of the GPU a GPU or MIG UUID names (a MIG device's parent), None for other IDs."""
-    gpu = hardware.topology.gpu_of(device_id) if device_id.startswith(("GPU-", "MIG-")) else None
+    """The bus id of the GPU a GPU or MIG UUID names (a MIG device's parent); pod_events asks only for those."""
+    gpu = hardware.topology.gpu_of(device_id)
     return gpu.bus_id if gpu is not None else None
 
 

@@ -165,21 +165,17 @@ def dra(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, cl
         scratch: Path, verdicts: Latest[NodeVerdict] | None = None) -> tuple[DraService, Subsystem]:
     """The DRA driver: this node's ResourceSlices and the kubelet DRA plugin. On a simulated node without kubelet
     directories, the sockets and CDI specs go to the scratch directory."""
-    from agent.config.model import AgentConfig as _Defaults
     from agent.dra.service import DraService
     from agent.host.unixsocket import SocketPathError
     from agent.kube.errors import ClusterConfigError
 
     dc = cfg.dra
-    state_dir = Path(cfg.state_dir)
-    if hardware.simulated is not None:
-        if not Path(dc.plugin_registry_dir).is_dir():
-            dc = dataclasses.replace(dc, plugin_registry_dir=str(scratch / "plugins_registry"),
-                                     plugin_dir=str(scratch / "dra"), cdi_spec_dir=str(scratch / "cdi"))
-        if cfg.state_dir == _Defaults().state_dir:
-            state_dir = scratch / "state"
+    if hardware.simulated is not None and not Path(dc.plugin_registry_dir).is_dir():
+        dc = dataclasses.replace(dc, plugin_registry_dir=str(scratch / "plugins_registry"),
+                                 plugin_dir=str(scratch / "dra"), cdi_spec_dir=str(scratch / "cdi"))
     try:
-        service = DraService(dc, cluster.get(), hardware.topology, state_dir, registry, verdicts=verdicts)
+        service = DraService(dc, cluster.get(), hardware.topology, hardware.state_dir(cfg, scratch), registry,
+                             verdicts=verdicts)
     except (SocketPathError, ClusterConfigError) as exc:
         raise StartupError(f"dra: {exc}") from exc
 
@@ -211,16 +207,11 @@ def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *,
     """GPU and NIC health: device health into its one owner (the device plugin reads it; the DRA driver and each
     of `device_health_copies`, pod Events, are told each flip), the node verdict into `verdicts` for remediation
     once every check has looked once. The service too: remediation tells it about the GPUs it reset."""
-    from agent.config.model import AgentConfig as _Defaults
     from agent.health.service import HealthService
 
-    hc = cfg.health
-    state_dir = Path(cfg.state_dir)
-    if hardware.simulated is not None:
-        if hc.kmsg == "/dev/kmsg":  # simulated GPUs must not be judged by the host's kernel log
-            hc = dataclasses.replace(hc, kmsg="")
-        if cfg.state_dir == _Defaults().state_dir:  # a newcomer's laptop: no root-owned state dir
-            state_dir = scratch / "state"
+    hc = dataclasses.replace(cfg.health, kmsg=hardware.kmsg(cfg))
+    state_dir = hardware.state_dir(cfg, scratch)
+
     def resource_of(device_id: str) -> str | None:
         if manager is None:
             return None
@@ -273,8 +264,8 @@ async def _relay_flips(device_health: DeviceHealth, dra: DraService | None,
 
 
 def _gpu_bus_id(hardware: Hardware, device_id: str) -> str | None:
-    """The bus id of the GPU a GPU or MIG UUID names (a MIG device's parent), None for other IDs."""
-    gpu = hardware.topology.gpu_of(device_id) if device_id.startswith(("GPU-", "MIG-")) else None
+    """The bus id of the GPU a GPU or MIG UUID names (a MIG device's parent); pod_events asks only for those."""
+    gpu = hardware.topology.gpu_of(device_id)
     return gpu.bus_id if gpu is not None else None
 
 

@@ -70,6 +70,16 @@ async def _no_leaked_tasks() -> AsyncIterator[None]:
     assert not leaked, f"tasks still running after the test: {names}"
 
 
+
+@pytest.fixture
+def short_root() -> Iterator[Path]:
+    """A scratch directory with a short path: unix socket paths must stay under 107 bytes; tmp_path may not."""
+    directory = Path(tempfile.mkdtemp(prefix="gna"))
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
 def _foreign(thread: threading.Thread) -> bool:
     """Threads the test does not own: asyncio's executor workers (ended with their loop), library pools, and
     grpc.aio's completion-queue poller (one per process, started with the first channel or server)."""

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.config import AgentConfig
-from agent.config.model import AgentConfig as _Defaults
 from agent.hardware import Hardware
 
 
@@ -39,13 +38,7 @@ def resolve(cfg: AgentConfig, hardware: Hardware, scratch: Path) -> Context:
     dp_dir = Path(cfg.device_plugin.device_plugin_dir)
     simulated = hardware.simulated is not None
     stand_in = simulated and not (dp_dir / "kubelet.sock").exists()
-    state_dir = Path(cfg.state_dir)
-    kmsg = cfg.health.kmsg
-    if simulated:
-        if cfg.state_dir == _Defaults().state_dir:
-            state_dir = scratch / "state"
-        if kmsg == "/dev/kmsg":
-            kmsg = ""
+    state_dir, kmsg = hardware.state_dir(cfg, scratch), hardware.kmsg(cfg)
     if stand_in:
         dp_dir = scratch / "dp"
         return Context(cfg, hardware, dp_dir, dp_dir / "plugins_registry", str(scratch / "pr.sock"),

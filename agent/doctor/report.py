@@ -59,13 +59,17 @@ def to_table(checks: Sequence[Check]) -> str:
         lines.append(f"{c.status.upper():<4}  {c.name:<{width}}  {c.detail}")
         if c.fix and c.status != "ok":
             lines.append(f"{'':<4}  {'':<{width}}  fix: {c.fix}")
-    counts = {s: sum(c.status == s for c in checks) for s in STATUSES}
-    lines.append(", ".join(f"{n} {s}" for s, n in counts.items()))
+    lines.append(_counts(checks))
     return "\n".join(lines)
+
+
+def _counts(checks: Sequence[Check]) -> str:
+    """"2 ok, 1 warn, 0 fail, 1 skip"."""
+    return ", ".join(f"{sum(c.status == s for c in checks)} {s}" for s in STATUSES)
 
 
 def summary(checks: Sequence[Check]) -> str:
     """One line for the agent's start log: counts, and the checks that failed or warned."""
-    counts = ", ".join(f"{sum(c.status == s for c in checks)} {s}" for s in STATUSES)
+    counts = _counts(checks)
     bad = [f"{c.name} ({c.status}: {c.detail})" for c in checks if c.status in ("fail", "warn")]
     return counts + (f"; {'; '.join(bad)}" if bad else "")

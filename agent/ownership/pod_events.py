@@ -98,7 +98,7 @@ class PodDeviceEvents:
         message = (f"{kind} {device_id}{where} used by container {', '.join(containers)} is unhealthy: "
                    f"{detail or 'health check failed'}")
         now = self._now()
-        record = EventRecord(GPU_REASON if kind == "GPU" else NIC_REASON, message[:1024], "Warning",
+        record = EventRecord(GPU_REASON if kind == "GPU" else NIC_REASON, message, "Warning",
                              first_time=now, last_time=now,
                              involved=ObjectRef("Pod", namespace, name, pod.uid))
         assert self.events is not None

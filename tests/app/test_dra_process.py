@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,15 +15,6 @@ from tests.dra.conftest import claim_template, device_classes
 from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
 from tests.fakes.dra_allocator import allocate
 from tests.fakes.kubelet_dra import DraKubelet
-
-
-@pytest.fixture
-def short_root() -> Iterator[Path]:
-    directory = Path(tempfile.mkdtemp(prefix="gna-drap"))
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _sample(metrics: str, name: str, labels: str) -> float:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
@@ -19,6 +17,10 @@ from agent.topology.model import Topology
 from tests.fakes import fixtures
 from tests.fakes.allowed import assert_only_allowed
 from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
+from tests.fakes.kubelet_dra import DraKubelet
+
+if TYPE_CHECKING:
+    from tests.dra.test_plugin import Node
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = "gpunodeagent.io"
@@ -62,10 +64,8 @@ async def port(api: ApiServerDouble, tmp_path: Path) -> AsyncIterator[LightkubeC
 
 
 @pytest.fixture
-def short_root() -> Iterator[Path]:
-    """A scratch directory with a short path: unix socket paths must stay under 107 bytes; tmp_path may not."""
-    directory = Path(tempfile.mkdtemp(prefix="gna-dra"))
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+async def kubelet(node: Node) -> AsyncIterator[DraKubelet]:
+    """The stand-in kubelet on the registry directory of the module's own `node` fixture."""
+    stand_in = DraKubelet(Path(node.cfg.plugin_registry_dir))
+    yield stand_in
+    await stand_in.close()

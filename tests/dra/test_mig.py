@@ -49,13 +49,6 @@ async def node(short_root: Path, api: ApiServerDouble, port: LightkubeCluster,
     await here.halt()
 
 
-@pytest.fixture
-async def kubelet(node: Node) -> AsyncIterator[DraKubelet]:
-    stand_in = DraKubelet(Path(node.cfg.plugin_registry_dir))
-    yield stand_in
-    await stand_in.close()
-
-
 def published(api: ApiServerDouble) -> dict[str, dict[str, Any]]:
     return {d["name"]: d for s in api.resource_slices.values() for d in s["spec"]["devices"]}
 

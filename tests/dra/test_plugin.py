@@ -87,13 +87,6 @@ async def node(short_root: Path, api: ApiServerDouble, port: LightkubeCluster,
     await here.halt()
 
 
-@pytest.fixture
-async def kubelet(node: Node) -> AsyncIterator[DraKubelet]:
-    stand_in = DraKubelet(Path(node.cfg.plugin_registry_dir))
-    yield stand_in
-    await stand_in.close()
-
-
 async def started(node: Node, kubelet: DraKubelet) -> tuple[DraService, RegisteredPlugin]:
     service = await node.start()
     plugin = await kubelet.register(DRIVER)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent.config.health import HealthConfig
 from agent.health.assess import HealthAssessor
 from agent.health.dcgm import parse_scrape
-from agent.health.dcgm_watch import DcgmWatcher
+from agent.health.dcgm_watch import dcgm_watcher
 from agent.host.dcgm_exporter import HttpDcgmExporter
 from agent.signals import DeviceHealth
 from agent.simulate.dcgm_exporter import DcgmExporterServer, ExporterGpu, SimulatedDcgmExporter
@@ -40,11 +40,11 @@ def _exporter(topology: Topology, mig: bool) -> SimulatedDcgmExporter:
 async def _measure(topology: Topology, mig: bool, rounds: int) -> None:
     exporter = _exporter(topology, mig)
     with DcgmExporterServer(exporter) as server:
-        assessor = HealthAssessor(HealthConfig(kmsg="", dcgm_exporter_url=server.url), topology, DeviceHealth(),
-                                  time.monotonic)
-        port = HttpDcgmExporter(server.url, 5.0)
-        watcher = DcgmWatcher(port, assessor, topology, 15.0, nvlink_errors_per_minute=1e9,
-                              pcie_replays_per_minute=1e9)
+        config = HealthConfig(kmsg="", dcgm_exporter_url=server.url, dcgm_nvlink_errors_per_minute=1e9,
+                              dcgm_pcie_replays_per_minute=1e9)
+        assessor = HealthAssessor(config, topology, DeviceHealth(), time.monotonic)
+        port = HttpDcgmExporter(server.url, 5.0)  # the GET and parse rows: the whole page, unfiltered
+        watcher = dcgm_watcher(config, assessor, topology)  # the scrape row: as the agent builds it
         text = await port.fetch()
         await watcher.scrape_once()
         fetch, parse, whole = [], [], []
@@ -61,6 +61,8 @@ async def _measure(topology: Topology, mig: bool, rounds: int) -> None:
             start = time.perf_counter()
             assert await watcher.scrape_once()
             whole.append(time.perf_counter() - start)
+        await port.aclose()
+        await watcher.port.aclose()
     lines = sum(1 for line in text.splitlines() if line and not line.startswith("#"))
     label = "8 GPUs x 7 MIG instances" if mig else "8 GPUs"
     print(f"{label}: {len(text) / 1024:.0f} KiB, {lines} samples")

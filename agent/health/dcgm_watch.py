@@ -39,9 +39,13 @@ class DcgmWatcher:
 
     def __init__(self, port: DcgmExporterPort, assessor: HealthAssessor, topology: Topology, interval: float, *,
                  nvlink_errors_per_minute: float = 0.0, pcie_replays_per_minute: float = 8.0,
-                 checks: Checks | None = None, lines: NodeLines | None = None) -> None:
+                 checks: Checks | None = None, lines: NodeLines | None = None, filtered_by_port: bool = False
+                 ) -> None:
         self.port = port
         self.lines = lines if lines is not None else NodeLines(topology)  # the port's `keep`, when it streams
+        # the port applied `lines.keep` as the page streamed in: filtering its answer again would only cost
+        # another label scan of every kept line
+        self.filtered_by_port = filtered_by_port
         self.checks = checks if checks is not None else Checks()
         self.assessor = assessor
         self.interval = interval
@@ -71,7 +75,7 @@ class DcgmWatcher:
         self.lines.start()
         try:
             text = await self.port.fetch()
-            scrape = await asyncio.to_thread(parse_scrape, text, self.lines.keep)
+            scrape = await asyncio.to_thread(parse_scrape, text, None if self.filtered_by_port else self.lines.keep)
         except DcgmScrapeError as exc:
             return self._failed(exc.result, str(exc))
         except MalformedScrapeError as exc:
@@ -146,8 +150,10 @@ def dcgm_watcher(config: HealthConfig, assessor: HealthAssessor, topology: Topol
     """The DCGM source as the agent builds it: an HTTP port to `dcgmExporterUrl` (unless `port` is given) that
     keeps, while the page streams in, only the lines of this node's GPUs the agent reads (`NodeLines`)."""
     lines = NodeLines(topology)
+    filtered = port is None
     if port is None:
         port = HttpDcgmExporter(config.dcgm_exporter_url, config.dcgm_scrape_timeout_seconds, keep=lines.keep)
     return DcgmWatcher(port, assessor, topology, config.dcgm_scrape_interval_seconds,
                        nvlink_errors_per_minute=config.dcgm_nvlink_errors_per_minute,
-                       pcie_replays_per_minute=config.dcgm_pcie_replays_per_minute, checks=checks, lines=lines)
+                       pcie_replays_per_minute=config.dcgm_pcie_replays_per_minute, checks=checks, lines=lines,
+                       filtered_by_port=filtered)

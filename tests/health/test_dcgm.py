@@ -10,11 +10,13 @@ from __future__ import annotations
 import pytest
 
 from agent.health.dcgm import (
+    MAX_LABEL_TEXTS,
     XID_COUNT,
     XID_LAST,
     XID_TOTAL,
     DcgmInterpreter,
     MalformedScrapeError,
+    NodeLines,
     Reading,
     parse_scrape,
 )
@@ -210,3 +212,18 @@ def test_mig_instances_carry_their_xids_and_device_fields_count_once(topology: T
                                       (XID_TOTAL, 7, 1, {"mig": b, "xid": 94})], 15.0)
     assert [(x.gpu.index, x.code, x.count, x.gpu_instance) for x in reading.xids] == [(7, 94, 1, 2)]
     assert [(g.kind, g.increase) for g in reading.growth] == [("sbe", 1.0)]
+
+
+def test_node_lines_remember_label_texts_within_a_bound_and_still_count_foreign_gpus(topology: Topology) -> None:
+    lines = NodeLines(topology)
+    mine = f'{XID_LAST}{{gpu="0",UUID="{topology.gpus[0].uuid}",pci_bus_id="00000000:1B:00.0"}} 0'
+    assert lines.keep(mine) and lines.keep(mine)  # the second sight of the label text is remembered, same answer
+    foreign = [f'{XID_LAST}{{gpu="{i}",UUID="GPU-foreign-{i}",pci_bus_id="00000000:F1:00.0"}} 0'
+               for i in range(MAX_LABEL_TEXTS + 10)]
+    assert not any(lines.keep(line) for line in foreign)
+    assert not lines.keep(foreign[0])  # forgotten by the bound, read again: still foreign, counted again
+    assert lines.foreign_samples == MAX_LABEL_TEXTS + 11
+    assert len(lines._identities) <= MAX_LABEL_TEXTS
+    assert lines.keep(mine)
+    hidden = f'{XID_LAST}{{gpu="0",note="a,UUID=",UUID="GPU-foreign-x"}} 0'  # a UUID-like text inside a value
+    assert not lines.keep(hidden)

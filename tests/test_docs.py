@@ -164,7 +164,7 @@ def test_the_readme_links_every_document_in_docs() -> None:
     assert not unlinked, f"documents the README's map does not name: {unlinked}"
 
 
-def test_the_link_check_finds_a_missing_file_a_missing_anchor_and_a_link_out_of_the_repository(tmp_path: Path):
+def test_the_link_check_finds_a_missing_file_a_missing_anchor_and_a_link_out_of_the_repository(tmp_path: Path) -> None:
     """The check itself can fail: a small tree with one good link of each kind and one broken link of each kind."""
     (tmp_path / "docs").mkdir()
     (tmp_path / "tools.py").write_text("x = 1\n", encoding="utf-8")

@@ -1,11 +1,13 @@
-"""Re-run the benches behind the README's Performance table and print each row's figure beside the new output.
+"""Re-run the benches behind the Performance table (docs/performance.md) and print each row's figure beside the
+new output.
 
 Issue 32 wants every figure in that table re-measurable with its command, and the old and new figures side by
-side. This reads the table from README.md (`| goal | figure | command |`), takes each backticked
-`python bench/<script>.py ...` from the command cell (a backticked option list beside it, such as
-"(and `--pods 100`)", is the same script run with those options alone; a cell that says "same" repeats the row
-above), runs the chosen commands once each and prints, per row: the goal, the README's figure and the summary
-lines of the new run. The benches' own output is not parsed: a figure means what the bench prints beside it.
+side. This reads the table under the `# Performance` heading of docs/performance.md (`--doc` reads another file;
+`| goal | figure | command |`), takes each backticked `python bench/<script>.py ...` from the command cell (a
+backticked option list beside it, such as "(and `--pods 100`)", is the same script run with those options alone;
+a cell that says "same" repeats the row above), runs the chosen commands once each and prints, per row: the goal,
+the documented figure and the summary lines of the new run. The benches' own output is not parsed: a figure
+means what the bench prints beside it.
 
     python bench/compare.py --list                     # rows, their commands
     python bench/compare.py --quick                    # the fast benches that need no root (QUICK below)
@@ -29,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
-# Timed once each (README commands, 2-core VM, load average 0.8-1.5): 2-21 s, allocation_grpc and
+TABLE = ROOT / "docs" / "performance.md"
+# Timed once each (the table's commands, 2-core VM, load average 0.8-1.5): 2-21 s, allocation_grpc and
 # podresources_pairing the longest; none needs root or a network namespace. Left out: startup (35 s), grpc_server
 # and footprint (minutes), podresources_lookup (2 loads x 2,000 lookups), and the netns benches, which need root:
 # link_watch_idle, netacct_forwarding, netacct_scrape, shaping.
@@ -39,6 +41,8 @@ QUICK = ("allocation_latency", "allocation_grpc", "replica_preference", "gpu_sta
 BENCH_COMMAND = re.compile(r"^python\s+(bench/[\w-]+\.py)\b(.*)$")
 FIGURE_LINE = re.compile(r"p50|p90|p99|median|max|\bms\b|µs|\bus\b|kpps|Gbit|Mbit|MB|%|load average")
 CELL_SPLIT = re.compile(r"(?<!\\)\|")
+PERFORMANCE_HEADING = re.compile(r"^#{1,2} Performance[ \t]*$", re.MULTILINE)
+NEXT_HEADING = re.compile(r"^#{1,6} ", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -75,11 +79,14 @@ class Result:
 
 
 def performance_rows(text: str) -> list[Row]:
-    """The rows of the table under `## Performance`, in order; a row without a bench command has no commands."""
-    section = text.split("\n## Performance", 1)
-    if len(section) < 2:
-        raise ValueError("README has no '## Performance' section")
-    table = [line.strip() for line in section[1].split("\n## ", 1)[0].splitlines() if line.strip().startswith("|")]
+    """The rows of the table under the `# Performance` (or `## Performance`) heading, up to the next heading, in
+    order; a row without a bench command has no commands."""
+    heading = PERFORMANCE_HEADING.search(text)
+    if heading is None:
+        raise ValueError("no '# Performance' or '## Performance' section")
+    end = NEXT_HEADING.search(text, heading.end())
+    section = text[heading.end():end.start() if end else len(text)]
+    table = [line.strip() for line in section.splitlines() if line.strip().startswith("|")]
     rows: list[Row] = []
     for line in table[2:]:  # header and separator
         cells = [cell.strip().replace("\\|", "|") for cell in CELL_SPLIT.split(line.strip().strip("|"))]
@@ -164,7 +171,7 @@ def print_list(rows: list[Row]) -> None:
 
 def print_text(rows: list[Row], results: dict[Command, Result]) -> None:
     for row in rows:
-        print(f"\n[{row.index}] {row.goal}\n  README: {row.figure}")
+        print(f"\n[{row.index}] {row.goal}\n  documented: {row.figure}")
         for command in row.commands:
             result = results[command]
             state = f"FAILED ({result.failure})" if result.failure else "ok"
@@ -178,7 +185,7 @@ def markdown_cell(text: str) -> str:
 
 
 def print_markdown(rows: list[Row], results: dict[Command, Result]) -> None:
-    print("| goal | README figure | this run | command |\n|---|---|---|---|")
+    print("| goal | documented figure | this run | command |\n|---|---|---|---|")
     for row in rows:
         for command in row.commands:
             result = results[command]
@@ -190,7 +197,8 @@ def print_markdown(rows: list[Row], results: dict[Command, Result]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--readme", type=Path, default=README, help="the README whose table is read")
+    parser.add_argument("--doc", "--readme", type=Path, default=TABLE,
+                        help="the markdown file whose Performance table is read (default docs/performance.md)")
     parser.add_argument("--list", action="store_true", help="print the rows and their commands, run nothing")
     select = parser.add_mutually_exclusive_group()
     select.add_argument("--only", nargs="+", metavar="SCRIPT", help="bench script names to run (no .py)")
@@ -200,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lines", type=int, default=14, help="summary lines kept per bench")
     args = parser.parse_args(argv)
     try:
-        rows = performance_rows(args.readme.read_text(encoding="utf-8"))
+        rows = performance_rows(args.doc.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         print(f"compare: cannot read the Performance table: {error}", file=sys.stderr)
         return 2

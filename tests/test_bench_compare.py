@@ -1,5 +1,6 @@
-"""bench/compare.py (issue 32): the README's Performance table is read whole, every command in it names a bench
-that exists, and a bench run through it comes back beside the README's figure; a bench that fails makes it fail."""
+"""bench/compare.py (issue 32): the Performance table (docs/performance.md since issue 38) is read whole, every
+command in it names a bench that exists, and a bench run through it comes back beside the documented figure; a
+bench that fails makes it fail."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPARE = ROOT / "bench" / "compare.py"
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+TABLE = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
 
 
 def load_compare() -> ModuleType:
@@ -27,8 +28,8 @@ compare = load_compare()
 
 
 def table_lines(text: str) -> list[str]:
-    section = text.split("\n## Performance", 1)[1].split("\n## ", 1)[0]
-    return [line for line in section.splitlines() if line.startswith("|")]
+    """The table rows of a file whose only table is the Performance table."""
+    return [line for line in text.splitlines() if line.startswith("|")]
 
 
 def run_compare(*args: str) -> subprocess.CompletedProcess[str]:
@@ -36,9 +37,9 @@ def run_compare(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=600, check=False)
 
 
-def test_every_row_of_the_readme_table_is_read_and_each_command_names_an_existing_bench() -> None:
-    rows = compare.performance_rows(README)
-    assert len(rows) == len(table_lines(README)) - 2 >= 20
+def test_every_row_of_the_table_is_read_and_each_command_names_an_existing_bench() -> None:
+    rows = compare.performance_rows(TABLE)
+    assert len(rows) == len(table_lines(TABLE)) - 2 >= 20
     for row in rows:
         assert row.goal and row.figure, row
         assert row.commands, f"row {row.index} ({row.goal[:60]}) has no `python bench/...` command"
@@ -55,30 +56,34 @@ def test_every_row_of_the_readme_table_is_read_and_each_command_names_an_existin
 
 
 def test_rows_without_a_bench_command_are_kept_and_listed_as_such(tmp_path: Path) -> None:
-    readme = tmp_path / "README.md"
-    readme.write_text("# x\n\n## Performance\n\n| goal | figure | command |\n|---|---|---|\n"
+    doc = tmp_path / "performance.md"
+    doc.write_text("# Performance\n\n| goal | figure | command |\n|---|---|---|\n"
                       "| a | 1 ms | `python bench/allocation_latency.py --requests 10` |\n"
                       "| b | 2 ms \\| 3 ms | measured by hand on a node |\n"
                       "| c | 4 ms | same |\n"
-                      "| d |\n\n## Limits\n| not | this | table |\n", encoding="utf-8")
-    rows = compare.performance_rows(readme.read_text(encoding="utf-8"))
+                      "| d |\n\n## Notes\n| not | this | table |\n", encoding="utf-8")
+    rows = compare.performance_rows(doc.read_text(encoding="utf-8"))
     assert [(row.goal, row.figure, len(row.commands)) for row in rows] == [
         ("a", "1 ms", 1), ("b", "2 ms | 3 ms", 0), ("c", "4 ms", 0), ("d", "", 0)]
-    listed = run_compare("--readme", str(readme), "--list")
+    readme = tmp_path / "README.md"  # the table's old place: a level-2 section
+    readme.write_text("# x\n\n## Performance\n\n| goal | figure | command |\n|---|---|---|\n| a | 1 ms | same |\n"
+                      "\n## Limits\n| not | this | table |\n", encoding="utf-8")
+    assert [row.goal for row in compare.performance_rows(readme.read_text(encoding="utf-8"))] == ["a"]
+    listed = run_compare("--doc", str(doc), "--list")
     assert listed.returncode == 0, listed.stderr
     assert "python bench/allocation_latency.py --requests 10" in listed.stdout
     assert listed.stdout.count("no command") == 3
     missing = tmp_path / "none.md"
     missing.write_text("# no table\n", encoding="utf-8")
-    refused = run_compare("--readme", str(missing), "--list")
-    assert refused.returncode == 2 and "no '## Performance' section" in refused.stderr
+    refused = run_compare("--doc", str(missing), "--list")
+    assert refused.returncode == 2 and "no '# Performance' or '## Performance' section" in refused.stderr
 
 
-def test_one_bench_runs_end_to_end_beside_its_readme_figure() -> None:
+def test_one_bench_runs_end_to_end_beside_its_documented_figure() -> None:
     done = run_compare("--only", "allocation_latency")
     assert done.returncode == 0, done.stderr
-    row = next(row for row in compare.performance_rows(README) if row.goal.startswith("GetPreferredAllocation"))
-    assert f"README: {row.figure}" in done.stdout
+    row = next(row for row in compare.performance_rows(TABLE) if row.goal.startswith("GetPreferredAllocation"))
+    assert f"documented: {row.figure}" in done.stdout
     assert "now: python bench/allocation_latency.py  [ok," in done.stdout and "load average" in done.stdout
     # the bench's own summary rows, as it prints them: node, kind, context, calls, p50/p99/max in µs
     assert any(line.split()[:2] == ["dgx-h100", "all"] for line in done.stdout.splitlines())
@@ -90,7 +95,7 @@ def test_markdown_names_a_bench_that_timed_out_and_exits_nonzero() -> None:
     assert done.returncode == 1
     assert "failed: python bench/allocation_latency.py" in done.stderr
     lines = done.stdout.splitlines()
-    assert lines[:2] == ["| goal | README figure | this run | command |", "|---|---|---|---|"]
+    assert lines[:2] == ["| goal | documented figure | this run | command |", "|---|---|---|---|"]
     assert lines[2].startswith("| GetPreferredAllocation p99 <= 1 ms")
     assert "**failed: timed out after 0.05 s**" in lines[2]
 

@@ -1,4 +1,5 @@
-"""The drop-in overlay (overlays/dropin): renders, validates strictly, and configures what the README promises."""
+"""The drop-in overlay (overlays/dropin): renders, validates strictly, and configures what docs/device-plugin.md
+promises."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""The migration's step 2 (README): `gpu-node-agent dropin-exclusion` turns an old device plugin's DaemonSet into a
-JSON patch that keeps it off nodes labelled gpunodeagent.io/drop-in=true and keeps every original affinity term.
+"""The migration's step 2 (docs/device-plugin.md): `gpu-node-agent dropin-exclusion` turns an old device plugin's
+DaemonSet into a JSON patch that keeps it off nodes labelled gpunodeagent.io/drop-in=true and keeps every original
+affinity term.
 
 Checked on NVIDIA's static manifest (no affinity) and on its Helm chart's default affinity (three GPU-node terms;
 data/nvidia/SOURCES.md), applied with an independent RFC 6902 implementation (jsonpatch) and, where kubectl is
-installed, with `kubectl patch --local` as the README tells an operator to.
+installed, with `kubectl patch --local` as the migration tells an operator to.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def test_the_exclusion_is_added_to_every_term_and_nothing_else_changes(name: str
     assert rest == expected  # only the affinity changed
     assert jsonpatch.apply_patch(patched, _patch(patched)) == patched  # a second run changes nothing
 
-    if KUBECTL is not None:  # the README's command, offline
+    if KUBECTL is not None:  # the documented command, offline
         path = tmp_path / "ds.json"
         path.write_text(json.dumps(original))
         done = subprocess.run([KUBECTL, "patch", "--local", "-f", str(path), "--type", "json", "-p",

@@ -1,5 +1,6 @@
 """The kured overlay (overlays/reboot-kured) (validated strictly in test_overlays): mounts only the agent's own host
-directory, and sets a sentinel path and condition the agent's config accepts (README, "Reboot requests")."""
+directory, and sets a sentinel path and condition the agent's config accepts (docs/remediation.md, "Reboot
+requests")."""
 
 from __future__ import annotations
 

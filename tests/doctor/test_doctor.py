@@ -1,5 +1,5 @@
 """`gpu-node-agent doctor` (issue 31): every check ok or skip on a simulated node; on a broken node the broken
-checks fail with their fix and the exit code is 1; the JSON matches the README's schema; RBAC without a verb
+checks fail with their fix and the exit code is 1; the JSON matches the schema in docs/doctor.md; RBAC without a verb
 fails naming it; and a run changes nothing in the sysfs tree or the state directory.
 
 In-process through `agent.cli.main` and `agent.doctor.diagnose`; subprocesses only for the exit codes.
@@ -42,15 +42,15 @@ def _config(*flags: str) -> config.AgentConfig:
 
 
 def _schema() -> dict[str, Any]:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "doctor.md").read_text(encoding="utf-8")
     block = re.search(r"<!-- doctor-schema -->\s*```json\n(.*?)```", text, re.DOTALL)
-    assert block, "README.md lost the doctor JSON schema"
+    assert block, "docs/doctor.md lost the doctor JSON schema"
     schema: dict[str, Any] = json.loads(block.group(1))
     return schema
 
 
 def _validate(value: Any, schema: dict[str, Any], where: str = "$") -> None:
-    """The subset of JSON Schema the README's schema uses: type, required, properties, additionalProperties,
+    """The subset of JSON Schema the documented schema uses: type, required, properties, additionalProperties,
     items, enum."""
     kinds = {"object": dict, "array": list, "string": str}
     assert isinstance(value, kinds[schema["type"]]), f"{where}: not a {schema['type']}"
@@ -75,7 +75,7 @@ def test_the_validator_refuses_what_the_schema_does_not_allow():
         _validate({"checks": [{"name": "x", "status": "ok", "detail": ""}]}, _schema())
 
 
-def test_a_simulated_node_is_all_ok_or_skip_and_the_json_matches_the_readme(capsys):
+def test_a_simulated_node_is_all_ok_or_skip_and_the_json_matches_the_documented_schema(capsys):
     assert cli.main(["doctor", "--simulate", "dgx-h100", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
     _validate(document, _schema())

@@ -1,4 +1,5 @@
-"""Re-run the hostile inputs of issue 27 that reach the agent through its command line and its annotation parser,
+"""Re-run the hostile inputs of issue 27 that reach the agent through its command line and its annotation parser
+(and issue 37's PodResources socket that accepts and never answers, `bench/podresources_hang.py`),
 and print a table: input, expected, seen (exit code or refusal), seconds.
 
 Each config-level try is a `gpu-node-agent config|run` process of its own (as an operator's bad file would be);
@@ -9,6 +10,7 @@ the annotation tries call the one quantity parser the shaping resolver uses, tim
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent.config.shaping import parse_bandwidth
+from bench.podresources_hang import measure
 
 _LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
     f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi", strict=True))
@@ -61,6 +64,17 @@ def _run(*args: str) -> tuple[str, float]:
     return f"exit {done.returncode}{tb}: {last[0][:90]}", time.monotonic() - started
 
 
+def _pod_resources_hang() -> tuple[str, str, str, float]:
+    """Issue 37 item 4: a PodResources socket that accepts and never answers (`bench/podresources_hang.py`)."""
+    result = asyncio.run(measure(5.0))
+    after = sorted(result.after)
+    seen = (f"first call {result.first_s:.2f} s, then {len(after)} calls max {after[-1] * 1e3:.0f} ms; exact "
+            f"{result.recovered_s:.2f} s after it answers" if after and result.recovered_s is not None
+            else f"first call {result.first_s:.2f} s, {len(after)} later calls, never exact again")
+    return ("PodResources socket accepts, never answers (5 s)", "<= 2 s once, then < 150 ms per call", seen,
+            max(after, default=result.first_s))
+
+
 def main() -> None:
     rows: list[tuple[str, str, str, float]] = []
     with tempfile.TemporaryDirectory(prefix="gna-hostile-") as tmp:
@@ -81,6 +95,7 @@ def main() -> None:
             seen = f"refused: {str(exc)[:90]}"
         rows.append((f"annotation internet-egress-bandwidth {text[:20]!r}", "refused at once", seen,
                      time.process_time() - started))
+    rows.append(_pod_resources_hang())
     print("| input | expected | seen | seconds |")
     print("|---|---|---|---|")
     for what, expected, seen, took in rows:

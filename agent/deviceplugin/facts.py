@@ -11,8 +11,10 @@ When the partner is not known (`gpu_node_agent_preference_fallbacks_total{reason
 prefers devices under switches where the other kind is free: the kubelet's free devices at the last reading,
 however old (after a failed lookup the container's partner, allocated since, is among them), or, when several
 containers newly hold partner devices, only theirs (the one under admission is among them). Without any
-reading the other kind is unknown and all of it counts as free. For a kind served here (joint mode) the
-reading is intersected with the allocator's own estimate, and only while fresh (three poll intervals).
+reading the other kind is unknown and all of it counts as free. For a kind served here (joint mode) it is the
+served devices no listed container holds (their health is the servers' own, not the reading's allocatable, which
+can predate a restarted agent's registration), intersected with the allocator's estimate, and only while fresh
+(three poll intervals).
 `no_new_holder` (the kubelet answered, nobody newly holds the other kind) is still counted as a fallback but
 passed on as "holds none yet", so joint mode's admission-context guess does not pair the container with a
 single-resource pod admitted just before it.
@@ -93,6 +95,12 @@ class OwnershipFacts:
             return None
         if served and self.service.monotonic() - read_at > STALE_POLLS * self.service.poll_interval:
             return None  # the allocator's own estimate of its own devices is better than an old reading
+        if served:
+            # who holds them from the kubelet's records, their health from the servers (the allocator intersects):
+            # the allocatable reading may predate this agent's registration (right after a restart the kubelet
+            # has none of a disconnected plugin's devices as healthy until its successor's first ListAndWatch)
+            held = {physical(i) for resource in self._resources(kind) for i in latest.held(resource)}
+            return frozenset(physical(i) for p in self._pools() if p.kind == kind.value for i in p.ids) - held
         free: set[str] = set()
         for resource in self._resources(kind):
             of_resource = latest.free(resource)

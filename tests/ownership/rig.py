@@ -98,9 +98,11 @@ class Node:
     def clock(self) -> Callable[[], float]:
         return time.monotonic if self.real_clock else (lambda: self.now)
 
-    async def start_agent(self, *, first_poll: bool = True) -> None:
+    async def start_agent(self, *, first_poll: bool = True, poll_first: bool = False) -> None:
         """A (re)started agent: a fresh manager, allocator and ownership service. `first_poll` False: the ownership
-        poll's first reading has not come back when the kubelet starts calling (the race after a restart)."""
+        poll's first reading has not come back when the kubelet starts calling (the race after a restart).
+        `poll_first`: the poll's first reading comes before the plugins (re)register, as the agent's ownership
+        subsystem starts beside the device plugins (the kubelet then has none of their devices as allocatable)."""
         assert self.kubelet.pod_resources is not None
         self.registry = registry = CollectorRegistry()
         client = KubeletPodResources(self.kubelet.pod_resources.socket_path,
@@ -118,11 +120,13 @@ class Node:
         self.manager.use_ownership(OwnershipFacts(self.service, self.manager.pools, GPU))
         ours = (GPU, NIC) if self.serve_gpus else (NIC,)
         before = {r: self.kubelet.plugins.get(r) for r in ours}  # a restart: wait for the new registrations
+        if poll_first:
+            await self.service.refresh()
         await self.manager.start()
         await self.kubelet.wait_for(lambda: all(r in self.kubelet.plugins and self.kubelet.plugins[r].lists > 0
                                                 and self.kubelet.plugins[r].connected for r in (GPU, NIC))
                                     and all(self.kubelet.plugins[r] is not before[r] for r in ours))
-        if first_poll:
+        if first_poll and not poll_first:
             await self.service.refresh()  # what the ownership subsystem does first
 
     async def stop_agent(self) -> None:

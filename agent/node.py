@@ -97,7 +97,20 @@ def node_paths(cfg: AgentConfig, hardware: Hardware, scratch: Path) -> NodePaths
     return NodePaths(stand_in=stand_in, device_plugin_dir=directory, plugin_registry_dir=registry_dir,
                      cdi_spec_dir=cdi_dir, device_info_dir=device_info, pod_resources_socket=pod_resources,
                      dra_plugin_registry_dir=dra_registry, dra_plugin_dir=dra_plugin, dra_cdi_spec_dir=dra_cdi,
-                     state_dir=hardware.state_dir(cfg, scratch), kmsg=hardware.kmsg(cfg))
+                     state_dir=_state_dir(cfg, simulated, scratch), kmsg=_kmsg(cfg, simulated))
+
+
+def _state_dir(cfg: AgentConfig, simulated: bool, scratch: Path) -> Path:
+    """On a simulated node left at the default (a newcomer's laptop has no root-owned state directory), `state`
+    in the scratch directory."""
+    if simulated and cfg.state_dir == AgentConfig().state_dir:
+        return scratch / "state"
+    return Path(cfg.state_dir)
+
+
+def _kmsg(cfg: AgentConfig, simulated: bool) -> str:
+    """None on a simulated node left at /dev/kmsg: simulated GPUs must not be judged by the host's kernel log."""
+    return "" if simulated and cfg.health.kmsg == "/dev/kmsg" else cfg.health.kmsg
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.clock import SYSTEM_CLOCK, Clock
-from agent.config import AgentConfig, TopologyConfig
+from agent.config import TopologyConfig
 from agent.health import probes
 from agent.host.links import LinkPort, NetlinkLinkPort, SysfsLinkPort
 from agent.host.nic_sysfs import NicSysfs
@@ -63,18 +63,6 @@ class Hardware:
             "NoUncorrectableEcc": probes.no_uncorrectable_ecc(self.nvml, topology),
             "NicLinksUp": probes.nic_links_up(self.links, topology),
         }
-
-    def state_dir(self, cfg: AgentConfig, scratch: Path) -> Path:
-        """The state directory `run` uses: on a simulated node left at the default (a newcomer's laptop has no
-        root-owned state directory), `state` in the scratch directory."""
-        if self.simulated is not None and cfg.state_dir == AgentConfig().state_dir:
-            return scratch / "state"
-        return Path(cfg.state_dir)
-
-    def kmsg(self, cfg: AgentConfig) -> str:
-        """The kernel log health reads: none on a simulated node left at /dev/kmsg (simulated GPUs must not be
-        judged by the host's kernel log)."""
-        return "" if self.simulated is not None and cfg.health.kmsg == "/dev/kmsg" else cfg.health.kmsg
 
     def describe(self) -> str:
         """One line for logs: which sources are in use."""

@@ -206,9 +206,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("agent.placement", "agent.ownership", "agent.health"),
     # consumers that act
     ("agent.deviceplugin", "agent.dra", "agent.remediation", "agent.netacct", "agent.shaping"),
-    # the composition root, the choice between real and simulated hardware it makes, and the node self-check
-    # (`doctor`) that opens the same hardware and runs the readers below once
-    ("agent.wiring", "agent.hardware", "agent.doctor"),
+    # the composition root, the choice between real and simulated hardware it makes, the one opened node every
+    # command works from (`agent.node`: mode defaults, hardware, node paths), and the node self-check (`doctor`)
+    # that opens the same node and runs the readers below once
+    ("agent.wiring", "agent.hardware", "agent.node", "agent.doctor"),
     ("agent.app",),
     ("agent.cli", "agent.__main__"),
 )

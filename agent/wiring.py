@@ -132,7 +132,8 @@ def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegis
         registry_dir, cdi_dir = str(directory / "plugins_registry"), str(scratch / "cdi")
     try:
         manager = DevicePluginManager(dp, hardware.topology, device_health=device_health, registry=registry,
-                                      clock=clock, plugin_registry_dir=registry_dir, cdi_spec_dir=cdi_dir)
+                                      clock=clock, plugin_registry_dir=registry_dir, cdi_spec_dir=cdi_dir,
+                                      mig_minors=hardware.mig_minors)
     except (SocketPathError, PoolConfigError) as exc:  # PoolConfigError: the SR-IOV DP config.json
         raise StartupError(f"device plugin: {exc}") from exc
     readiness.require("device-plugin registered")
@@ -175,7 +176,7 @@ def dra(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, cl
                                  plugin_dir=str(scratch / "dra"), cdi_spec_dir=str(scratch / "cdi"))
     try:
         service = DraService(dc, cluster.get(), hardware.topology, hardware.state_dir(cfg, scratch), registry,
-                             verdicts=verdicts)
+                             verdicts=verdicts, mig_minors=hardware.mig_minors)
     except (SocketPathError, ClusterConfigError) as exc:
         raise StartupError(f"dra: {exc}") from exc
 

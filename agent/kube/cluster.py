@@ -14,10 +14,11 @@ hence the pinned lightkube minor version. One `LightkubeCluster` serves every su
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any, TypeVar, cast
 
 import httpx2
@@ -49,7 +50,7 @@ from agent.kube.model import (
     format_time,
 )
 from agent.kube.names import check_node_name, url_segment
-from agent.kube.podlist import DecodedPods, decode_node_pods, read_bounded
+from agent.kube.podlist import DecodedPods, decode_node_pods, read_bounded, status_message
 from agent.kube.transport import CountingTransport
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class LightkubeCluster:
         self.node_name = node_name
         self._event_namespace = event_namespace
         self._foreign = (counter or ApiRequestCounter(CollectorRegistry())).foreign_pods
+        self._warned: set[str] = set()  # requests whose foreign pods were logged as a warning
 
     async def _do(self, call: Callable[[], Any]) -> Any:
         try:
@@ -155,13 +157,23 @@ class LightkubeCluster:
             raise errors.ApiServerError(502, f"the watch of node {self.node_name} returned node {node.name[:80]!r}")
         return node
 
-    def watch_pods(self, resource_version: str, timeout_seconds: int) -> AsyncIterator[WatchEvent[PodView]]:
-        """One watch of this node's pods (fieldSelector spec.nodeName, all namespaces) with bookmarks."""
-        return self._watch(Pod, ALL_NAMESPACES, f"spec.nodeName={self.node_name}", resource_version,
-                           timeout_seconds=timeout_seconds, parse=PodView.from_dict)
+    async def watch_pods(self, resource_version: str, timeout_seconds: int) -> AsyncIterator[WatchEvent[PodView]]:
+        """One watch of this node's pods (fieldSelector spec.nodeName, all namespaces) with bookmarks; events of
+        other nodes' pods (a server ignoring the selector) are skipped and counted."""
+        def own_pod(obj: Mapping[str, Any]) -> PodView | None:
+            return PodView.from_dict(obj) if (obj.get("spec") or {}).get("nodeName") == self.node_name else None
+
+        events = self._watch(Pod, ALL_NAMESPACES, f"spec.nodeName={self.node_name}", resource_version,
+                             timeout_seconds=timeout_seconds, parse=own_pod)
+        async with contextlib.aclosing(events):  # the response closes with this watch, not at garbage collection
+            async for event in events:
+                if event.type != "BOOKMARK" and event.object is None:
+                    self._skipped("watch_pods", 1)
+                    continue
+                yield cast(WatchEvent[PodView], event)
 
     async def _watch(self, res: type[Any], namespace: str | None, selector: str, resource_version: str, *,
-                     timeout_seconds: int, parse: Callable[[Mapping[str, Any]], T]) -> AsyncIterator[WatchEvent[T]]:
+                     timeout_seconds: int, parse: Callable[[Mapping[str, Any]], T]) -> AsyncGenerator[WatchEvent[T]]:
         generic = self._client._client
         br = generic.prepare_request("list", res=res, namespace=namespace, watch=True, params={
             "fieldSelector": selector, "resourceVersion": resource_version or None,
@@ -221,7 +233,7 @@ class LightkubeCluster:
         try:
             if response.status_code >= 400:
                 await response.aread()
-                raise errors.error_for_status(response.status_code, _status_message(response),
+                raise errors.error_for_status(response.status_code, status_message(response.content),
                                               _retry_after(response))
             body = await read_bounded(response.aiter_bytes())
         except _FAILURES as exc:
@@ -230,10 +242,17 @@ class LightkubeCluster:
             await response.aclose()
         decoded = await asyncio.to_thread(decode_node_pods, body, self.node_name)
         if decoded.foreign:
-            self._foreign.labels(request).inc(decoded.foreign)
-            log.warning("the API server answered a LIST of this node's pods (%s) with %d pods of other nodes: it "
-                        "ignores the field selector; they were skipped", request, decoded.foreign)
+            self._skipped(request, decoded.foreign)
         return decoded
+
+    def _skipped(self, request: str, pods: int) -> None:
+        """Count pods of other nodes in an answer; warn once per request kind (a proxy that ignores selectors does
+        so on every request), then at debug level."""
+        self._foreign.labels(request).inc(pods)
+        level = logging.DEBUG if request in self._warned else logging.WARNING
+        self._warned.add(request)
+        log.log(level, "the API server answered %s with %d pods of other nodes: it ignores the field selector; they "
+                "were skipped (gpu_node_agent_apiserver_foreign_pods_total)", request, pods)
 
     async def evict_pod(self, namespace: str, name: str) -> None:
         """policy/v1 Eviction (lightkube fills apiVersion and kind)."""
@@ -346,15 +365,6 @@ class LightkubeCluster:
     async def aclose(self) -> None:
         """Close the HTTP client."""
         await self._client.close()
-
-
-def _status_message(response: httpx2.Response) -> str:
-    """The message of a Status answer, or the start of the body."""
-    try:
-        status = json.loads(response.content)
-        return str(status.get("message") or "") if isinstance(status, dict) else response.text[:200]
-    except ValueError:
-        return response.text[:200]
 
 
 def _watch_event(line: str, parse: Callable[[Mapping[str, Any]], T]) -> WatchEvent[T]:

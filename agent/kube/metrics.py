@@ -20,7 +20,7 @@ class ApiRequestCounter:
                                     "Pods of other nodes in an answer to a LIST of this node's pods (a server or "
                                     "proxy ignoring the field selector), skipped, by request", ("request",),
                                     registry=registry)
-        for request in ("list_node_pods", "find_node_pod"):
+        for request in ("list_node_pods", "find_node_pod", "watch_pods"):
             self.foreign_pods.labels(request)
 
     def count(self, verb: str, code: int | str) -> None:

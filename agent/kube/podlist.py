@@ -81,3 +81,12 @@ def decode_node_pods(body: bytes | bytearray, node: str) -> DecodedPods:
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise errors.ApiServerError(502, f"undecodable pod list: {exc}") from exc
     return DecodedPods(tuple(pods), listing.metadata.resourceVersion, foreign)
+
+
+def status_message(body: bytes) -> str:
+    """The message of a Status answer, or the start of the body."""
+    try:
+        status = _ANY.decode(body)
+    except msgspec.DecodeError:
+        return body[:200].decode(errors="replace")
+    return str(status.get("message") or "") if isinstance(status, dict) else body[:200].decode(errors="replace")

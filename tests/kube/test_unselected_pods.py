@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from agent.kube import errors
 from agent.kube.cluster import LightkubeCluster, connect
 from agent.kube.metrics import ApiRequestCounter
+from agent.kube.model import PodView
 from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
 from tests.kube.conftest import NODE
 
@@ -124,3 +125,25 @@ async def test_a_20000_pod_answer_is_decoded_without_holding_the_loop(tmp_path: 
     print(f"worst loop hold, best of {ROUNDS}: find_node_pod {min(held) * 1e3:.1f} ms, "
           f"list_node_pods {min(held_list) * 1e3:.1f} ms (all: {held}, {held_list})")
     assert min(held) < LOOP_BOUND_S and min(held_list) < LOOP_BOUND_S, (held, held_list)
+
+
+async def test_the_node_pod_watch_skips_events_of_other_nodes(port, api, clock) -> None:
+    from agent.kube.podwatch import NodePodWatch
+    from tests.fakes.polling import until
+
+    _ignore_field_selectors(api)
+    api.add_pod("team", "mine-0")
+    sets: list[tuple[PodView, ...]] = []
+    watch = NodePodWatch(port, sets.append, clock=clock)
+    stop = asyncio.Event()
+    task = asyncio.create_task(watch.run(stop))
+    try:
+        await until(lambda: bool(sets), "the first pod set")
+        api.add_pod("team", "theirs-0", node="other-node")  # a watch event of another node's pod
+        api.add_pod("team", "mine-1")
+        await until(lambda: any(("team", "mine-1") in {p.key for p in s} for s in sets), "mine-1 watched")
+        assert all(("team", "theirs-0") not in {p.key for p in s} for s in sets)
+        assert port.registry.get_sample_value(FOREIGN, {"request": "watch_pods"}) == 1  # type: ignore[attr-defined]
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)

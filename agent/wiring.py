@@ -128,7 +128,7 @@ def device_plugin(node: Node, registry: CollectorRegistry, *, readiness: Readine
     try:
         manager = DevicePluginManager(dp, hardware.topology, device_health=device_health, registry=registry,
                                       clock=clock, plugin_registry_dir=str(paths.plugin_registry_dir),
-                                      cdi_spec_dir=str(paths.cdi_spec_dir))
+                                      cdi_spec_dir=str(paths.cdi_spec_dir), mig_minors=hardware.mig_minors)
     except (SocketPathError, PoolConfigError) as exc:  # PoolConfigError: the SR-IOV DP config.json
         raise StartupError(f"device plugin: {exc}") from exc
     readiness.require("device-plugin registered")
@@ -167,7 +167,7 @@ def dra(node: Node, registry: CollectorRegistry, *, cluster: ClusterPort,
 
     try:
         service = DraService(node.dra_config(), cluster.get(), node.hardware.topology, node.paths.state_dir, registry,
-                             verdicts=verdicts)
+                             verdicts=verdicts, mig_minors=node.hardware.mig_minors)
     except (SocketPathError, ClusterConfigError) as exc:
         raise StartupError(f"dra: {exc}") from exc
 

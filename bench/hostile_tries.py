@@ -75,6 +75,107 @@ def _pod_resources_hang() -> tuple[str, str, str, float]:
             max(after, default=result.first_s))
 
 
+# --- issue 37: MIG payloads in simulate mode; pod LISTs through a proxy that ignores the field selector ----------
+
+def _mig_payload_row() -> tuple[str, str, str, float]:
+    """A MIG device admitted through the stand-in kubelet (gRPC) from a `run --simulate dgx-h100-mig` process."""
+    import asyncio
+
+    from agent.simulate.kubelet import LocalKubelet
+
+    async def admit() -> tuple[str, float]:
+        directory = Path(tempfile.mkdtemp(prefix="gna-mig-"))
+        kubelet = LocalKubelet(directory)
+        await kubelet.start()
+        started = time.monotonic()
+        agent = subprocess.Popen([sys.executable, "-m", "agent", "run", "--simulate", "dgx-h100-mig", "--mig-strategy",
+                                  "mixed", "--pass-device-specs", "--kmsg", "", "--device-plugin-dir", str(directory),
+                                  "--metrics-address", "127.0.0.1:0"], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
+        try:
+            resource = "nvidia.com/mig-1g.10gb"
+            await kubelet.wait_for(lambda: resource in kubelet.plugins and kubelet.plugins[resource].lists > 0, 60)
+            await kubelet.admit({resource: 1})
+            paths = sorted(d.host_path for d in kubelet.responses[resource].devices)
+            return ", ".join(paths), time.monotonic() - started
+        finally:
+            agent.terminate()
+            agent.wait(30)
+            await kubelet.stop()
+
+    seen, took = asyncio.run(admit())
+    return ("run --simulate dgx-h100-mig --mig-strategy mixed --pass-device-specs: a MIG device's Allocate",
+            "parent /dev/nvidia<N> + 2 distinct nvidia-cap nodes", seen, took)
+
+
+def _foreign_pod_rows() -> list[tuple[str, str, str, float]]:
+    """The lightkube port against the API double in its own process, answering every LIST with all its pods."""
+    import asyncio
+    import contextlib
+
+    from prometheus_client import CollectorRegistry
+
+    from agent.kube.cluster import connect
+    from agent.kube.errors import ApiError
+    from agent.kube.metrics import ApiRequestCounter
+    from tests.fakes.apiserver import write_kubeconfig
+
+    async def worst_hold(work: asyncio.Future[object]) -> float:
+        worst = 0.0
+        while not work.done():
+            started = time.perf_counter()
+            await asyncio.sleep(0.005)
+            worst = max(worst, time.perf_counter() - started - 0.005)
+        return worst
+
+    async def tries(*double_args: str) -> list[tuple[str, float, float]]:
+        double = subprocess.Popen([sys.executable, "-m", "tests.fakes.apiserver_proc", "--node", "gpu-node-1",
+                                   "--ignore-field-selectors", *double_args], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        assert double.stdin is not None and double.stdout is not None
+        url = double.stdout.readline().strip()
+        registry = CollectorRegistry()
+        port = connect("gpu-node-1", ApiRequestCounter(registry),
+                       str(write_kubeconfig(Path(tempfile.mkdtemp()) / "kc", url)), timeout=30)
+        found: list[tuple[str, float, float]] = []
+        try:
+            with contextlib.suppress(ApiError):
+                await port.find_node_pod("team", "absent")  # connection and code paths warm
+            for call in (lambda: port.find_node_pod("team", "train-0"), port.list_node_pods):
+                started = time.perf_counter()
+                work: asyncio.Future[object] = asyncio.ensure_future(call())
+                held = await worst_hold(work)
+                try:
+                    result = await work
+                    pods = getattr(result, "pods", None)
+                    seen = f"{len(pods)} own pods" if pods is not None else f"found {getattr(result, 'key', None)}"
+                except ApiError as exc:
+                    seen = f"refused: {exc}"[:90]
+                foreign = sum(registry.get_sample_value("gpu_node_agent_apiserver_foreign_pods_total",
+                                                        {"request": r}) or 0 for r in ("find_node_pod",
+                                                                                       "list_node_pods"))
+                found.append((f"{seen}; {foreign:.0f} foreign pods skipped so far; loop held {held * 1e3:.1f} ms",
+                              held, time.perf_counter() - started))
+        finally:
+            await port.aclose()
+            double.stdin.close()
+            double.wait(10)
+        return found
+
+    rows = []
+    for label, args in (("20,000 pods (9 MB)", ("--pods", "20000", "--own", "train-0")),
+                        ("2,000 pods of 9 kB (18 MB)", ("--pods", "2000", "--pad", "9000"))):
+        for call, (seen, _, took) in zip(("find_node_pod", "list_node_pods"), asyncio.run(tries(*args)), strict=True):
+            rows.append((f"pod LIST through a proxy ignoring fieldSelector, {label}: {call}",
+                         "own node's pods only (over 16 MiB: 502), loop held < 50 ms", seen, took))
+    return rows
+
+
+def issue37_rows() -> list[tuple[str, str, str, float]]:
+    """Issue 37's rows for items 6 and 5 (pod-spec fetch)."""
+    return [_mig_payload_row(), *_foreign_pod_rows()]
+
+
 def main() -> None:
     rows: list[tuple[str, str, str, float]] = []
     with tempfile.TemporaryDirectory(prefix="gna-hostile-") as tmp:
@@ -96,6 +197,7 @@ def main() -> None:
         rows.append((f"annotation internet-egress-bandwidth {text[:20]!r}", "refused at once", seen,
                      time.process_time() - started))
     rows.append(_pod_resources_hang())
+    rows.extend(issue37_rows())
     print("| input | expected | seen | seconds |")
     print("|---|---|---|---|")
     for what, expected, seen, took in rows:

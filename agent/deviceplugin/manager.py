@@ -24,6 +24,7 @@ from agent.config.model import DevicePluginConfig
 from agent.deviceplugin.cdi import SPEC_DIRS, RdmaSpecWriter, find_spec, remove_stale_specs
 from agent.deviceplugin.devinfo import DeviceInfoWriter
 from agent.deviceplugin.metrics import AllocationMetrics
+from agent.deviceplugin.nvidia import MIG_MINORS
 from agent.deviceplugin.payload import AllocateOptions
 from agent.deviceplugin.pluginwatcher import PLUGIN_WATCHER, PluginWatcherLink, resolve_mode
 from agent.deviceplugin.pools import ResourcePool, build_pools, socket_name
@@ -63,11 +64,11 @@ class DevicePluginManager:
                  policy: PreferencePolicy | None = None, registry: CollectorRegistry | None = None,
                  admission_ttl_s: float = DEFAULT_TTL_S, clock: Clock = SYSTEM_CLOCK,
                  plugin_registry_dir: str = DEFAULT_PLUGIN_REGISTRY_DIR,
-                 cdi_spec_dir: str = DEFAULT_CDI_SPEC_DIR) -> None:
+                 cdi_spec_dir: str = DEFAULT_CDI_SPEC_DIR, mig_minors: str = MIG_MINORS) -> None:
         config = apply_sriov_dp_config(config)  # SriovConfigError (a PoolConfigError) when it cannot be served
         self.config = config
         self.device_health = device_health if device_health is not None else DeviceHealth()
-        self._options = AllocateOptions.from_config(config)
+        self._options = AllocateOptions.from_config(config, mig_minors)
         self.device_info = DeviceInfoWriter(config.device_info_dir) if config.device_info_dir else None
         self.cdi_spec_dir = cdi_spec_dir
         self.rdma_specs = RdmaSpecWriter(cdi_spec_dir, config.rdma_mad_devices) if config.rdma_cdi else None

@@ -79,12 +79,7 @@ class ShapingService:
 
     async def _wait(self, stop: asyncio.Event, version: int, timeout: float) -> bool:
         """Wait for a pod change, `timeout` or stop; True when the pods changed."""
-        changed = asyncio.create_task(self.pods.wait_changed(version, timeout))
-        stopped = asyncio.create_task(stop.wait())
-        try:
-            await asyncio.wait({changed, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            await aio.cancel_and_wait(changed, stopped)
+        await aio.wait_any(stop, self.pods.wait_changed(version, timeout))
         return self.pods.snapshot()[0] != version
 
     async def _report_problems(self, report: SyncReport) -> None:

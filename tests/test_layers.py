@@ -144,7 +144,8 @@ def test_only_the_cli_imports_the_app_and_only_the_app_imports_the_wiring():
 def test_the_supervisor_and_the_clock_sit_below_every_subsystem():
     for module in ("agent.supervisor", "agent.clock", "agent.kube.reflector"):
         agent_imports = {name for name in MODULES[module] if name.startswith("agent")}
-        assert agent_imports <= {"agent.clock", "agent.supervisor", "agent.kube.errors", "agent.kube.model"}, module
+        assert agent_imports <= {"agent.clock", "agent.aio", "agent.supervisor", "agent.kube.errors",
+                                 "agent.kube.model"}, module
 
 
 # --- the whole import graph: every import counts (lazy ones in functions and TYPE_CHECKING ones included) ---

@@ -17,7 +17,6 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from agent import aio
 from agent.health.assess import HealthAssessor
@@ -49,13 +48,10 @@ class NvmlEventWatcher:
         deliver = self._deliverer(loop)
         thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml-events")  # not the shared pool
         worker = loop.run_in_executor(thread, self._watch, halt, deliver)
-        stopper = asyncio.ensure_future(stop.wait())
         try:
-            racers: list[asyncio.Future[Any]] = [worker, stopper]
-            await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
+            await aio.wait_any(stop, asyncio.shield(worker))  # stop must not cancel the thread's future
         finally:
             halt.set()
-            await aio.cancel_and_wait(stopper)
             try:
                 await asyncio.shield(worker)  # the thread notices `halt` within one timeout
             finally:

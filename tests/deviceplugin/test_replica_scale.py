@@ -95,3 +95,31 @@ async def test_a_big_preference_after_allocations_still_prefers_the_least_alloca
     reply = await kubelet.plugins[GPU].stub.GetPreferredAllocation(_request(offered, 1000), timeout=60)
     per_gpu = Counter(i.partition("::")[0] for i in reply.container_responses[0].deviceIDs)
     assert first not in per_gpu and len(per_gpu) == 7 and sum(per_gpu.values()) == 1000
+
+
+MIG = "nvidia.com/mig-1g.10gb"
+
+
+async def test_the_largest_mig_replica_offer_is_chosen_off_the_event_loop(
+        kubelet: LocalKubelet, make_manager: MakeManager, mig_node: Topology, tmp_path: Path) -> None:
+    """1024 replicas of the MIG node's 1g.10gb devices (28,672 IDs): 25,088 asked did not answer within 60 s."""
+    path = write(tmp_path, "version: v1\nflags:\n  migStrategy: mixed\nsharing:\n  timeSlicing:\n    resources:\n"
+                           "    - name: mig-1g.10gb\n      replicas: 1024\n")
+    await serve(kubelet, make_manager, nvidia_config(path, str(kubelet.directory)), mig_node)
+    replicas = sorted(kubelet.plugins[MIG].devices)
+    stop = asyncio.Event()
+    gaps: list[float] = []
+    nic: list[float] = []
+    background = [asyncio.create_task(_ticker(gaps, stop)), asyncio.create_task(_nic_calls(kubelet, nic, stop))]
+    await asyncio.sleep(0.05)
+    took = []
+    for size in (1, 25_088):
+        started = time.monotonic()
+        reply = await kubelet.plugins[MIG].stub.GetPreferredAllocation(_request(replicas, size), timeout=60)
+        took.append(time.monotonic() - started)
+        assert len(set(reply.container_responses[0].deviceIDs)) == size
+    await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.gather(*background)
+    assert max(took) < BOUND_S and max(nic) < BOUND_S, (took, max(nic))
+    assert max(gaps) < LOOP_GAP_S, f"the event loop was held for {max(gaps):.3f} s"

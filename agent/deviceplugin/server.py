@@ -232,10 +232,28 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
         """The policy's answer: inline for a small request, in a worker thread for a big one (see the module
         docstring); either way under the policy lock."""
         pool = self._pool
-        async with self._policy_lock:
-            if len(asked.available) + len(asked.must_include) <= OFFLOAD_IDS:
+        lock = self._policy_lock
+        await lock.acquire()
+        if len(asked.available) + len(asked.must_include) <= OFFLOAD_IDS:
+            try:
                 return self._policy(pool, asked)
-            return await asyncio.to_thread(self._policy, pool, asked)
+            finally:
+                lock.release()
+        try:
+            chosen = asyncio.get_running_loop().run_in_executor(None, self._policy, pool, asked)
+        except BaseException:
+            lock.release()
+            raise
+
+        def done(future: asyncio.Future[Preference]) -> None:
+            # released when the thread is done, not when this call is: a call the kubelet cancels must not let
+            # the next policy call run beside its thread
+            lock.release()
+            if not future.cancelled():
+                future.exception()  # retrieved here too, so a cancelled call's failure is not logged as lost
+
+        chosen.add_done_callback(done)
+        return await asyncio.shield(chosen)
 
     async def _partner(self) -> frozenset[str] | None:
         """The kubelet's fact for this call, or None (no lookup, or it failed: never fail the preference)."""

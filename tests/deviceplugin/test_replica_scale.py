@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import grpc
 import pytest
 
 from agent.deviceplugin.manager import DevicePluginManager
@@ -123,3 +124,17 @@ async def test_the_largest_mig_replica_offer_is_chosen_off_the_event_loop(
     await asyncio.gather(*background)
     assert max(took) < BOUND_S and max(nic) < BOUND_S, (took, max(nic))
     assert max(gaps) < LOOP_GAP_S, f"the event loop was held for {max(gaps):.3f} s"
+
+
+async def test_big_calls_the_kubelet_gives_up_on_leave_the_plugins_answering(
+        kubelet: LocalKubelet, sliced: list[str]) -> None:
+    """A big call runs on in its worker thread after the kubelet's deadline, holding the policy lock until it is
+    done (so no other call runs the policy beside it); then every call answers again."""
+    for _ in range(3):
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await kubelet.plugins[GPU].stub.GetPreferredAllocation(_request(sliced, 8000), timeout=0.002)
+        assert failed.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    got = await asyncio.wait_for(kubelet.admit({GPU: 1, RDMA: 1}), 5)
+    assert len(got[GPU]) == 1 and len(got[RDMA]) == 1
+    reply = await kubelet.plugins[GPU].stub.GetPreferredAllocation(_request(sliced, 8000), timeout=5)
+    assert len(reply.container_responses[0].deviceIDs) == 8000

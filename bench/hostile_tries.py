@@ -4,6 +4,9 @@ and print a table: input, expected, seen (exit code or refusal), seconds.
 
 Each config-level try is a `gpu-node-agent config|run` process of its own (as an operator's bad file would be);
 the annotation tries call the one quantity parser the shaping resolver uses, timed on this process's CPU.
+Issue 37, item 1 (`replica_rows`): big time-sliced preference calls to a real `run --simulate` (1024 replicas per
+GPU or MIG device) over its plugin sockets, with a NIC call sent meanwhile, and SIGTERM during the biggest; and
+19,000 aliased time-slicing entries, timed on this process's CPU.
 
     python bench/hostile_tries.py
 """
@@ -187,6 +190,7 @@ def main() -> None:
         for args in FLAGS:
             seen, took = _run("config", *args)
             rows.append((f"config {' '.join(args)}", "exit 2, one line", seen, took))
+    rows += replica_rows()
     for text in ANNOTATIONS:
         started = time.process_time()
         try:
@@ -202,6 +206,112 @@ def main() -> None:
     print("|---|---|---|---|")
     for what, expected, seen, took in rows:
         print(f"| {what} | {expected} | {seen.replace('|', '/')} | {took:.3f} |")
+
+
+
+# Issue 37, item 1: time-sliced preference calls on the largest sharing, and many time-slicing entries. The
+# agent runs with a 1 s NVML event wait: the default 5 s wait alone bounds how long any stop takes
+_SLICED = "version: v1\nflags:\n  migStrategy: mixed\nsharing:\n  timeSlicing:\n    resources:\n" \
+          "    - name: {name}\n      replicas: 1024\n"
+_REPLICA_CASES = [  # (profile, sliced resource, sizes asked); the last size is asked again for SIGTERM
+    ("dgx-h100", "nvidia.com/gpu", (1000, 4000, 8000)),
+    ("dgx-h100-mig", "nvidia.com/mig-1g.10gb", (1000, 25_088)),
+]
+_ENTRIES = "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - &e {name: gpu, replicas: 4}\n" + \
+    "    - *e\n" * 18_999
+
+
+async def _replica_case(directory: Path, profile: str, resource: str, sizes: tuple[int, ...]) -> list[
+        tuple[str, str, str, float]]:
+    import asyncio
+    import os
+    import signal
+
+    import grpc
+
+    from agent.deviceplugin.pools import socket_name
+    from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+
+    def request(ids: list[str], size: int) -> api_pb2.PreferredAllocationRequest:
+        return api_pb2.PreferredAllocationRequest(container_requests=[
+            api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=ids, allocation_size=size)])
+
+    config = directory / "nvidia-dp.yaml"
+    config.write_text(_SLICED.format(name=resource.rpartition("/")[2]))
+    nic_resource = "gpunodeagent.io/sriov_rdma"
+    process = subprocess.Popen([sys.executable, "-m", "agent", "run", "--simulate", profile, "--dry-run",
+                                "--device-plugin-dir", str(directory), "--metrics-address", "127.0.0.1:0",
+                                "--nvidia-dp-config", str(config), "--nvml-event-timeout", "1"],
+                               stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    rows: list[tuple[str, str, str, float]] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not all((directory / socket_name(r)).exists() for r in (resource, nic_resource)):
+            if process.poll() is not None or time.monotonic() > deadline:
+                return [(f"run --simulate {profile}: {resource} x1024", "serves", "no plugin sockets", 0.0)]
+            await asyncio.sleep(0.1)
+        stubs = {}
+        offers = {}
+        for name in (resource, nic_resource):
+            channel = grpc.aio.insecure_channel(f"unix://{directory / socket_name(name)}")
+            stubs[name] = api_pb2_grpc.DevicePluginStub(channel)
+            call = stubs[name].ListAndWatch(api_pb2.Empty())
+            offers[name] = [d.ID for d in (await asyncio.wait_for(call.read(), 30)).devices]
+            call.cancel()
+
+        async def timed(name: str, size: int, delay: float = 0.0) -> float:
+            await asyncio.sleep(delay)
+            started = time.monotonic()
+            await stubs[name].GetPreferredAllocation(request(offers[name], size), timeout=120)
+            return time.monotonic() - started
+
+        what = f"run --simulate {profile}: GetPreferredAllocation of {{}} of {len(offers[resource])} replicas"
+        for size in sizes:
+            took, nic = await asyncio.gather(timed(resource, size), timed(nic_resource, 1, 0.02))
+            rows.append((what.format(size), "< 0.5 s, NIC call meanwhile < 0.5 s", f"NIC call {nic:.3f} s", took))
+        in_flight = asyncio.ensure_future(timed(resource, sizes[-1]))
+        await asyncio.sleep(0.02)
+        process.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        while process.poll() is None and time.monotonic() - started < 30:
+            await asyncio.sleep(0.02)
+        ended = time.monotonic() - started
+        await asyncio.gather(in_flight, return_exceptions=True)
+        rows.append((f"run --simulate {profile}: SIGTERM during a call of {sizes[-1]}", "ends within 5 s",
+                     f"exit {process.poll()}", ended))
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return rows
+
+
+def replica_rows() -> list[tuple[str, str, str, float]]:
+    """Issue 37, item 1: the rows of big time-sliced preference calls and of many time-slicing entries."""
+    import asyncio
+    import contextlib
+    import io
+
+    from agent import cli
+
+    rows: list[tuple[str, str, str, float]] = []
+    for profile, resource, sizes in _REPLICA_CASES:
+        with tempfile.TemporaryDirectory(prefix="gna") as tmp:  # short: unix socket paths
+            rows += asyncio.run(_replica_case(Path(tmp), profile, resource, sizes))
+    with tempfile.TemporaryDirectory(prefix="gna") as tmp:
+        path = Path(tmp) / "entries.yaml"
+        path.write_text(_ENTRIES)
+        for command in ("config", "run"):
+            err = io.StringIO()
+            started = time.process_time()
+            with contextlib.redirect_stderr(err):
+                code = cli.main([command, "--nvidia-dp-config", str(path)])
+            lines = err.getvalue().strip().splitlines()
+            rows.append((f"{command}: 19,000 aliased timeSlicing entries (s of CPU)", "exit 2, one line, < 1 s CPU",
+                         f"exit {code}, {len(lines)} line(s): {(lines or [''])[-1][:70]}",
+                         time.process_time() - started))
+    return rows
 
 
 if __name__ == "__main__":

@@ -85,6 +85,7 @@ class DevicePluginManager:
         self.allocator = JointAllocator(self._plugins.values, ttl_s=admission_ttl_s, clock=clock.monotonic)
         self.allocator.replica_policy = config.shared_devices_allocation_policy
         self._policy = policy or self.allocator.prefer
+        self._policy_lock = asyncio.Lock()  # one policy state, so one lock for all servicers (see server.py)
         self._topology = topology
         self.registration_mode = resolve_mode(config.registration_mode, plugin_registry_dir)
         self._link: KubeletLink | PluginWatcherLink
@@ -172,7 +173,8 @@ class DevicePluginManager:
     def _new_plugin(self, pool: ResourcePool) -> DevicePlugin:
         plugin = DevicePlugin(pool, self._options, policy=self._policy, on_allocate=self.allocator.allocated,
                               metrics=self.metrics, device_info=self.device_info, device_health=self.device_health,
-                              partner_lookup=self.facts.partner if self.facts is not None else None)
+                              partner_lookup=self.facts.partner if self.facts is not None else None,
+                              policy_lock=self._policy_lock)
         self.metrics.add_resource(pool.resource_name)
         return plugin
 

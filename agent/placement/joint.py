@@ -133,10 +133,11 @@ def other_kind(kind: DeviceKind) -> DeviceKind:
 class JointAllocator:
     """Preference policy plus Allocate hook shared by all servers of one manager.
 
-    Call `prefer` and `allocated` from the event loop that runs the servers (the gRPC handlers do): the state
-    is not locked, and no call awaits. `peers` returns the servers of the manager as they are now (pools
-    change on rescans). `known_free`, when given, supplies the other kind's free devices exactly (ownership
-    facts) instead of the estimate.
+    Call `prefer` and `allocated` one at a time: the state is not locked here. The servers call them from their
+    event loop, and a preference over a big offer from a worker thread, while the servers' shared policy lock
+    keeps every other call out (`deviceplugin.server`); no call awaits. `peers` returns the servers of the
+    manager as they are now (pools change on rescans). `known_free`, when given, supplies the other kind's free
+    devices exactly (ownership facts) instead of the estimate.
     """
 
     def __init__(self, peers: Callable[[], Iterable[ServedResource]], *, ttl_s: float = DEFAULT_TTL_S,

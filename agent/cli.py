@@ -178,7 +178,9 @@ def _read_sriov_dp_config(cfg: config.AgentConfig) -> SriovConfig | None:
     if not cfg.device_plugin.sriov_dp_config:
         return None
     try:
-        return sriovdp.read_config(cfg.device_plugin.sriov_dp_config, sriovdp.default_prefix(cfg.device_plugin))
+        read = sriovdp.read_config(cfg.device_plugin.sriov_dp_config, sriovdp.default_prefix(cfg.device_plugin))
+        sriovdp.with_pools(cfg.device_plugin, read)  # a name another served resource has: exit 2 here
+        return read
     except sriovdp.SriovConfigError as exc:
         raise UsageError(str(exc)) from exc
 

@@ -182,25 +182,36 @@ class DevicePluginConfig:
         if not self.cdi_annotation_prefix.endswith("/"):
             raise ValueError(f"cdiAnnotationPrefix: {self.cdi_annotation_prefix!r} must end with '/'")
 
-    def check(self) -> None:
-        """Every served resource name is valid and served once (the device plugin would crash-loop otherwise)."""
-        names: list[str] = []
+    def served_names(self, pools_from: str = "") -> list[tuple[str, str]]:
+        """(full resource name, the setting that names it) of every resource this config alone fixes: each NIC
+        pool and, unless serveGpus is false, the GPU resource. `pools_from` names the file the pools came from
+        (the SR-IOV device plugin's), when they did not come from `pools`. MIG and time-slicing names always carry
+        a dot (`mig-1g.10gb`, `gpu.shared`), which neither a pool name nor gpuResourceName may: they cannot meet
+        these. Raises ValueError for a name the kubelet would refuse."""
+        names: list[tuple[str, str]] = []
         for index, pool in enumerate(self.pools):
             prefix = pool.resource_prefix or self.resource_prefix
+            where = f"{pools_from} pool {pool.resource_name!r}" if pools_from else f"pools[{index}]"
             problem = resource_name_problem(prefix, pool.resource_name)
             if problem:
-                where = "resourcePrefix" if pool.resource_prefix is None else f"pools[{index}]"
-                raise ValueError(f"{where}: {problem}")
-            names.append(f"{prefix}/{pool.resource_name}")
+                raise ValueError(f"{'resourcePrefix' if pool.resource_prefix is None else where}: {problem}")
+            names.append((f"{prefix}/{pool.resource_name}", where))
         prefix, _, name = self.gpu_resource_name.rpartition("/")
         problem = resource_name_problem(prefix, name) if prefix else "needs a prefix, e.g. nvidia.com/gpu"
         if problem:
             raise ValueError(f"gpuResourceName: {self.gpu_resource_name!r}: {problem}")
         if self.serve_gpus is not False:
-            names.append(self.gpu_resource_name)
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise ValueError(f"pools: resource {', '.join(twice)} is configured twice")
+            names.append((self.gpu_resource_name, "gpuResourceName (the GPUs)"))
+        return names
+
+    def check(self, pools_from: str = "") -> None:
+        """Every served resource name is valid and served once (the device plugin crash-looped otherwise): one
+        collision is one error naming both settings. Linear in the number of pools."""
+        seen: dict[str, str] = {}
+        for name, where in self.served_names(pools_from):
+            if name in seen:
+                raise ValueError(f"resource {name} is configured twice: by {seen[name]} and by {where}")
+            seen[name] = where
         self._check_gpu_serving()
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from agent.config.address import parse_address
 from agent.config.fields import PROJECT_DOMAIN, setting
+from agent.config.files import check_files
 from agent.config.health import HealthConfig
 from agent.config.names import check_node_name
 from agent.config.netacct import NetacctConfig
@@ -41,6 +42,10 @@ class TopologyConfig:
     rescan_interval_seconds: float = setting(
         300.0, flag="--rescan-interval", env="GPU_NODE_AGENT_RESCAN_INTERVAL",
         help="seconds between hardware rescans (SIGHUP rescans at once)")
+
+    def check(self) -> None:
+        """The NCCL topology file, when it exists, is a regular file (a FIFO hung the start)."""
+        check_files(("topologyFile", self.topology_file))
 
 
 @dataclass
@@ -207,6 +212,7 @@ class DevicePluginConfig:
     def check(self, pools_from: str = "") -> None:
         """Every served resource name is valid and served once (the device plugin crash-looped otherwise): one
         collision is one error naming both settings. Linear in the number of pools."""
+        check_files(("sriovDpConfig", self.sriov_dp_config), ("nvidiaDpConfig", self.nvidia_dp_config))
         seen: dict[str, str] = {}
         for name, where in self.served_names(pools_from):
             if name in seen:
@@ -290,7 +296,8 @@ class ApiServerConfig:
                                      help="timeout of one API server request")
 
     def check(self) -> None:
-        """A request timeout must be positive."""
+        """A request timeout must be positive; the kubeconfig, when it exists, a regular file."""
+        check_files(("kubeconfig", self.kubeconfig))
         if self.timeout_seconds <= 0:
             raise ValueError(f"timeoutSeconds: {self.timeout_seconds} must be positive")
 

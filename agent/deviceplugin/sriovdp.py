@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from agent.config.files import read_regular
 from agent.config.load import MAX_DEPTH, nesting_depth
 from agent.config.model import DEFAULT_RESOURCE_PREFIX, DevicePluginConfig, PoolConfig, SelectorConfig
 from agent.config.numbers import NumberError, bounded_float, bounded_int, no_constant
@@ -196,8 +197,7 @@ class _Reader:
         """The file's JSON, read within the bounds (size before reading, UTF-8, depth, numbers)."""
         where = f"SR-IOV device plugin config {self.path}"
         try:
-            with open(self.path, "rb") as handle:
-                raw = handle.read(MAX_FILE_BYTES + 1)
+            raw = read_regular(self.path, MAX_FILE_BYTES)  # never waits on a FIFO
         except OSError as exc:
             raise SriovConfigError(f"{where}: cannot read: {exc.strerror or exc}") from exc
         if len(raw) > MAX_FILE_BYTES:

@@ -46,6 +46,18 @@ def check_files(*settings: tuple[str, str | Path | None]) -> None:
             raise ValueError(f"{name}: {str(path)!r} is {problem}")
 
 
+def check_dirs(*settings: tuple[str, str], required: bool = False) -> None:
+    """ValueError naming the setting for the first (setting, directory) that is relative (it would follow the
+    agent's working directory) or `/` (the agent writes sockets and files there). "" passes unless `required`
+    (elsewhere it means "none" or "the default", and the setting says so)."""
+    for name, path in settings:
+        if required and not path:
+            raise ValueError(f"{name}: must be set (an absolute directory)")
+        if path and (not path.startswith("/") or not path.strip("/")):
+            raise ValueError(f"{name}: {path[:200]!r} must be an absolute directory other than / (the agent writes "
+                             "sockets or files in it)")
+
+
 def read_regular(path: str | Path, limit: int) -> bytes:
     """At most `limit + 1` bytes of the regular file at `path` (so a caller sees that it is over `limit`).
 

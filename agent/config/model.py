@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from agent.config.address import parse_address
 from agent.config.fields import PROJECT_DOMAIN, setting
-from agent.config.files import check_files
+from agent.config.files import check_dirs, check_files
 from agent.config.health import HealthConfig
 from agent.config.names import check_node_name
 from agent.config.netacct import NetacctConfig
@@ -42,10 +42,6 @@ class TopologyConfig:
     rescan_interval_seconds: float = setting(
         300.0, flag="--rescan-interval", env="GPU_NODE_AGENT_RESCAN_INTERVAL",
         help="seconds between hardware rescans (SIGHUP rescans at once)")
-
-    def check(self) -> None:
-        """The NCCL topology file, when it exists, is a regular file (a FIFO hung the start)."""
-        check_files(("topologyFile", self.topology_file))
 
 
 @dataclass
@@ -213,6 +209,8 @@ class DevicePluginConfig:
         """Every served resource name is valid and served once (the device plugin crash-looped otherwise): one
         collision is one error naming both settings. Linear in the number of pools."""
         check_files(("sriovDpConfig", self.sriov_dp_config), ("nvidiaDpConfig", self.nvidia_dp_config))
+        check_dirs(("devicePluginDir", self.device_plugin_dir), required=True)
+        check_dirs(("deviceInfoDir", self.device_info_dir))
         seen: dict[str, str] = {}
         for name, where in self.served_names(pools_from):
             if name in seen:
@@ -278,7 +276,10 @@ class DraConfig:
         return self.plugin_dir or f"/var/lib/kubelet/plugins/{self.driver_name}"
 
     def check(self) -> None:
-        """The driver name is a DNS subdomain of at most 63 characters (ResourceSlice spec.driver)."""
+        """The driver name is a DNS subdomain of at most 63 characters (ResourceSlice spec.driver); the node
+        directories are absolute."""
+        check_dirs(("pluginRegistryDir", self.plugin_registry_dir), ("cdiSpecDir", self.cdi_spec_dir), required=True)
+        check_dirs(("pluginDir", self.plugin_dir))
         if len(self.driver_name) > 63 or not re.fullmatch(
                 r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*", self.driver_name):
             raise ValueError(f"driverName: {self.driver_name!r} is not a DNS subdomain of at most 63 characters")
@@ -336,6 +337,7 @@ class AgentConfig:
             raise ValueError(f"version: {self.version} is not a config version this agent reads "
                              f"(it reads version {CONFIG_VERSION})")
         parse_address(self.metrics_address)
+        check_dirs(("stateDir", self.state_dir), required=True)
         if self.node_name:
             try:
                 check_node_name(self.node_name)

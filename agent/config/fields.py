@@ -12,12 +12,15 @@ PROJECT_DOMAIN = "gpunodeagent.io"
 
 def setting(default: Any = None, *, help: str, flag: str | None = None, env: str | None = None,
             factory: Any = None, choices: tuple[str, ...] | None = None, repeat: bool = False,
-            zero_ok: bool = False) -> Any:
+            zero_ok: bool = False, floor: float | None = None) -> Any:
     """A dataclass field carrying its help text, flag, environment variable and allowed values.
 
     A number must be finite, and a `*_seconds` number must be at least 0.01 (10 ms, `load.MIN_SECONDS`) unless
-    `zero_ok`, where 0 means "off" or "once" (the help says so) and anything else is at least 0.01 too."""
-    meta = {"help": help, "flag": flag, "env": env, "choices": choices, "repeat": repeat, "zero_ok": zero_ok}
+    `zero_ok`, where 0 means "off" or "once" (the help says so) and anything else is at least 0.01 too.
+    `floor` (intervals of periodic work): a value from 0.01 up to it is raised to it, with one warning; what the
+    work costs sets it (a full hardware rescan at most once a second)."""
+    meta = {"help": help, "flag": flag, "env": env, "choices": choices, "repeat": repeat, "zero_ok": zero_ok,
+            "floor": floor}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)

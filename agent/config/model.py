@@ -25,6 +25,8 @@ CONFIG_VERSION = 1
 DEFAULT_RESOURCE_PREFIX = PROJECT_DOMAIN
 # NVIDIA k8s-device-plugin's deviceListStrategy values (api/config/v1/strategy.go)
 DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
+# A full hardware rescan (sysfs walk, NVML) at most this often: at 0.01 s it took 46 % of a core
+RESCAN_FLOOR_S = 1.0
 
 
 @dataclass
@@ -41,7 +43,7 @@ class TopologyConfig:
         help="run on a built-in simulated node profile instead of the host (e.g. dgx-h100)")
     rescan_interval_seconds: float = setting(
         300.0, flag="--rescan-interval", env="GPU_NODE_AGENT_RESCAN_INTERVAL",
-        help="seconds between hardware rescans (SIGHUP rescans at once)")
+        floor=RESCAN_FLOOR_S, help="seconds between hardware rescans (SIGHUP rescans at once, at most once a second)")
 
 
 @dataclass
@@ -227,7 +229,8 @@ class PodResourcesConfig:
                           env="GPU_NODE_AGENT_POD_RESOURCES_SOCKET",
                           help="the kubelet's PodResources v1 socket (mount its directory, not the socket, so "
                                "the agent sees it again after a kubelet restart); \"\" turns its use off")
-    poll_interval_seconds: float = setting(10.0, help="seconds between reads of who holds which device (metrics, "
+    poll_interval_seconds: float = setting(10.0, floor=0.1,
+                                           help="seconds between reads of who holds which device (metrics, "
                                                       "free devices after a restart)")
     lookup_timeout_seconds: float = setting(
         0.05, flag="--pod-resources-lookup-timeout", env="GPU_NODE_AGENT_POD_RESOURCES_LOOKUP_TIMEOUT",
@@ -268,7 +271,8 @@ class DraConfig:
     rdma_resource_name: str = setting(f"{PROJECT_DOMAIN}/sriov_rdma",
                                       help="k8s.cni.cncf.io/resourceName of RDMA devices: the NetworkAttachment"
                                            "Definition's resourceName annotation, for Multus")
-    resync_seconds: float = setting(60.0, help="republish slices this often (the kubelet wipes them at its start)")
+    resync_seconds: float = setting(60.0, floor=1.0,
+                                    help="republish slices this often (the kubelet wipes them at its start)")
 
     @property
     def socket_dir(self) -> str:

@@ -64,7 +64,7 @@ class NetacctConfig:
                          help="also account IPv6 with ip6tables (turn off on nodes without IPv6)")
     sync_interval_seconds: float = setting(
         30.0, flag="--netacct-sync-interval", env="GPU_NODE_AGENT_NETACCT_SYNC_INTERVAL",
-        help="seconds between full re-checks of rules and sets (pod changes are applied at once)")
+        floor=1.0, help="seconds between full re-checks of rules and sets (pod changes are applied at once)")
     lock_wait_seconds: int = setting(5, flag="--netacct-lock-wait", env="GPU_NODE_AGENT_NETACCT_LOCK_WAIT",
                                      zero_ok=True,
                                      help="seconds iptables-restore waits for the xtables lock (/run/xtables.lock)")

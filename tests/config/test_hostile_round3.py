@@ -85,6 +85,24 @@ def test_every_resource_name_collision_is_one_line_at_load(tmp_path: Path, sourc
     _one_refusal(done, "configured twice", *named)
 
 
+@pytest.mark.parametrize(("name", "extra"), [
+    ("mig-1g.10gb", ["--mig-strategy", "mixed"]),  # a MIG resource of mig-strategy mixed
+    ("gpu.shared", ["--nvidia-dp-config", "TS"]),  # the time-sliced GPUs renamed by renameByDefault
+])
+@pytest.mark.parametrize("command", ["config", "run"])
+def test_pools_cannot_take_mig_or_time_slicing_names(tmp_path: Path, name: str, extra: list[str],
+                                                      command: str) -> None:
+    """Those names always carry a dot, which a pool name may not: refused at load, not met at run time."""
+    sliced = tmp_path / "nvidia.yaml"
+    sliced.write_text("version: v1\nsharing: {timeSlicing: {renameByDefault: true, resources: "
+                      "[{name: nvidia.com/gpu, replicas: 2}]}}\n")
+    sriov = _sriov_file(tmp_path / "sriov.json", name, "nvidia.com")
+    done = run_agent(command, "--simulate", "dgx-h100-mig", "--sriov-dp-config", str(sriov),
+                     *[str(sliced) if arg == "TS" else arg for arg in extra], "--device-plugin-dir", str(tmp_path),
+                     "--metrics-address", "127.0.0.1:0", timeout=RUN_BOUND_S * 2)
+    _one_refusal(done, repr(name))
+
+
 def test_distinct_sriov_pools_beside_the_gpus_still_load(tmp_path: Path) -> None:
     sriov = _sriov_file(tmp_path / "sriov.json", "mlnx_rdma", "nvidia.com")
     done = run_agent("config", "--simulate", "dgx-h100", "--sriov-dp-config", str(sriov))

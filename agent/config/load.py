@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import math
 import re
 import types
@@ -23,10 +22,9 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from agent.config import model, nvidia_env, nvidia_file
+from agent.config.fields import floored
 from agent.config.files import read_regular
 from agent.config.numbers import MAX_DIGITS, NumberError, bounded_float, bounded_int, no_constant, shown
-
-log = logging.getLogger(__name__)
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -127,17 +125,6 @@ def _check_choices(f: dataclasses.Field, value: Any, where: str) -> None:
         raise ConfigError(f"{where}: must be {allowed} seconds (the floor of every duration), got {value!r}")
 
 
-def _floored(f: dataclasses.Field, value: Any, where: str) -> Any:
-    """An interval below its setting's `floor` raised to it, with a warning (0, "off", stays). Raised, not refused:
-    such values were accepted before (configs in use keep working), and the floor only slows periodic work."""
-    floor = f.metadata.get("floor")
-    if floor is None or not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < floor:
-        return value
-    log.warning("%s: %s seconds is more often than this work should run; using its floor, %s seconds", where,
-                value, floor)
-    return type(value)(floor)
-
-
 def from_mapping(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
     """Instantiate dataclass `cls` from a mapping with camelCase or snake_case keys."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -151,7 +138,7 @@ def from_mapping(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
             raise ConfigError(f"{path}: unknown setting (known here: {known})")
         values[name] = _convert(raw, hints[name], path)
         _check_choices(fields[name], values[name], path)
-        values[name] = _floored(fields[name], values[name], path)
+        values[name] = floored(fields[name], values[name], path)
     instance = cls(**values)
     check = getattr(instance, "check", None)
     if callable(check):

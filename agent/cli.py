@@ -181,7 +181,9 @@ def _read_sriov_dp_config(cfg: config.AgentConfig) -> SriovConfig | None:
     if not cfg.device_plugin.sriov_dp_config:
         return None
     try:
-        return sriovdp.read_config(cfg.device_plugin.sriov_dp_config, sriovdp.default_prefix(cfg.device_plugin))
+        read = sriovdp.read_config(cfg.device_plugin.sriov_dp_config, sriovdp.default_prefix(cfg.device_plugin))
+        sriovdp.with_pools(cfg.device_plugin, read)  # a name another served resource has: exit 2 here
+        return read
     except sriovdp.SriovConfigError as exc:
         raise UsageError(str(exc)) from exc
 
@@ -285,13 +287,44 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return doctor.exit_code(checks)
 
 
+class _Held(logging.Handler):
+    """Keeps what config loading logs until the log level and format it reads are set up."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _load_config_held(args: argparse.Namespace) -> tuple[config.AgentConfig, list[logging.LogRecord]]:
+    """`_load_config`, with what the config package logs meanwhile (a raised interval, NVIDIA's names read)
+    held back, to be logged once logging is set up as the config says (JSON lines, not a bare stderr line)."""
+    logger = logging.getLogger("agent.config")
+    held, level, propagate = _Held(), logger.level, logger.propagate
+    logger.addHandler(held)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    try:
+        return _load_config(args), held.records
+    finally:
+        logger.removeHandler(held)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from agent import app
 
-    cfg = _load_config(args)
+    cfg, records = _load_config_held(args)
     if cfg.device_plugin.enabled:
         _read_sriov_dp_config(cfg)  # refused here with exit 2, before anything starts (the device plugin reads it)
     setup_logging(cfg.log_level, cfg.log_format)
+    for record in records:
+        logger = logging.getLogger(record.name)
+        if logger.isEnabledFor(record.levelno):
+            logger.handle(record)
     return app.main(cfg)
 
 

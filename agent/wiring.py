@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from agent import aio
 from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config import AgentConfig
+from agent.config.model import RESCAN_FLOOR_S
 from agent.hardware import Hardware
 from agent.http import Readiness
 from agent.kube.access import ClusterPort
@@ -59,17 +60,33 @@ class Subsystem:
 
 
 def rescans(hardware: Hardware, rescan: asyncio.Event, interval: float,
-            listeners: Sequence[TopologyListener]) -> Subsystem:
-    """Rescan hardware on SIGHUP (`rescan`) and on a slow timer; publish a changed topology to `listeners`."""
+            listeners: Sequence[TopologyListener], registry: CollectorRegistry | None = None) -> Subsystem:
+    """Rescan hardware on SIGHUP (`rescan`) and on a slow timer; publish a changed topology to `listeners`.
+
+    A full rescan (a sysfs walk and NVML) starts at most once per RESCAN_FLOOR_S, whatever asks for it: the
+    interval has that floor in config, and SIGHUPs within it are coalesced into one rescan at its end.
+    """
+    from prometheus_client import Counter
+
+    done = Counter("gpu_node_agent_hardware_rescans", "Full hardware rescans (timer and SIGHUP; at most one a "
+                   "second)", registry=registry)
+
     async def run(stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        last = -RESCAN_FLOOR_S
         while not stop.is_set():
             await aio.wait_any(stop, rescan, timeout=interval)
+            wait = last + RESCAN_FLOOR_S - loop.time()
+            if wait > 0 and not stop.is_set():
+                await aio.sleep_or_stop(stop, wait)
             if stop.is_set():
                 return
             requested = rescan.is_set()
             rescan.clear()
+            last = loop.time()
             before = hardware.topology
             topology = await asyncio.to_thread(hardware.rescan)
+            done.inc()
             if topology == before:
                 log.log(logging.INFO if requested else logging.DEBUG, "rescan: hardware unchanged")
                 continue
@@ -410,5 +427,5 @@ def build(node: Node, registry: CollectorRegistry, *, readiness: Readiness, resc
         wiring.shaping = shaping(cfg, registry, wiring.cluster, wiring.netacct)
         wiring.subsystems.append(_kernel_state_subsystem("shaping", wiring.shaping))
     listeners = [s.on_topology for s in wiring.subsystems if s.on_topology is not None]
-    wiring.subsystems.append(rescans(hardware, rescan, cfg.topology.rescan_interval_seconds, listeners))
+    wiring.subsystems.append(rescans(hardware, rescan, cfg.topology.rescan_interval_seconds, listeners, registry))
     return wiring

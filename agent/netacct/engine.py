@@ -185,6 +185,10 @@ class Netacct:
         self._counting = layout
         if not self._present(old):
             self._sync_layout(layout, pods)
+        elif layout == "nft" and self._present(layout) and self.native.carried(self.native.read(full=True)):
+            # The table already holds the old layout's counts: finish now, pod list or not. Waiting would have
+            # scrapes read the old layout and the finish then add the table's copy of the same counts.
+            self._finish_to_nft(pods)
         elif pods is None:
             log.info("netacct: the %s layout is still installed; migrating once the pod list is known", old)
             self._counting = old
@@ -254,10 +258,7 @@ class Netacct:
         someone else. The carry markers say which."""
         if new == "nft":
             if self.native.carried(self.native.read(full=True)):
-                log.warning("netacct: a migration to the nft layout stopped before removing the iptables layout; "
-                            "its counts are in the table already, removing it")
-                self._remove_iptables_layout()
-                self._sync_native(pods)  # drops the marker with the other stale objects
+                self._finish_to_nft(pods)
                 return
         elif rules.MARKER in rules.parse(self.host.save(self.mode, 4, counters=False)).chains:
             log.warning("netacct: a migration to the iptables layout stopped before it was complete; installing "
@@ -268,6 +269,14 @@ class Netacct:
             return
         self._sync_layout(new, pods)
         self._migrate_in_memory("iptables" if new == "nft" else "nft")
+
+    def _finish_to_nft(self, pods: Sequence[Pod] | None) -> None:
+        """A migration to the nft layout stopped after installing the preloaded table (its marker is there): the
+        iptables layout's counts are in the table, so remove the iptables layout and count the table alone."""
+        log.warning("netacct: a migration to the nft layout stopped before removing the iptables layout; its counts "
+                    "are in the table already, removing it")
+        self._remove_iptables_layout()
+        self._sync_native(pods)  # drops the marker with the other stale objects
 
     def _migrate_in_memory(self, old: str) -> None:
         """An adopted layout keeps its own counts: the old one's final counts go to the book only (they are lost

@@ -96,10 +96,15 @@ class NetacctCollector:
         layout = GaugeMetricFamily(f"{PREFIX}_netacct_layout_info",
                                    "Where netacct's counting rules live: nft (native table) or iptables",
                                    labels=["layout"])
+        repairs = CounterMetricFamily(f"{PREFIX}_netacct_repairs",
+                                      "netacct objects someone else removed or changed that the agent re-created, "
+                                      "holding the counts it last read (a warning names each)", labels=["what"])
         if reading is not None:
+            for what, count in self.engine.repairs.counts().items():
+                repairs.add_metric([what], count)
             up.add_metric([], 1.0 if reading.ok else 0.0)
             took.add_metric([], reading.seconds)
             syncs.add_metric([], self.engine.sync_failures)
             backend.add_metric([reading.mode], 1.0)
             layout.add_metric([reading.layout], 1.0)
-        yield from (up, took, syncs, backend, layout)
+        yield from (up, took, syncs, backend, layout, repairs)

@@ -3,7 +3,8 @@
 One asyncio loop owned by the app's supervisor through a stop event. Each round runs one sync in a worker thread
 (subprocesses and netlink block), then waits for a pod change, the sync interval, or stop. A failed sync is logged
 and retried with exponential backoff (capped at the sync interval); it never ends the loop. Pod changes arriving
-in a burst are coalesced by a short settle delay.
+in a burst are coalesced by a short settle delay. Between syncs, a read-only check every second notices netacct's
+state changed by someone else and syncs at once (the repair; see repair).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FOREVER = 365 * 86400.0  # a pod-change wait bounded by the clock's timeout, not its own
+# Between syncs, how often to look whether someone else changed netacct's kernel state (one read, as a scrape):
+# a deleted table or flushed chain stops counting until repaired, so waiting for the sync interval loses traffic.
+REPAIR_CHECK_SECONDS = 1.0
 
 
 def default_pod_source(config: NetacctConfig, cluster: Callable[[], PodWatchApi] | None = None) -> PodSource:
@@ -58,7 +62,7 @@ class NetacctService:
 
     def __init__(self, config: NetacctConfig, registry: CollectorRegistry, pod_source: PodSource | None = None,
                  *, host: Host | None = None, settle_seconds: float = 0.2, backoff_initial: float = 1.0,
-                 clock: Clock = SYSTEM_CLOCK) -> None:
+                 clock: Clock = SYSTEM_CLOCK, repair_check_seconds: float = REPAIR_CHECK_SECONDS) -> None:
         self.config = config
         self.engine = Netacct(config, host)
         self.pods = pod_source if pod_source is not None else default_pod_source(config)
@@ -67,6 +71,7 @@ class NetacctService:
         self.settle_seconds = settle_seconds
         self.clock = clock
         self.backoff_initial = backoff_initial
+        self.repair_check_seconds = repair_check_seconds
         self.synced = asyncio.Event()  # set after each successful sync (tests and readiness)
         registry.register(self.collector)
 
@@ -87,10 +92,22 @@ class NetacctService:
                     backoff.reset()
                     wait = self.config.sync_interval_seconds
                     self.synced.set()
-                if await self._wait(stop, version, wait):
+                if await self._wait_or_repair(stop, version, wait):
                     await self.clock.wait(stop, self.settle_seconds)
         finally:
             await aio.cancel_and_wait(source)
+
+    async def _wait_or_repair(self, stop: asyncio.Event, version: int, timeout: float) -> bool:
+        """`_wait`, ended early (False) when the repair check finds netacct's state changed by someone else."""
+        deadline = self.clock.monotonic() + timeout
+        while True:
+            left = deadline - self.clock.monotonic()
+            if left <= 0 or stop.is_set():
+                return False
+            if await self._wait(stop, version, min(left, self.repair_check_seconds)):
+                return True
+            if not stop.is_set() and await asyncio.to_thread(self.engine.needs_repair):
+                return False
 
     async def _wait(self, stop: asyncio.Event, version: int, timeout: float) -> bool:
         """Wait for a pod change, `timeout` (on the clock) or stop; True when the pods changed."""

@@ -65,6 +65,11 @@ class NetacctCollector:
     def collect(self) -> Iterator[Metric]:
         """Read every counter once and yield all families."""
         reading = self.engine.scrape()
+        if reading.layout == "unknown":
+            # No layout chosen yet (auto, before the first sync): zeros now and the kernel's totals a moment later
+            # would read as new traffic to Prometheus. Export the self-metrics only (up is 0).
+            yield from self._self_metrics(reading)
+            return
         families = _families(self.per_pod)
         totals: dict[tuple[str, str, str], tuple[int, int]] = {
             (d, t, s): (0, 0) for d in ("receive", "transmit") for t in TRAFFIC for s in SCOPES}

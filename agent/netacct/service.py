@@ -35,6 +35,11 @@ FOREVER = 365 * 86400.0  # a pod-change wait bounded by the clock's timeout, not
 # Between syncs, how often to look whether someone else changed netacct's kernel state (one read, as a scrape):
 # a deleted table or flushed chain stops counting until repaired, so waiting for the sync interval loses traffic.
 REPAIR_CHECK_SECONDS = 1.0
+# How long the first sync waits for the pod source's first list (a pods file is read by the source's own task, a
+# pod watch needs its LIST): a first start that synced without it installed empty pod sets, and each pod's
+# traffic until the next sync was counted for the node only. A restart loses nothing by waiting (the kernel keeps
+# counting); past this, accounting starts without the pods and adds them when the list comes.
+FIRST_PODS_WAIT_SECONDS = 2.0
 
 
 def default_pod_source(config: NetacctConfig, cluster: Callable[[], PodWatchApi] | None = None) -> PodSource:
@@ -62,7 +67,8 @@ class NetacctService:
 
     def __init__(self, config: NetacctConfig, registry: CollectorRegistry, pod_source: PodSource | None = None,
                  *, host: Host | None = None, settle_seconds: float = 0.2, backoff_initial: float = 1.0,
-                 clock: Clock = SYSTEM_CLOCK, repair_check_seconds: float = REPAIR_CHECK_SECONDS) -> None:
+                 clock: Clock = SYSTEM_CLOCK, repair_check_seconds: float = REPAIR_CHECK_SECONDS,
+                 first_pods_wait: float = FIRST_PODS_WAIT_SECONDS) -> None:
         self.config = config
         self.engine = Netacct(config, host)
         self.pods = pod_source if pod_source is not None else default_pod_source(config)
@@ -72,14 +78,19 @@ class NetacctService:
         self.clock = clock
         self.backoff_initial = backoff_initial
         self.repair_check_seconds = repair_check_seconds
+        self.first_pods_wait = first_pods_wait
         self.synced = asyncio.Event()  # set after each successful sync (tests and readiness)
         registry.register(self.collector)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Sync now, then on every pod change and every sync interval, until `stop` is set."""
+        """Sync as soon as the pods are known (or FIRST_PODS_WAIT_SECONDS have passed), then on every pod change
+        and every sync interval, until `stop` is set."""
         source = asyncio.create_task(self.pods.run(stop), name="netacct-pods")
         backoff = Backoff(self.backoff_initial, max(self.backoff_initial, self.config.sync_interval_seconds))
         try:
+            version, pods = self.pods.snapshot()
+            if pods is None:
+                await self._wait(stop, version, self.first_pods_wait)
             while not stop.is_set():
                 version, pods = self.pods.snapshot()
                 try:

@@ -58,3 +58,15 @@ def test_a_restart_counts_pod_traffic_before_the_pod_list(topology: netns.Topolo
     restarted.sync(None)
     restarted.sync(pods())
     assert series(registry) == complete(sent)  # the window is in the pods' series
+
+
+def test_no_traffic_series_before_a_layout_is_chosen(topology: netns.Topology, make_engine: EngineFactory) -> None:
+    first, _ = make_engine()
+    first.sync(pods())
+    sent = send_all(topology)
+    first.close()
+    restarted, registry = make_engine()  # auto: the layout is chosen by the first sync
+    assert series(registry) == {}  # not zeros, which Prometheus would follow by a jump it counts as traffic
+    assert registry.get_sample_value("gpu_node_agent_netacct_up") == 0
+    restarted.sync(pods())
+    assert series(registry) == complete(sent)

@@ -81,10 +81,19 @@ def main() -> None:
             seen = f"refused: {str(exc)[:90]}"
         rows.append((f"annotation internet-egress-bandwidth {text[:20]!r}", "refused at once", seen,
                      time.process_time() - started))
+    rows.extend(_netacct_rows())
     print("| input | expected | seen | seconds |")
     print("|---|---|---|---|")
     for what, expected, seen, took in rows:
         print(f"| {what} | {expected} | {seen.replace('|', '/')} | {took:.3f} |")
+
+
+def _netacct_rows() -> list[tuple[str, str, str, float]]:
+    """Issue 37 items 3 and 5, network accounting: real packets in throw-away network namespaces (root; about
+    90 s), from bench/netacct_hostile.py (run alone there)."""
+    from bench.netacct_hostile import netacct_rows
+
+    return netacct_rows()
 
 
 if __name__ == "__main__":

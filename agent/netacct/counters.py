@@ -97,14 +97,6 @@ class CounterBook:
         self._vanished_rules, self._vanished_elements = {}, {}
         return rules, elements
 
-    def elements_removed(self, name: str, members: Iterable[ipsets.Member]) -> None:
-        """The engine removed these elements (a departed pod): they have not vanished, and a later element of the
-        same address (another pod) must not be re-created holding their counts."""
-        elements = self._elements.get(name, {})
-        for member in members:
-            elements.pop(member, None)
-            self._vanished_elements.get(name, {}).pop(member, None)
-
     @property
     def owners(self) -> dict[bytes, PodKey]:
         """The current address owners."""

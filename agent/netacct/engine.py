@@ -369,6 +369,7 @@ class Netacct:
             members = self.native.members(state)
         restore: dict[str, dict[ipsets.Member, Counts]] = {}
         gone: list[str] = []
+        tampered: list[str] = []
         if repairing and not state.exists:  # deleted: re-created holding the exported totals
             keys = [key for _, key in nft_layout.counter_keys((4,)).values()]
             carry = carry_plan(self.book, OldRaw(), keys=keys, families=self.families, members=members,
@@ -381,12 +382,15 @@ class Netacct:
                     want = members.get(family, set()) & self._synced.get(family, set())
                     names, restore[name] = missing_elements(name, want, found.counted if found else (), vanished)
                     gone += names
+            # Chains that differ from what the last sync wrote (the pods' addresses shape the rules: a chain
+            # rewritten for a new pod is no repair).
+            tampered = nft_layout.plan(state, self._synced, self._networks, self.families).rewritten_chains
         plan = self.native.sync(state, members, carry, marker=not repairing, restore=restore)
         self._synced = {f: set(m) for f, m in members.items()}
         if repairing and not state.exists:
             self.repairs.note("nft_table", [f"table inet {nft_layout.TABLE}"])
         elif repairing and plan.payload and not plan.rebuilt:
-            self.repairs.note("nft_chain", plan.rewritten_chains)
+            self.repairs.note("nft_chain", tampered)
             self.repairs.note("nft_element", gone)
 
     def _sync_iptables(self, pods: Sequence[Pod] | None, carry: Carry | None = None) -> None:

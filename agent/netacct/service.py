@@ -103,13 +103,15 @@ class NetacctService:
                     backoff.reset()
                     wait = self.config.sync_interval_seconds
                     self.synced.set()
-                if await self._wait_or_repair(stop, version, wait):
+                healthy = wait == self.config.sync_interval_seconds
+                if await self._wait_or_repair(stop, version, wait, check=healthy):
                     await self.clock.wait(stop, self.settle_seconds)
         finally:
             await aio.cancel_and_wait(source)
 
-    async def _wait_or_repair(self, stop: asyncio.Event, version: int, timeout: float) -> bool:
-        """`_wait`, ended early (False) when the repair check finds netacct's state changed by someone else."""
+    async def _wait_or_repair(self, stop: asyncio.Event, version: int, timeout: float, check: bool) -> bool:
+        """`_wait`, ended early (False) when the repair check (`check`: not while a failed sync backs off) finds
+        netacct's state changed by someone else."""
         deadline = self.clock.monotonic() + timeout
         while True:
             left = deadline - self.clock.monotonic()
@@ -117,7 +119,7 @@ class NetacctService:
                 return False
             if await self._wait(stop, version, min(left, self.repair_check_seconds)):
                 return True
-            if not stop.is_set() and await asyncio.to_thread(self.engine.needs_repair):
+            if check and not stop.is_set() and await asyncio.to_thread(self.engine.needs_repair):
                 return False
 
     async def _wait(self, stop: asyncio.Event, version: int, timeout: float) -> bool:

@@ -31,9 +31,10 @@ T = netns.NFT_TABLE
 class Running:
     """A NetacctService running its own loop in a thread, as the agent runs it."""
 
-    def __init__(self, config: NetacctConfig, node: str) -> None:
+    def __init__(self, config: NetacctConfig, node: str, feed: PodFeed | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.service = NetacctService(config, self.registry, PodFeed(pods()), host=Host(netns=node))
+        self.feed = feed or PodFeed(pods())
+        self.service = NetacctService(config, self.registry, self.feed, host=Host(netns=node))
         self.stop: asyncio.Event | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=asyncio.run, args=(self._main(),), daemon=True)
@@ -165,6 +166,27 @@ def test_nothing_is_counted_as_a_repair_without_tampering(topology: netns.Topolo
     running.append(agent)
     send_all(topology)
     time.sleep(1.5)
+    _no_repairs(agent)
+
+
+def _no_repairs(agent: Running) -> None:
     sample = "gpu_node_agent_netacct_repairs_total"
     values = {s.labels["what"]: s.value for f in agent.registry.collect() for s in f.samples if s.name == sample}
     assert values and not any(values.values())
+
+
+def test_pods_whose_addresses_reshape_the_rules_are_no_repair(topology: netns.Topology, accounting: dict[str, str],
+                                                              running: list[Running]) -> None:
+    # Public pod addresses (outside the internal CIDRs) bring the native layout's pod lookups of internet-side
+    # addresses back: its chains are rewritten for the new pods, which is not someone else's change.
+    config = NetacctConfig(enabled=True, internal_cidrs=["10.9.0.0/16", "fd00:9::/32"],
+                           **accounting)  # type: ignore[arg-type]
+    agent = Running(config, topology.node, PodFeed([]))
+    running.append(agent)
+    agent.feed.publish(pods())
+    deadline = time.monotonic() + 10
+    while POD4 not in netns.layout_members(topology.node, accounting["layout"], "rx-inet", 4):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(1.5)
+    _no_repairs(agent)

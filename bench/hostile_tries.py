@@ -204,6 +204,7 @@ def main() -> None:
                      time.process_time() - started))
     rows.append(_pod_resources_hang())
     rows.extend(issue37_rows())
+    rows.extend(_netacct_rows())
     print("| input | expected | seen | seconds |")
     print("|---|---|---|---|")
     for what, expected, seen, took in rows:
@@ -401,6 +402,14 @@ def round3_rows(tmp: Path) -> list[tuple[str, str, str, float]]:
     seen, took = _rescans_per_second(tmp)
     rows.append(("run --rescan-interval 0.01, 30 SIGHUPs", "at most 1 rescan/s", seen, took))
     return rows
+
+
+def _netacct_rows() -> list[tuple[str, str, str, float]]:
+    """Issue 37 items 3 and 5, network accounting: real packets in throw-away network namespaces (root; about
+    90 s), from bench/netacct_hostile.py (run alone there)."""
+    from bench.netacct_hostile import netacct_rows
+
+    return netacct_rows()
 
 
 if __name__ == "__main__":

@@ -87,6 +87,7 @@ AGENT_METRICS: dict[str, str] = {
     "gpu_node_agent_netacct_sync_failures_total": "counter",
     "gpu_node_agent_netacct_backend_info": "gauge {backend}",
     "gpu_node_agent_netacct_layout_info": "gauge {layout}",
+    "gpu_node_agent_netacct_repairs_total": "counter {what}: objects someone else removed that the agent re-created",
     "gpu_node_agent_pod_internet_limit_bits_per_second": "gauge {namespace,pod,direction}",
     "gpu_node_agent_pod_internet_shaped_bytes_total": "counter {namespace,pod,direction}",
     "gpu_node_agent_pod_internet_dropped_packets_total": "counter {namespace,pod,direction}",

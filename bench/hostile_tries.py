@@ -241,7 +241,7 @@ async def _replica_case(directory: Path, profile: str, resource: str, sizes: tup
     nic_resource = "gpunodeagent.io/sriov_rdma"
     process = subprocess.Popen([sys.executable, "-m", "agent", "run", "--simulate", profile, "--dry-run",
                                 "--device-plugin-dir", str(directory), "--metrics-address", "127.0.0.1:0",
-                                "--nvidia-dp-config", str(config), "--nvml-event-timeout", "1"],
+                                "--nvidia-dp-config", str(config)],
                                stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     rows: list[tuple[str, str, str, float]] = []

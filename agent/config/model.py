@@ -8,6 +8,7 @@ defaults, config file, environment, flags. Loading and validation live in `agent
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 from agent.config.address import parse_address
@@ -198,7 +199,7 @@ class DevicePluginConfig:
             raise ValueError(f"gpuResourceName: {self.gpu_resource_name!r}: {problem}")
         if self.serve_gpus is not False:
             names.append(self.gpu_resource_name)
-        twice = sorted({n for n in names if names.count(n) > 1})
+        twice = sorted(name for name, seen in Counter(names).items() if seen > 1)  # linear: thousands of copies
         if twice:
             raise ValueError(f"pools: resource {', '.join(twice)} is configured twice")
         self._check_gpu_serving()

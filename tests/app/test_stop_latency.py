@@ -11,8 +11,6 @@ import asyncio
 import signal
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from tests.app.agentproc import AgentProcess
@@ -21,19 +19,11 @@ from tests.fakes.polling import until
 BOUND_S = 1.5
 
 
-def _ready(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 async def test_sigterm_ends_an_idle_agent_within_1_5_s_with_the_default_event_timeout() -> None:
     directory = Path(tempfile.mkdtemp(prefix="gna"))
     agent = AgentProcess(directory)  # no --nvml-event-timeout: the default 5 s
     try:
-        await until(lambda: agent.process.poll() is not None or _ready(agent.port), "readiness", timeout=60)
+        await until(lambda: agent.process.poll() is not None or agent.ready(), "readiness", timeout=60)
         assert agent.process.poll() is None, agent.log_tail()
         metrics = await asyncio.to_thread(agent.metrics)
         assert 'gpu_node_agent_health_check_up{check="nvml_events"} 1.0' in metrics  # the watch is waiting

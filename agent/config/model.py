@@ -8,7 +8,6 @@ defaults, config file, environment, flags. Loading and validation live in `agent
 from __future__ import annotations
 
 import re
-from collections import Counter
 from dataclasses import dataclass
 
 from agent.config.address import parse_address

@@ -99,8 +99,10 @@ class OwnershipFacts:
             # who holds them from the kubelet's records, their health from the servers (the allocator intersects):
             # the allocatable reading may predate this agent's registration (right after a restart the kubelet
             # has none of a disconnected plugin's devices as healthy until its successor's first ListAndWatch)
-            held = {physical(i) for resource in self._resources(kind) for i in latest.held(resource)}
-            return frozenset(physical(i) for p in self._pools() if p.kind == kind.value for i in p.ids) - held
+            # in the servers' own IDs, as the allocator's estimate it is intersected with (a time-sliced GPU's
+            # replicas, not its UUID: a GPU with one free replica is free)
+            held = {i for resource in self._resources(kind) for i in latest.held(resource)}
+            return frozenset(i for p in self._pools() if p.kind == kind.value for i in p.ids) - held
         free: set[str] = set()
         for resource in self._resources(kind):
             of_resource = latest.free(resource)

@@ -22,7 +22,7 @@ from agent.deviceplugin.pools import ResourcePool, build_pools
 from agent.deviceplugin.server import DevicePlugin
 from agent.deviceplugin.v1beta1 import api_pb2
 from agent.placement.joint import JointAllocator
-from agent.placement.policy import ContainerRequest, DeviceKind, achieved_levels
+from agent.placement.policy import ContainerRequest, Decision, DeviceKind, Partner, achieved_levels
 from agent.signals import DeviceHealthEvent
 from agent.simulate.kubelet import AdmissionError, LocalKubelet
 from agent.simulate.node import simulated_topology
@@ -233,13 +233,16 @@ def test_pairing_and_believed_free_follow_the_admission_context(pairs: Topology)
     def count(resource: str, level: str) -> float:
         return counted(registry, resource, level)
 
+    decisions: dict[str, Decision | None] = {}  # the servicer keeps a preference's decision for its Allocate
+
     def allocated(pool: ResourcePool, ids: list[str]) -> None:  # the servicer counts what the hook returns
-        for resource, level in allocator.allocated(pool, ids):
+        for resource, level in allocator.allocated(pool, ids, decisions.pop(pool.resource_name, None)):
             metrics.allocated(resource, level)
 
     def prefer(pool: ResourcePool, available: list[str], size: int) -> tuple[str, ...]:
         preference = allocator.prefer(pool, ContainerRequest(served=pool.ids, available=tuple(available),
                                                              size=size))
+        decisions[pool.resource_name] = preference.decision
         for resource, level in preference.levels:
             metrics.allocated(resource, level)
         return preference.devices
@@ -283,9 +286,9 @@ def test_an_allocation_worse_than_an_offered_pix_is_counted_as_missed(pairs: Top
 
     def admit(vf: str) -> None:  # the kubelet knows the container's GPU; it may ignore the preference
         preference = allocator.prefer(vfs, ContainerRequest(served=vfs.ids, available=vfs.ids, size=1,
-                                                            partner=frozenset([gpu0.uuid or ""])))
+                                                            partner=Partner(held=frozenset([gpu0.uuid or ""]))))
         assert preference.devices == (near,)
-        for resource, level in (*preference.levels, *allocator.allocated(vfs, [vf])):
+        for resource, level in (*preference.levels, *allocator.allocated(vfs, [vf], preference.decision)):
             metrics.allocated(resource, level)
 
     admit(near)

@@ -24,12 +24,15 @@ restart nothing the kubelet holds looks free, nor does anything allocated since 
 resource: what the kubelet left out of its last offer (its `available` is healthy minus allocated) plus its
 `must_include`, plus every device allocated here since, less the devices of containers seen to have ended (a
 device allocated here offered again: the kubelet frees a pod's devices at once, so its partners are free too).
-Until then an ended container's devices look taken; the pairing behind that release is the same guess, unless a
-fact gave it. When the other kind is not served here (NIC-only: GPUs are NVIDIA's plugin's), it is the
-candidates' devices after an ambiguous lookup, else the kubelet's free devices, else None: every GPU is assumed
-free, which spreads VFs over PFs. Several NIC pools count as the NIC kind. A time-sliced GPU pool is chosen as
-NVIDIA's plugin chooses replicas (`replicas`), nearest to the container's NICs first; elsewhere a replica is its
-GPU.
+Until then an ended container's devices look taken, as do a single-resource container's until its resource's
+next preference call, and a device Unhealthy at the last offer that has recovered since; the pairing behind a
+release is the same guess, unless a fact gave it. Before a resource's first preference call only what was
+allocated since the agent started is taken, and a restart forgets pairings (the kubelet's facts cover both); an
+Allocate the kubelet re-runs at its start (node-reboot race) is a fresh allocation. When the other kind is not
+served here (NIC-only: GPUs are NVIDIA's plugin's), it is the candidates' devices after an ambiguous lookup, else
+the kubelet's free devices, else None: every GPU is assumed free, which spreads VFs over PFs. Several NIC pools
+count as the NIC kind. A time-sliced GPU pool is chosen as NVIDIA's plugin chooses replicas (`replicas`), nearest
+to the container's NICs first; elsewhere a replica is its GPU.
 """
 
 from __future__ import annotations
@@ -146,7 +149,7 @@ class JointAllocator:
         checked = check_request(request)
         if not checked.proceed:
             return checked.answered(())
-        kind = DeviceKind(pool.kind)
+        kind, resource = DeviceKind(pool.kind), pool.resource_name
         must_include = request.must_include
         context = self.admission.begin_preference(kind)
         completes = bool(context)  # it took the record: its Allocate completes that container's pair
@@ -154,12 +157,12 @@ class JointAllocator:
         if request.partner is not None and request.partner.held is not None:  # the kubelet's fact: no guess
             partner = context = self._mapped(pool.topology, kind, request.partner.held)
         elif request.partner is not None:
-            log.debug("%s: partner not known (%s)", pool.resource_name, request.partner.reason or "unknown")
+            log.debug("%s: partner not known (%s)", resource, request.partner.reason or "unknown")
         offer = frozenset(request.available) | frozenset(must_include)
-        self._offered(pool.resource_name, request.served, offer, must_include)
+        self._offered(resource, request.served, offer, must_include)
         levels = self._preference_started(kind, context)
         self._calls += 1
-        decision = Decision(resource=pool.resource_name, kind=kind, offered=offer, partner=partner,
+        decision = Decision(resource=resource, kind=kind, offered=offer, partner=partner,
                             completes=completes, stamp=self._calls, at=self._clock(),
                             pix_possible=self._pix_offered(pool.topology, kind, context, checked.offered,
                                                            checked.size))

@@ -163,10 +163,9 @@ class DevicePluginManager:
                             "is" if len(unshared) == 1 else "are")
 
     def use_ownership(self, facts: OwnershipFacts) -> None:
-        """Place with the kubelet's facts: each preference call looks up the container's partner devices, and the
-        other kind's free devices come from the kubelet's last reading."""
+        """Place with the kubelet's facts: each preference call looks up the container's partner devices and the
+        other kind's free devices at the kubelet's last reading (one value handed to the policy)."""
         self.facts = facts
-        self.allocator.known_free = facts.known_free
         for plugin in self._plugins.values():
             plugin.partner_lookup = facts.partner
 

@@ -1,0 +1,118 @@
+"""The eBPF objects on a real kernel: real packets through the node namespace, counted by the agent's own
+programs, match netfilter's IP-level bytes exactly for every node series and every pod role, both families;
+counting goes on with no process holding an fd; the objects come back from their pins; removal leaves nothing."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+import subprocess
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+from agent.config.netacct import NetacctConfig
+from agent.host import bpf, bpf_tc
+from agent.netacct.ebpf import program
+from agent.netacct.ebpf.objects import Objects
+from tests.netacct import netns
+from tests.netacct.netns import OTHER_POD4, OTHER_POD6, POD4, POD6
+from tests.netacct.test_e2e_counts import Series, complete, send_all
+
+DIRECTION = {"in": "receive", "out": "transmit"}
+ROLE = {"rx-inet": ("receive", "internet"), "tx-inet": ("transmit", "internet"),
+        "rx-clus": ("receive", "cluster"), "tx-clus": ("transmit", "cluster")}
+OWNERS = {POD4: ("team-a", "trainer-0"), POD6: ("team-a", "trainer-0"),
+          OTHER_POD4: ("other", "pod"), OTHER_POD6: ("other", "pod")}
+
+
+@pytest.fixture
+def bpffs() -> Iterator[str]:
+    """A private bpffs (`ip netns exec` hides /sys/fs/bpf; reference §7), unmounted after the test."""
+    path = f"/tmp/gna-bpffs-{uuid.uuid4().hex[:8]}"
+    try:
+        bpf.mount_bpffs(path)
+    except OSError as exc:
+        pytest.skip(f"cannot mount bpffs: {exc}")
+    yield path
+    subprocess.run(["umount", path], check=False, timeout=10)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _objects(topo: netns.Topology, path: str, tcx: bool | None) -> Objects:
+    objects = Objects(path, netns=topo.node, tcx=tcx)
+    objects.open_maps(create=True)
+    entries = {(ipaddress.ip_address(a).packed, role): None for a in OWNERS for role in program.ROLES}
+    objects.set_pods(entries)
+    objects.sync_hooks((4, 6), NetacctConfig().internal_networks())
+    return objects
+
+
+def _series(objects: Objects) -> Series:
+    """What the maps say, keyed as tests/netacct/test_e2e_counts.series keys the scrape."""
+    read = objects.read((4, 6))
+    out: Series = Counter()
+    for keys in read.node.values():
+        for key, (packets, octets) in keys.items():
+            fields = dict(part.split("=") for part in key.split())
+            traffic, way = fields["traffic"].split("-")
+            out[("node", DIRECTION[way], traffic, fields["scope"], "packets")] += packets
+            out[("node", DIRECTION[way], traffic, fields["scope"], "bytes")] += octets
+    for (address, role), (_, octets) in read.pods.items():
+        owner = OWNERS[str(ipaddress.ip_address(address))]
+        out[("pod", *owner, *ROLE[role])] += octets
+    return out
+
+
+def _expected(sent: Series) -> Series:
+    full = complete(sent, hostile_zero=False)
+    full.update({("pod", "other", "pod", d, t): 0 for d, t in ROLE.values()})
+    return full
+
+
+@pytest.mark.parametrize("tcx", [True, False], ids=["tcx", "clsact"])
+def test_exact_bytes_both_families_every_series(bpffs: str, tcx: bool) -> None:
+    topo = netns.build_or_skip()
+    try:
+        objects = _objects(topo, bpffs, tcx)
+        expected = _expected(send_all(topo))
+        assert _series(objects) == expected
+        if tcx:
+            ifindex = next(i.index for i in bpf_tc.interfaces(topo.node) if i.name == "v-node-pod")
+            with netns.entered(topo.node):
+                progs, links = bpf.prog_query(ifindex, bpf.TCX_INGRESS)
+            assert len(progs) == 1 and len(links) == 1
+        # no fd held anywhere: the pins (tcx) or the filters (clsact) keep counting
+        objects.close()
+        again = send_all(topo)
+        reopened = Objects(bpffs, netns=topo.node, tcx=tcx)
+        assert reopened.open_maps(create=False)
+        assert reopened.sync_hooks((4, 6), NetacctConfig().internal_networks()) == []  # nothing to change
+        total = _expected(send_all(topo))
+        total.update(again)
+        total.update(expected)
+        assert _series(reopened) == total
+        removed = reopened.remove()
+        assert any(r.startswith("map") for r in removed)
+        assert reopened.pins() == []
+        for iface in bpf_tc.interfaces(topo.node):
+            assert bpf_tc.cls_attached(iface.index, "ingress", topo.node) is None
+            with netns.entered(topo.node):
+                assert bpf.prog_query(iface.index, bpf.TCX_INGRESS) == ([], [])
+                assert bpf.prog_query(iface.index, bpf.TCX_EGRESS) == ([], [])
+    finally:
+        netns.destroy(topo)
+
+
+def test_a_rejected_program_surfaces_the_verifier_lines() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("loading programs needs root")
+    a = program.asm.Asm()
+    a.ldx(8, program.R0, program.R1, 0)  # an 8-byte read of __sk_buff.len: not a valid context access
+    a.exit()
+    with pytest.raises(bpf.VerifierError) as caught:
+        bpf.prog_load(bpf.PROG_SCHED_CLS, a.assemble({}), "gna_bad", bpf.TCX_INGRESS)
+    assert "invalid bpf_context access" in caught.value.log

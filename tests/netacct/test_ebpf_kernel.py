@@ -7,7 +7,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import shutil
-import subprocess
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -38,7 +37,7 @@ def bpffs() -> Iterator[str]:
     except OSError as exc:
         pytest.skip(f"cannot mount bpffs: {exc}")
     yield path
-    subprocess.run(["umount", path], check=False, timeout=10)
+    netns.sh("umount", path, check=False)
     shutil.rmtree(path, ignore_errors=True)
 
 

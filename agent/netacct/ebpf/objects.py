@@ -14,6 +14,7 @@ on clsact instead (agent.host.bpf_tc), which hold their programs without pins.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
 import logging
@@ -115,7 +116,7 @@ class Objects:
                 found = False
                 if not create:
                     continue
-            fd = bpf.map_create(kind, key_size, program.VALUE_SIZE, entries, f"gna_{name}", flags)
+            fd = bpf.map_create(kind, key_size, program.VALUE_SIZE, entries, name=f"gna_{name}", flags=flags)
             bpf.obj_pin(fd, self.path(name))
             self.maps[name] = fd
         return found
@@ -165,7 +166,8 @@ class Objects:
 
     # -- programs and hooks -------------------------------------------------------------------------------------
 
-    def specs(self, families: Iterable[int], internal: Iterable[program.Network]) -> dict[tuple[str, int], program.Spec]:
+    def specs(self, families: Iterable[int],
+              internal: Iterable[program.Network]) -> dict[tuple[str, int], program.Spec]:
         """The program each (direction, link-layer length) needs now (ingress compares the node's addresses)."""
         fams, nets = tuple(families), list(internal)
         local = bpf_tc.addresses(self.netns)
@@ -176,7 +178,8 @@ class Objects:
         key = spec.name + ("_cls" if clsact else "")
         if key not in self._progs:
             code = program.build(spec).assemble(self.maps)
-            self._progs[key] = bpf.prog_load(bpf.PROG_SCHED_CLS, code, spec.name, 0 if clsact else ATTACH[spec.direction])
+            attach = 0 if clsact else ATTACH[spec.direction]
+            self._progs[key] = bpf.prog_load(bpf.PROG_SCHED_CLS, code, spec.name, attach)
         return self._progs[key]
 
     def _linked(self, iface: bpf_tc.Iface, direction: str) -> tuple[int, str] | None:
@@ -249,10 +252,8 @@ class Objects:
         finally:
             if fd is not None:
                 os.close(fd)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
 
     def sync_hooks(self, families: Iterable[int], internal: Iterable[program.Network]) -> list[str]:
         """Every interface's hooks run the current programs; links of interfaces that are gone are removed."""

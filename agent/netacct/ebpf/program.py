@@ -111,9 +111,9 @@ def spec(direction: str, l2_len: int, families: Iterable[int], internal: Iterabl
     """A Spec with its CIDRs collapsed and addresses sorted, so equal inputs give one program name."""
     fams = tuple(sorted(set(families)))
     nets = [n for n in internal if n.version in fams]
-    collapsed: list[Network] = []
-    for family in fams:
-        collapsed += ipaddress.collapse_addresses([n for n in nets if n.version == family])  # type: ignore[misc]
+    v4 = [n for n in nets if isinstance(n, ipaddress.IPv4Network)]
+    v6 = [n for n in nets if isinstance(n, ipaddress.IPv6Network)]
+    collapsed: list[Network] = [*ipaddress.collapse_addresses(v4), *ipaddress.collapse_addresses(v6)]
     addrs = sorted({a for a in local if a.version in fams and not (a.version == 6 and a.is_link_local)},
                    key=lambda a: (a.version, int(a)))
     return Spec(direction, l2_len, fams, tuple(collapsed), tuple(addrs) if direction == INGRESS else ())
@@ -181,13 +181,13 @@ def _count_node(a: Asm, family: int, key: str) -> None:
     a.label(skip)
 
 
-def _count_pod(a: Asm, family: int, l2: int, address_at: int, role: str, node_key: str | None) -> None:
+def _count_pod(a: Asm, family: int, address_at: int, role: str, node_key: str | None) -> None:
     """Count the packet for the pod owning the address at `address_at` in `role` (and the node series `node_key`
     when a pod owns it: cluster traffic is the node's pod-scope traffic only for this node's pods)."""
     skip = a.fresh("no_pod")
     for i in range(4):
         if i < WORDS[family]:
-            a.ldx(4, R1, R7, l2 + address_at + 4 * i)
+            a.ldx(4, R1, R7, address_at + 4 * i)
             a.stx(4, FP, KEY_AT + 4 * i, R1)
         else:
             a.st(4, FP, KEY_AT + 4 * i, 0)
@@ -220,14 +220,25 @@ def _family(a: Asm, s: Spec, family: int) -> None:
         _classify(a, src, nets, SRC_INTERNAL)
     _classify(a, dst, nets, DST_INTERNAL)
     if s.direction == EGRESS:
-        cluster = a.fresh("to_cluster")
-        a.jmpi(asm.JSET, R8, DST_INTERNAL, cluster)
-        _count_node(a, family, "traffic=internet-out scope=host")
-        a.ja(out)
-        a.label(cluster)
-        _count_node(a, family, "traffic=cluster-out scope=host")
-        a.ja(out)
-        return
+        _host_output(a, family)
+    else:
+        _ingress(a, s, family, src, dst)
+
+
+def _host_output(a: Asm, family: int) -> None:
+    """Egress: what the node itself sends, by destination class."""
+    cluster = a.fresh("to_cluster")
+    a.jmpi(asm.JSET, R8, DST_INTERNAL, cluster)
+    _count_node(a, family, "traffic=internet-out scope=host")
+    a.ja("out")
+    a.label(cluster)
+    _count_node(a, family, "traffic=cluster-out scope=host")
+    a.ja("out")
+
+
+def _ingress(a: Asm, s: Spec, family: int, src: int, dst: int) -> None:
+    """Ingress: host input by source class, or a packet to forward as the nft layout's forward chains count it."""
+    out = "out"
     local, forward = a.fresh("local"), a.fresh("forward")
     a.ldx(4, R2, R6, SKB_PKT_TYPE)
     a.jmpi(asm.JNE, R2, 0, local)  # broadcast or multicast (OTHERHOST left at the top)
@@ -249,18 +260,18 @@ def _family(a: Asm, s: Spec, family: int) -> None:
     src_internal, dst_side = a.fresh("src_internal"), a.fresh("dst_side")
     a.jmpi(asm.JSET, R8, SRC_INTERNAL, src_internal)
     _count_node(a, family, "traffic=internet-in scope=pod")
-    _count_pod(a, family, l2, DADDR[family], "rx-inet", None)
+    _count_pod(a, family, dst, "rx-inet", None)
     a.ja(dst_side)
     a.label(src_internal)
-    _count_pod(a, family, l2, DADDR[family], "rx-clus", "traffic=cluster-in scope=pod")
+    _count_pod(a, family, dst, "rx-clus", "traffic=cluster-in scope=pod")
     a.label(dst_side)
     dst_internal = a.fresh("dst_internal")
     a.jmpi(asm.JSET, R8, DST_INTERNAL, dst_internal)
     _count_node(a, family, "traffic=internet-out scope=pod")
-    _count_pod(a, family, l2, SADDR[family], "tx-inet", None)
+    _count_pod(a, family, src, "tx-inet", None)
     a.ja(out)
     a.label(dst_internal)
-    _count_pod(a, family, l2, SADDR[family], "tx-clus", "traffic=cluster-out scope=pod")
+    _count_pod(a, family, src, "tx-clus", "traffic=cluster-out scope=pod")
     a.ja(out)
 
 

@@ -107,7 +107,7 @@ def _packet(src: Addr, dst: Addr, payload: int) -> bytes:
     return bytes(12) + b"\x86\xdd" + ip6 + bytes(payload)
 
 
-def _model(direction: str, src: Addr, dst: Addr, nets: list[Net], local: list[Addr],
+def _model(direction: str, src: Addr, dst: Addr, *, nets: list[Net], local: list[Addr],
            pods: set[tuple[bytes, str]]) -> list[object]:
     """What the nft layout's rules count for this packet (nft_layout.desired_rules), as map keys."""
     family = src.version
@@ -155,7 +155,7 @@ def cases(draw: st.DrawFn) -> tuple[int, list[Net], list[Addr], Addr, Addr, set[
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=cases(), payload=st.integers(0, 1400))
 def test_the_program_counts_what_the_rules_count(maps: dict[str, int], case: tuple, payload: int) -> None:
-    family, nets, local, src, dst, pods, direction = case
+    _, nets, local, src, dst, pods, direction = case
     for key in bpf.map_keys(maps["pods"], 20):
         bpf.map_delete(maps["pods"], key)
     for address, role in pods:
@@ -172,5 +172,5 @@ def test_the_program_counts_what_the_rules_count(maps: dict[str, int], case: tup
         os.close(prog)
     bumped = {k: (after[k][0] - before.get(k, (0, 0))[0], after[k][1] - before.get(k, (0, 0))[1])
               for k in after if after[k] != before.get(k, (0, 0))}
-    expected = _model(direction, src, dst, nets, local, pods)
+    expected = _model(direction, src, dst, nets=nets, local=local, pods=pods)
     assert bumped == {k: (1, len(packet) - 14) for k in expected}

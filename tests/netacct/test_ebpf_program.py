@@ -139,7 +139,8 @@ def cases(draw: st.DrawFn) -> tuple[int, list[Net], list[Addr], Addr, Addr, set[
                                             strict=False) for _ in range(draw(st.integers(0, 3)))]
 
     def address() -> Addr:
-        if nets and draw(st.booleans()):  # inside a net, or just outside its boundary
+        near: bool = draw(st.booleans())
+        if nets and near:  # inside a net, or just outside its boundary
             net = draw(st.sampled_from(nets))
             offset = draw(st.sampled_from([0, net.num_addresses - 1, net.num_addresses, -1]))
             return make_addr((int(net.network_address) + offset) % 2**bits)

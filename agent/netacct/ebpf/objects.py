@@ -239,6 +239,23 @@ class Objects:
         bpf_tc.cls_attach(iface.index, direction, self.load(spec, clsact=True), spec.name, self.netns)
         return f"{iface.name} {direction}: cls_bpf {spec.name}"
 
+    def attach_test(self, iface: bpf_tc.Iface, spec: program.Spec) -> bool:
+        """Attach `spec`'s program to the interface and take it off at once (auto's probe): whether tcx took it
+        (else clsact did; OSError when neither)."""
+        if self.tcx is not False:
+            with entered(self.netns):
+                try:
+                    os.close(bpf.link_create(self.load(spec, clsact=False), iface.index, ATTACH[spec.direction]))
+                    return True  # an unpinned link detaches when its only fd closes
+                except bpf.BpfError as exc:
+                    if self.tcx is True or exc.errno not in TCX_ABSENT:
+                        raise
+        present = bpf_tc.cls_attached(iface.index, spec.direction, self.netns) is not None
+        if not present:  # never take off a filter the layout itself has there
+            bpf_tc.cls_attach(iface.index, spec.direction, self.load(spec, clsact=True), spec.name, self.netns)
+            bpf_tc.cls_detach(iface.index, spec.direction, self.netns)
+        return False
+
     def _unpin_link(self, index: int, direction: str) -> None:
         cached = self._links.pop((index, direction), None)
         path = self.path(f"link_{index}_{SHORT[direction]}")

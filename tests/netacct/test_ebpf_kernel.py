@@ -5,8 +5,10 @@ counting goes on with no process holding an fd; the objects come back from their
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import shutil
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -66,6 +68,35 @@ def _series(objects: Objects) -> Series:
     return out
 
 
+def _attached_programs(topo: netns.Topology, tcx: bool) -> list[int]:
+    """The ids of the programs on every hook of the node's interfaces (tcx query, or the filters' programs)."""
+    ids = []
+    for iface in bpf_tc.interfaces(topo.node):
+        if tcx:
+            with netns.entered(topo.node):
+                for attach in (bpf.TCX_INGRESS, bpf.TCX_EGRESS):
+                    ids += bpf.prog_query(iface.index, attach)[0]
+        else:
+            for direction in ("ingress", "egress"):
+                shown = json.loads(netns.sh("tc", "-j", "filter", "show", "dev", iface.name, direction, ns=topo.node))
+                ids += [f["options"]["prog"]["id"] for f in shown if f.get("kind") == "bpf" and "options" in f]
+    return ids
+
+
+def _gone_for_bpftool(map_ids: list[int], prog_ids: list[int]) -> None:
+    """bpftool finds none of these maps and programs (freed once the last reference went: allow a moment)."""
+    if shutil.which("bpftool") is None:
+        pytest.skip("bpftool is not installed (apt-get install -y bpftool)")
+    deadline = time.monotonic() + 5
+    while True:
+        left = [f"map {i}" for i in map_ids if netns.sh("bpftool", "map", "show", "id", str(i), check=False)]
+        left += [f"prog {i}" for i in prog_ids if netns.sh("bpftool", "prog", "show", "id", str(i), check=False)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert left == []
+
+
 def _expected(sent: Series) -> Series:
     full = complete(sent, hostile_zero=False)
     full.update({("pod", "other", "pod", d, t): 0 for d, t in ROLE.values()})
@@ -94,6 +125,9 @@ def test_exact_bytes_both_families_every_series(bpffs: str, tcx: bool) -> None:
         total.update(again)
         total.update(expected)
         assert _series(reopened) == total
+        map_ids = [bpf.map_info(fd).id for fd in reopened.maps.values()]
+        prog_ids = _attached_programs(topo, tcx)
+        assert len(prog_ids) == 4  # v-node-pod and v-node-inet, ingress and egress
         removed = reopened.remove()
         assert any(r.startswith("map") for r in removed)
         assert reopened.pins() == []
@@ -102,6 +136,7 @@ def test_exact_bytes_both_families_every_series(bpffs: str, tcx: bool) -> None:
             with netns.entered(topo.node):
                 assert bpf.prog_query(iface.index, bpf.TCX_INGRESS) == ([], [])
                 assert bpf.prog_query(iface.index, bpf.TCX_EGRESS) == ([], [])
+        _gone_for_bpftool(map_ids, prog_ids)
     finally:
         netns.destroy(topo)
 

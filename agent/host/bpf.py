@@ -350,11 +350,14 @@ PROG_TEST_RUN = 10
 _NAMES[PROG_TEST_RUN] = "PROG_TEST_RUN"
 
 
-def prog_test_run(prog_fd: int, packet: bytes, repeat: int = 1) -> tuple[int, int]:
+def prog_test_run(prog_fd: int, packet: bytes, repeat: int = 1, ctx: bytes | None = None) -> tuple[int, int]:
     """Run a loaded program on a packet (from its Ethernet header) without any device: (return value, mean ns
-    per run). SCHED_CLS test runs see `pkt_type` PACKET_HOST for a zero destination MAC and no ingress device."""
+    per run). SCHED_CLS test runs see `pkt_type` PACKET_HOST for a zero destination MAC; `ctx` (a struct
+    __sk_buff) sets the fields the kernel lets a test run set (ingress_ifindex among them)."""
     data = ctypes.create_string_buffer(packet, len(packet))
-    attr = _attr(("I", 0, prog_fd), ("I", 8, len(packet)), ("Q", 16, _addr(data)), ("I", 32, repeat))
+    context = ctypes.create_string_buffer(ctx, len(ctx)) if ctx else None
+    attr = _attr(("I", 0, prog_fd), ("I", 8, len(packet)), ("Q", 16, _addr(data)), ("I", 32, repeat),
+                 ("I", 40, len(ctx) if ctx else 0), ("Q", 48, _addr(context)))
     _bpf(PROG_TEST_RUN, attr)
     retval, = struct.unpack_from("<i", attr, 4)
     duration, = struct.unpack_from("<I", attr, 36)

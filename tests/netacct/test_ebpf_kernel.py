@@ -150,3 +150,51 @@ def test_a_rejected_program_surfaces_the_verifier_lines() -> None:
     with pytest.raises(bpf.VerifierError) as caught:
         bpf.prog_load(bpf.PROG_SCHED_CLS, a.assemble({}), "gna_bad", bpf.TCX_INGRESS)
     assert "invalid bpf_context access" in caught.value.log
+
+
+NAT = "".join(f"""table {t} gna_test_nat {{
+  chain post {{
+    type nat hook postrouting priority 100;
+    oifname "v-node-inet" {t} saddr {net} masquerade
+  }}
+}}
+""" for t, net in (("ip", "10.244.1.0/24"), ("ip6", "fd00:244:1::/64")))
+
+
+def _conversation(topo: netns.Topology, pod: str, peer: str, sent: tuple[int, int], replies: tuple[int, int]) -> Series:
+    """The pod sends to the peer, the peer answers whoever it saw (the node, once masqueraded); the increase of
+    each series the nft layout's forward chains would count (they see the pod's address both ways)."""
+    family = 6 if ":" in peer else 4
+    with netns.udp_socket(topo.pod, family, pod) as tx, netns.udp_socket(topo.inet, family, peer) as rx:
+        for _ in range(sent[0]):
+            tx.sendto(b"\xa5" * sent[1], (peer, rx.getsockname()[1]))
+        seen = None
+        for _ in range(sent[0]):
+            seen = rx.recvfrom(65535)[1]
+        assert seen is not None and seen[0] != pod  # masqueraded
+        for _ in range(replies[0]):
+            rx.sendto(b"\x5a" * replies[1], seen[:2])
+        for _ in range(replies[0]):
+            tx.recv(65535)
+    header = netns.IP_HEADER[family]
+    return Counter({("node", "transmit", "internet", "pod", "packets"): sent[0],
+                    ("node", "transmit", "internet", "pod", "bytes"): sent[0] * (sent[1] + header),
+                    ("node", "receive", "internet", "pod", "packets"): replies[0],
+                    ("node", "receive", "internet", "pod", "bytes"): replies[0] * (replies[1] + header),
+                    ("pod", "team-a", "trainer-0", "transmit", "internet"): sent[0] * (sent[1] + header),
+                    ("pod", "team-a", "trainer-0", "receive", "internet"): replies[0] * (replies[1] + header)})
+
+
+def test_masqueraded_pod_traffic_counts_for_the_pod_both_ways(bpffs: str) -> None:
+    """Replies to masqueraded pod traffic arrive addressed to the node: conntrack de-NATs and routing forwards them,
+    so they are the pod's internet receive bytes (as netfilter's forward hook sees them), not host input."""
+    topo = netns.build_or_skip()
+    try:
+        netns.sh("nft", "-f", "-", ns=topo.node, stdin=NAT)
+        objects = _objects(topo, bpffs, None)
+        expected = _conversation(topo, POD4, netns.INET4, (6, 300), (4, 900))
+        expected.update(_conversation(topo, POD6, netns.INET6, (3, 200), (5, 700)))
+        assert _series(objects) == _expected(expected)
+        objects.remove()
+    finally:
+        netns.destroy(topo)

@@ -8,23 +8,33 @@ Maps (shared by every program, pinned by the layout):
   the counted role and family (`pod_key`); entries are added by the agent (BPF_NOEXIST keeps an existing count),
   never by the program, so a packet of an address nobody owns costs a failed lookup and no entry.
 
-Programs (BPF_PROG_TYPE_SCHED_CLS, one per hook direction and link-layer header length):
+Programs (BPF_PROG_TYPE_SCHED_CLS, one per hook direction and link-layer header length, on every interface but lo):
 
-- ingress, on every interface but lo: a packet for the node (one of its addresses, an IPv6 link-local address,
-  broadcast or multicast: `pkt_type` != PACKET_HOST) is host input, classified by source; any other unicast
-  packet will be forwarded and is counted as the nft layout's forward chain counts it. tc ingress runs before
-  routing, so the node's own addresses are compared inline (a second hash lookup per forwarded packet costs about
-  as much as the hook itself: reference ebpf-accounting §8); a change of addresses builds new programs, which the
-  layout swaps into the same links (no gap, no double count: the counts live in the maps);
-- egress: only what the node itself sends (`ingress_ifindex` 0) is counted, as host output by destination.
+- ingress: a packet for the node is host input, classified by source: broadcast or multicast (`pkt_type`), an
+  IPv6 link-local destination, or one of the node's addresses (compared inline) that a local socket takes
+  (`bpf_sk_lookup_tcp/udp`; not TCP/UDP: host input). A TCP/UDP packet for a node address that no socket takes is
+  a reply to masqueraded pod traffic (or DNAT'ed): conntrack rewrites it after this hook and routing forwards
+  it. Any other unicast packet will be forwarded: its *source side* is counted here, before SNAT, where its
+  source is the one netfilter's forward hook sees (internet-in scope=pod, the source pod's tx-* entry,
+  cluster-out scope=pod);
+- egress: what the node itself sends (`ingress_ifindex` 0) is host output by destination; a forwarded packet has
+  its *destination side* counted here, after DNAT and conntrack's reverse NAT, where its destination is the one
+  the forward hook sees (internet-out scope=pod, the destination pod's rx-* entry, cluster-in scope=pod).
+
+So a forwarded packet is counted once on each side, in the same series as the nft layout's forward chains. The
+internal CIDRs and the node's addresses are compared inline (a second hash lookup per forwarded packet costs
+about as much as the hook itself: reference ebpf-accounting §8); a change of them builds new programs, which the
+layout swaps into the same links (no gap, no double count: the counts live in the maps).
 
 Bytes are IP-level, as netfilter counts them: `__sk_buff.len` covers the link-layer header at tc, so the
 program subtracts its length (14 on Ethernet, 0 on L3 devices). Every program returns -1 (TCX_NEXT /
 TC_ACT_UNSPEC): whatever runs after it on the hook still decides the packet's fate.
 
-Known differences from the netfilter layouts, by construction: tc ingress sees addresses before DNAT and tc
-egress after SNAT (a forwarded packet is classified by the addresses it arrived with), and a forwarded packet
-that routing or a filter later drops is still counted here.
+Known differences from the netfilter layouts, by construction: a forwarded packet that a filter drops between the
+hooks has its source side counted and not its destination side; a packet both DNAT'ed and SNAT'ed on the node
+(a NodePort with masquerade) is classified at egress by its rewritten source; a TCP/UDP packet for a node address
+with no socket to take it (a closed port) counts as forwarded traffic's source side instead of host input; IPv4
+packets with options or fragments and IPv6 packets with extension headers for a node address are host input.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from dataclasses import dataclass
 
 from agent.netacct import ipsets
 from agent.netacct.ebpf import asm
-from agent.netacct.ebpf.asm import FP, R0, R1, R2, R3, R6, R7, R8, R9, Asm
+from agent.netacct.ebpf.asm import FP, R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, Asm
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -57,7 +67,9 @@ HEADER = {4: 20, 6: 40}
 SADDR, DADDR = {4: 12, 6: 8}, {4: 16, 6: 24}
 WORDS = {4: 1, 6: 4}
 SRC_INTERNAL, DST_INTERNAL = 1, 2  # bits of R8
-KEY_AT, SLOT_AT = -24, -4  # stack offsets of the pod key and the node slot index
+KEY_AT, SLOT_AT, TUPLE_AT = -24, -4, -64  # stack offsets of the pod key, the node slot index, a socket tuple
+PROTO_AT = {4: 9, 6: 6}  # IPv4 protocol, IPv6 next header
+SK_LOOKUP_TCP, SK_LOOKUP_UDP, SK_RELEASE = 84, 85, 86  # helpers (enum bpf_func_id)
 
 
 def node_slot(family: int, key: str) -> int:
@@ -216,17 +228,21 @@ def _family(a: Asm, s: Spec, family: int) -> None:
     a.movi(R8, 0)
     nets = [n for n in s.internal if n.version == family]
     src, dst = l2 + SADDR[family], l2 + DADDR[family]
-    if s.direction == INGRESS:
-        _classify(a, src, nets, SRC_INTERNAL)
+    _classify(a, src, nets, SRC_INTERNAL)
     _classify(a, dst, nets, DST_INTERNAL)
     if s.direction == EGRESS:
-        _host_output(a, family)
+        _egress(a, family, dst)
     else:
         _ingress(a, s, family, src, dst)
 
 
-def _host_output(a: Asm, family: int) -> None:
-    """Egress: what the node itself sends, by destination class."""
+def _egress(a: Asm, family: int, dst: int) -> None:
+    """Egress: what the node itself sends (`ingress_ifindex` 0) is host output by destination class; a forwarded
+    packet has its destination side counted here, after routing and DNAT (and conntrack's reverse NAT of replies),
+    where its destination is the one netfilter's forward hook sees."""
+    forwarded = a.fresh("forwarded")
+    a.ldx(4, R2, R6, SKB_INGRESS_IFINDEX)
+    a.jmpi(asm.JNE, R2, 0, forwarded)
     cluster = a.fresh("to_cluster")
     a.jmpi(asm.JSET, R8, DST_INTERNAL, cluster)
     _count_node(a, family, "traffic=internet-out scope=host")
@@ -234,19 +250,86 @@ def _host_output(a: Asm, family: int) -> None:
     a.label(cluster)
     _count_node(a, family, "traffic=cluster-out scope=host")
     a.ja("out")
+    a.label(forwarded)
+    to_internet_done = a.fresh("to_internet_done")
+    a.jmpi(asm.JSET, R8, DST_INTERNAL, to_internet_done)
+    _count_node(a, family, "traffic=internet-out scope=pod")
+    a.label(to_internet_done)
+    src_internal = a.fresh("src_internal")
+    a.jmpi(asm.JSET, R8, SRC_INTERNAL, src_internal)
+    _count_pod(a, family, dst, "rx-inet", None)
+    a.ja("out")
+    a.label(src_internal)
+    _count_pod(a, family, dst, "rx-clus", "traffic=cluster-in scope=pod")
+    a.ja("out")
+
+
+def _socket_lookup(a: Asm, family: int, l2: int, local: str, forward: str) -> None:
+    """A TCP/UDP packet addressed to the node is host input only if a local socket takes it; without one it is a
+    reply to a masqueraded connection (or DNAT'ed), which conntrack rewrites and routing forwards. Anything else
+    for the node's addresses (ICMP, IPv4 options or fragments, IPv6 extension headers) is host input."""
+    if family == 4:
+        a.ldx(1, R2, R7, l2)
+        a.alu32i(asm.AND, R2, 0x0F)
+        a.jmp32i(asm.JNE, R2, 5, local)  # IPv4 options: the ports are not where the tuple is read
+        a.ldx(2, R2, R7, l2 + 6)
+        a.alu32i(asm.AND, R2, 0xFF1F)  # fragment offset (network order, read little-endian)
+        a.jmp32i(asm.JNE, R2, 0, local)
+    a.ldx(1, R2, R7, l2 + PROTO_AT[family])
+    tcp = a.fresh("tcp")
+    a.jmp32i(asm.JEQ, R2, 6, tcp)
+    a.jmp32i(asm.JNE, R2, 17, local)
+    a.label(tcp)
+    a.ldx(4, R3, R6, SKB_DATA_END)
+    a.mov(R4, R7)
+    a.alui(asm.ADD, R4, l2 + HEADER[family] + 4)
+    a.jmp(asm.JGT, R4, R3, local)
+    words = 2 * WORDS[family]  # source and destination address, then both ports as one word
+    for i in range(words):
+        a.ldx(4, R3, R7, l2 + SADDR[family] + 4 * i)
+        a.stx(4, FP, TUPLE_AT + 4 * i, R3)
+    a.ldx(4, R3, R7, l2 + HEADER[family])
+    a.stx(4, FP, TUPLE_AT + 4 * words, R3)
+    # R2 still holds the protocol: 6 or 17
+    a.mov(R1, R6)
+    a.mov(R0, R2)
+    a.mov(R2, FP)
+    a.alui(asm.ADD, R2, TUPLE_AT)
+    a.movi(R3, 4 * words + 4)
+    a.movi(R4, -1)  # BPF_F_CURRENT_NETNS
+    a.movi(R5, 0)
+    udp, found = a.fresh("udp"), a.fresh("found")
+    a.jmpi(asm.JNE, R0, 6, udp)
+    a.call(SK_LOOKUP_TCP)
+    a.ja(found)
+    a.label(udp)
+    a.call(SK_LOOKUP_UDP)
+    a.label(found)
+    a.jmpi(asm.JEQ, R0, 0, forward)
+    a.mov(R1, R0)
+    a.call(SK_RELEASE)
+    a.ja(local)
 
 
 def _ingress(a: Asm, s: Spec, family: int, src: int, dst: int) -> None:
-    """Ingress: host input by source class, or a packet to forward as the nft layout's forward chains count it."""
+    """Ingress: host input by source class; a packet to forward has its source side counted here, before SNAT,
+    where its source is the one netfilter's forward hook sees (the destination side is counted at egress)."""
     out = "out"
     local, forward = a.fresh("local"), a.fresh("forward")
     a.ldx(4, R2, R6, SKB_PKT_TYPE)
     a.jmpi(asm.JNE, R2, 0, local)  # broadcast or multicast (OTHERHOST left at the top)
     if family == 6:
         _match(a, dst, ipaddress.IPv6Address("fe80::").packed, 10, local)
-    for address in (x for x in s.local if x.version == family):
-        _match(a, dst, address.packed, address.max_prefixlen, local)
-    a.ja(forward)
+    addresses = [x for x in s.local if x.version == family]
+    if addresses:
+        for_node = a.fresh("for_node")
+        for address in addresses:
+            _match(a, dst, address.packed, address.max_prefixlen, for_node)
+        a.ja(forward)
+        a.label(for_node)
+        _socket_lookup(a, family, s.l2_len, local, forward)
+    else:
+        a.ja(forward)
     a.label(local)
     from_cluster = a.fresh("from_cluster")
     a.jmpi(asm.JSET, R8, SRC_INTERNAL, from_cluster)
@@ -255,19 +338,14 @@ def _ingress(a: Asm, s: Spec, family: int, src: int, dst: int) -> None:
     a.label(from_cluster)
     _count_node(a, family, "traffic=cluster-in scope=host")
     a.ja(out)
-    # forwarded: the same series as the nft layout's forward chains (nft_layout.desired_rules)
+    # forwarded, the source side: the nft layout's forward chains (nft_layout.desired_rules) count the same
     a.label(forward)
-    src_internal, dst_side = a.fresh("src_internal"), a.fresh("dst_side")
-    a.jmpi(asm.JSET, R8, SRC_INTERNAL, src_internal)
+    from_internet_done = a.fresh("from_internet_done")
+    a.jmpi(asm.JSET, R8, SRC_INTERNAL, from_internet_done)
     _count_node(a, family, "traffic=internet-in scope=pod")
-    _count_pod(a, family, dst, "rx-inet", None)
-    a.ja(dst_side)
-    a.label(src_internal)
-    _count_pod(a, family, dst, "rx-clus", "traffic=cluster-in scope=pod")
-    a.label(dst_side)
+    a.label(from_internet_done)
     dst_internal = a.fresh("dst_internal")
     a.jmpi(asm.JSET, R8, DST_INTERNAL, dst_internal)
-    _count_node(a, family, "traffic=internet-out scope=pod")
     _count_pod(a, family, src, "tx-inet", None)
     a.ja(out)
     a.label(dst_internal)
@@ -282,9 +360,6 @@ def build(s: Spec) -> Asm:
     if s.direction == INGRESS:
         a.ldx(4, R2, R6, SKB_PKT_TYPE)
         a.jmpi(asm.JEQ, R2, 3, "out")  # PACKET_OTHERHOST: never delivered nor forwarded
-    else:
-        a.ldx(4, R2, R6, SKB_INGRESS_IFINDEX)
-        a.jmpi(asm.JNE, R2, 0, "out")  # forwarded: counted once, where it came in
     a.ldx(4, R2, R6, SKB_PROTOCOL)
     for family in s.families:
         a.jmp32i(asm.JEQ, R2, PROTOCOL[family], f"ipv{family}")

@@ -4,10 +4,11 @@ The node comes opened from `agent.node` (the config with the mode's defaults res
 paths, the stand-in kubelet decision): nothing here tells a simulated node from a real one again.
 
 Each builder takes exactly what its subsystem needs as arguments and returns values (a `Subsystem` to
-supervise, the service object), so nothing depends on the order things were built in and tests build one
-subsystem alone. Data flows one way: hardware -> topology -> consumers. Startup problems (no credentials, a
-socket path over the limit) are raised as `agent.supervisor.StartupError`, which the process turns into one
-log line and exit code 2.
+supervise, the service object), so tests build one subsystem alone. `build` builds them in the order data flows
+(the stand-in kubelet -> ownership -> device plugin -> DRA -> health -> remediation -> netacct -> shaping ->
+rescans) and hands each its collaborators when it is built: nothing is set on a subsystem after its construction.
+Startup problems (no credentials, a socket path over the limit) are raised as `agent.supervisor.StartupError`,
+which the process turns into one log line and exit code 2.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from agent.topology.model import Topology
 
 if TYPE_CHECKING:  # the kubelet's facts (agent.ownership) are imported only where ownership is wired
     from agent.deviceplugin.facts import OwnershipFacts
+    from agent.ownership.service import OwnershipService
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,9 @@ class DevicePluginManager:
     paths the DRA driver shares). `policy`: None for the PCIe-aware joint policy (`self.allocator.prefer`);
     another policy replaces it, while Allocates are still recorded and counted. `registry`: where the allocation
     metrics go (a private registry when None). `admission_ttl_s` and `clock`: the admission context's time-out
-    and time source.
+    and time source. `ownership`: the kubelet's facts to place with (`facts.OwnershipFacts` on the served pools):
+    each preference call looks up the container's partner devices, and the other kind's free devices come from
+    the kubelet's last reading; None places on the admission context alone.
     """
 
     def __init__(self, config: DevicePluginConfig, topology: Topology, *,
@@ -64,7 +67,8 @@ class DevicePluginManager:
                  policy: PreferencePolicy | None = None, registry: CollectorRegistry | None = None,
                  admission_ttl_s: float = DEFAULT_TTL_S, clock: Clock = SYSTEM_CLOCK,
                  plugin_registry_dir: str = DEFAULT_PLUGIN_REGISTRY_DIR,
-                 cdi_spec_dir: str = DEFAULT_CDI_SPEC_DIR, mig_minors: str = MIG_MINORS) -> None:
+                 cdi_spec_dir: str = DEFAULT_CDI_SPEC_DIR, mig_minors: str = MIG_MINORS,
+                 ownership: OwnershipService | None = None) -> None:
         config = apply_sriov_dp_config(config)  # SriovConfigError (a PoolConfigError) when it cannot be served
         self.config = config
         self.device_health = device_health if device_health is not None else DeviceHealth()
@@ -82,6 +86,11 @@ class DevicePluginManager:
                                 ["reason"], registry=self.metrics.registry)
         for reason in NOT_SERVED_REASONS:
             self.not_served.labels(reason).set(0)
+        self.facts: OwnershipFacts | None = None
+        if ownership is not None:
+            from agent.deviceplugin.facts import OwnershipFacts
+
+            self.facts = OwnershipFacts(ownership, self.pools, config.gpu_resource_name)
         self.allocator = JointAllocator(self._plugins.values, ttl_s=admission_ttl_s, clock=clock.monotonic)
         self.allocator.replica_policy = config.shared_devices_allocation_policy
         self._policy = policy or self.allocator.prefer
@@ -101,7 +110,6 @@ class DevicePluginManager:
         self._health_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._started = False
-        self.facts: OwnershipFacts | None = None
 
     @property
     def registered(self) -> asyncio.Event:
@@ -161,13 +169,6 @@ class DevicePluginManager:
             if unshared:
                 log.warning("timeSlicing: %s %s not served on this node; nothing to replicate", ", ".join(unshared),
                             "is" if len(unshared) == 1 else "are")
-
-    def use_ownership(self, facts: OwnershipFacts) -> None:
-        """Place with the kubelet's facts: each preference call looks up the container's partner devices and the
-        other kind's free devices at the kubelet's last reading (one value handed to the policy)."""
-        self.facts = facts
-        for plugin in self._plugins.values():
-            plugin.partner_lookup = facts.partner
 
     def _new_plugin(self, pool: ResourcePool) -> DevicePlugin:
         plugin = DevicePlugin(pool, self._options, policy=self._policy, on_allocate=self.allocator.allocated,

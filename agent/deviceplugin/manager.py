@@ -31,6 +31,7 @@ from agent.deviceplugin.pools import ResourcePool, build_pools, socket_name
 from agent.deviceplugin.registration import KubeletLink, check_socket_path
 from agent.deviceplugin.server import DevicePlugin, PreferencePolicy
 from agent.deviceplugin.sriovdp import apply as apply_sriov_dp_config
+from agent.host.unixsocket import SocketPathError
 from agent.placement.admission import DEFAULT_TTL_S
 from agent.placement.joint import JointAllocator
 from agent.signals import DeviceHealth
@@ -110,6 +111,7 @@ class DevicePluginManager:
         self._health_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._started = False
+        self._check_socket_paths(self._scan(topology))  # at construction: `run` exits 2, never a crash loop
 
     @property
     def registered(self) -> asyncio.Event:
@@ -186,11 +188,8 @@ class DevicePluginManager:
         async with self._lock:
             if self._started:
                 return
-            directory = self._link.directory
-            check_socket_path(f"{self.config.device_plugin_dir}/kubelet.sock")
             pools = self._scan(self._topology)
-            for name in pools:
-                check_socket_path(f"{directory}/{socket_name(name)}")
+            self._check_socket_paths(pools)
             self._check_gpu_cdi(pools)
             for stale in remove_stale_specs(self.cdi_spec_dir):
                 log.info("removed the CDI spec %s an earlier run left", stale)
@@ -199,6 +198,12 @@ class DevicePluginManager:
             self._started = True
             self._health_task = asyncio.create_task(self._consume_health(), name="device-health")
             await self._link.start()
+
+    def _check_socket_paths(self, pools: dict[str, ResourcePool]) -> None:
+        """SocketPathError when the kubelet's socket or a served resource's socket would pass the AF_UNIX limit."""
+        check_socket_path(f"{self.config.device_plugin_dir}/kubelet.sock")
+        for name in pools:
+            check_socket_path(f"{self._link.directory}/{socket_name(name)}")
 
     def _write_spec(self, pool: ResourcePool) -> None:
         if self.rdma_specs is None:
@@ -255,6 +260,11 @@ class DevicePluginManager:
             for name, pool in pools.items():
                 plugin = self._plugins.get(name)
                 if plugin is None:
+                    try:
+                        check_socket_path(f"{self._link.directory}/{socket_name(name)}")
+                    except SocketPathError as exc:  # a resource new since the start (a MIG profile): not served
+                        log.error("%s: not served: %s", name, exc)
+                        continue
                     self._add(pool)
                     continue
                 before = set(plugin.pool.ids)

@@ -230,6 +230,14 @@ def _layer(module: str) -> int:
     return max(matches)[1]
 
 
+def test_the_pods_sit_between_the_ports_and_both_network_subsystems():
+    """netacct and shaping share the pod model, the pod source and the internal set through agent.pods alone."""
+    assert _layer("agent.kube") < _layer("agent.pods") < min(_layer("agent.netacct"), _layer("agent.shaping"))
+    for subsystem in ("agent.netacct", "agent.shaping"):
+        assert any(target.startswith("agent.pods.") for module, targets in GRAPH.items()
+                   if module.startswith(subsystem + ".") for target in targets), subsystem
+
+
 def test_every_module_has_a_layer():
     for module in GRAPH:
         _layer(module)

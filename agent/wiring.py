@@ -310,10 +310,11 @@ def remediation(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistr
 
 def netacct(cfg: AgentConfig, registry: CollectorRegistry, cluster: ClusterPort) -> NetacctService:
     """Network accounting with iptables mangle rules and ipset counters (only with --netacct)."""
-    from agent.netacct.service import NetacctService, default_pod_source
+    from agent.netacct.service import NetacctService
+    from agent.pods.choice import open_pod_source
 
     # the pods file if set; else this node's pods from the API (the in-memory cluster's without credentials)
-    return NetacctService(cfg.netacct, registry, default_pod_source(cfg.netacct, cluster.get))
+    return NetacctService(cfg.netacct, registry, open_pod_source(cfg.netacct.pods_file, cluster.get))
 
 
 def _kernel_state_subsystem(name: str, service: NetacctService | ShapingService) -> Subsystem:
@@ -330,14 +331,14 @@ def _kernel_state_subsystem(name: str, service: NetacctService | ShapingService)
 
 def shaping(cfg: AgentConfig, registry: CollectorRegistry, cluster: ClusterPort,
             netacct: NetacctService | None) -> ShapingService:
-    """Per-pod internet shaping (only with --shaping): netacct's pod source when it runs (one pod watch per
-    process), else its own; invalid annotations become Events through the shared client when there is one."""
+    """Per-pod internet shaping (only with --shaping): the process's one pod source (`agent.pods`), run by netacct
+    when it runs, else by shaping; invalid annotations become Events through the shared client when there is one."""
     from agent.host.tc_netlink import NetlinkTc
     from agent.kube.errors import ClusterConfigError
-    from agent.netacct.service import default_pod_source
+    from agent.pods.choice import open_pod_source
     from agent.shaping.service import ShapingService
 
-    pods = netacct.pods if netacct is not None else default_pod_source(cfg.netacct, cluster.get)
+    pods = netacct.pods if netacct is not None else open_pod_source(cfg.netacct.pods_file, cluster.get)
     try:
         events = None if cfg.netacct.pods_file else cluster.get()
     except ClusterConfigError:

@@ -2,8 +2,8 @@
 
 `build_without_kubectl(tree)` renders one of TREES. It reads the kustomization files themselves (resources,
 components, configMapGenerator, namespace, labels, images, strategic-merge patches): the subset deploy/ and
-overlays/ use, checked against kubectl's kustomize (`build_with_kubectl`) by test_helm_chart.py wherever kubectl is installed. A feature
-this renderer does not know makes it raise instead of silently rendering something else.
+overlays/ use, checked against kubectl's kustomize (`build_with_kubectl`) by test_helm_chart.py wherever kubectl
+is installed. A feature this renderer does not know makes it raise instead of silently rendering something else.
 """
 
 from __future__ import annotations

@@ -23,6 +23,26 @@ _NAME_KEYED = frozenset({"containers", "initContainers", "env", "volumes", "volu
 EVERYTHING_ON: dict[str, Any] = {"metrics": {"serviceMonitor": {"enabled": True}},
                                  "prometheusRule": {"enabled": True}, "dropIn": {"enabled": True},
                                  "dra": {"enabled": True}}
+# Every optional part on and every value of item 2 given: for lint and strict validation.
+FULL: dict[str, Any] = {
+    **EVERYTHING_ON,
+    "image": {"repository": "registry.example/gpu-node-agent", "tag": "0.1.0-site", "pullPolicy": "Always"},
+    "imagePullSecrets": [{"name": "registry"}], "nameOverride": "gna", "fullnameOverride": "gna-site",
+    "namespaceOverride": "gpu-agents", "config": {"remediation": {"enabled": True, "dryRun": True}},
+    "extraArgs": ["--log-level", "debug"], "env": [{"name": "GPU_NODE_AGENT_LOG_FORMAT", "value": "text"}],
+    "resources": {"requests": {"cpu": "50m"}}, "nodeSelector": {"node.kubernetes.io/pool": "h100"},
+    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}]}}},
+    "tolerations": [{"operator": "Exists"}], "priorityClassName": "gpu-critical",
+    "updateStrategy": {"type": "OnDelete"}, "podAnnotations": {"example.com/team": "ml-infra"},
+    "podLabels": {"example.com/team": "ml-infra"},
+    "serviceAccount": {"create": True, "name": "agent", "annotations": {"example.com/owner": "infra"},
+                       "automount": True},
+    "rbac": {"create": True}, "metrics": {"port": 10500, "service": {"enabled": True},
+                                          "serviceMonitor": {"enabled": True}},
+    "dropIn": {"enabled": True, "sriovDpConfig": {"resourceList": [{"resourceName": "ib", "selectors": {
+        "isRdma": True}}]}},
+}
 
 Doc = dict[str, Any]
 _chart: helm_python.Chart | None = None

@@ -4,17 +4,20 @@ what it should and nothing else."""
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from typing import Any
 
 import helm_python
+import kubernetes_validate
 import pytest
 import yaml
 
 from tests.deploy.helm import (
     CHART,
     EVERYTHING_ON,
+    FULL,
     NAMESPACE,
     comparable,
     differences,
@@ -25,7 +28,7 @@ from tests.deploy.helm import (
     without_extra_labels,
 )
 from tests.deploy.kustomize import CLUSTER_SCOPED, KUBECTL, TREES, build_with_kubectl, build_without_kubectl
-from tests.deploy.manifests import DASHBOARD, DEPLOY, ROOT, configmap_config_text
+from tests.deploy.manifests import CRD_GROUPS, DASHBOARD, DEPLOY, ROOT, configmap_config_text
 from tests.fakes.cli import run_agent
 
 # kustomize tree -> the chart values that give the same objects
@@ -63,11 +66,30 @@ def test_files_are_copies_of_the_kustomize_ones():
     assert (files / "sriovdp-config.json").read_bytes() == (ROOT / "overlays/dropin/sriovdp-config.json").read_bytes()
 
 
-@pytest.mark.parametrize("values", [{}, EVERYTHING_ON], ids=["defaults", "everything-on"])
+@pytest.mark.parametrize("values", [{}, EVERYTHING_ON, FULL], ids=["defaults", "parts-on", "every-value"])
 def test_lint_reports_no_error(values: dict[str, Any]):
     result = helm_python.lint(str(CHART), values, namespace=NAMESPACE, kube_version="v1.34.0", strict=True)
     assert [m for m in result["messages"] if m["severity"] >= 2] == [], result
     assert result["errors"] == []
+
+
+def test_every_value_renders_objects_the_api_server_accepts():
+    """Strict OpenAPI validation (unknown fields refused) of a render with every value set; the Prometheus
+    Operator's kinds are CRDs the validator does not know."""
+    docs = render(FULL)
+    checked = [doc for doc in docs if not doc["apiVersion"].startswith(CRD_GROUPS)]
+    for doc in checked:
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+    assert len(checked) == len(docs) - 2 >= 16
+
+
+def test_the_packaged_chart_renders_the_same(tmp_path):
+    """`helm package` (what a chart repository serves) keeps every file the templates read."""
+    archive = helm_python.package(str(CHART), destination=str(tmp_path))
+    with helm_python.Chart.load(archive) as packaged:
+        for values in ({}, FULL):
+            assert packaged.render(values, name="gpu-node-agent", namespace=NAMESPACE, is_install=True) == \
+                render_files(values)
 
 
 @pytest.mark.parametrize("tree", TREES)
@@ -163,6 +185,7 @@ def test_install_into_default_is_refused_naming_the_value_that_allows_it():
     ({"config": {"metricsAddress": ":9999"}}, "config.metricsAddress=:9999 does not use metrics.port=10437"),
     ({"metrics": {"service": {"enabled": False}, "serviceMonitor": {"enabled": True}}},
      "metrics.serviceMonitor.enabled=true needs metrics.service.enabled=true"),
+    ({"podLabels": {"app.kubernetes.io/name": "other"}}, "podLabels.app.kubernetes.io/name: the DaemonSet's selector"),
 ])
 def test_bad_combinations_are_refused(values: dict[str, Any], message: str):
     with pytest.raises(helm_python.HelmRenderError, match=message):
@@ -224,6 +247,19 @@ def test_the_rendered_config_file_passes_the_agent(tmp_path):
     path.write_text(_config_file({"config": {"logLevel": "loud"}}), encoding="utf-8")
     refused = run_agent("config", "--config", str(path))
     assert refused.returncode == 2 and "logLevel" in refused.stderr
+
+
+def test_the_sriov_config_value_is_the_file_the_agent_reads(tmp_path):
+    sriov = {"resourceList": [{"resourceName": "ib_rdma", "resourcePrefix": "example.com",
+                               "selectors": {"vendors": ["15b3"], "isRdma": True}}]}
+    (configmap,) = [d for d in render({"dropIn": {"enabled": True, "sriovDpConfig": sriov}})
+                    if d["metadata"]["name"] == "gpu-node-agent-sriovdp-config"]
+    path = tmp_path / "config.json"
+    path.write_text(configmap["data"]["config.json"], encoding="utf-8")
+    assert json.loads(path.read_text(encoding="utf-8")) == sriov
+    result = run_agent("config", "--sriov-dp-config", str(path))
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["devicePlugin"]["sriovDpConfig"] == str(path)
 
 
 def test_metrics_port_moves_every_use_of_it_together():

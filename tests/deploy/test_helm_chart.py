@@ -186,6 +186,7 @@ def test_install_into_default_is_refused_naming_the_value_that_allows_it():
     ({"metrics": {"service": {"enabled": False}, "serviceMonitor": {"enabled": True}}},
      "metrics.serviceMonitor.enabled=true needs metrics.service.enabled=true"),
     ({"podLabels": {"app.kubernetes.io/name": "other"}}, "podLabels.app.kubernetes.io/name: the DaemonSet's selector"),
+    ({"securityContext": {"privileged": True}}, "securityContext.privileged=true needs securityContext.allowPrivil"),
 ])
 def test_bad_combinations_are_refused(values: dict[str, Any], message: str):
     with pytest.raises(helm_python.HelmRenderError, match=message):
@@ -247,6 +248,20 @@ def test_the_rendered_config_file_passes_the_agent(tmp_path):
     path.write_text(_config_file({"config": {"logLevel": "loud"}}), encoding="utf-8")
     refused = run_agent("config", "--config", str(path))
     assert refused.returncode == 2 and "logLevel" in refused.stderr
+
+
+def test_privileged_for_kmsg_renders_with_escalation_allowed():
+    (daemonset,) = [d for d in render({"securityContext": {"privileged": True, "allowPrivilegeEscalation": True}})
+                    if d["kind"] == "DaemonSet"]
+    kubernetes_validate.validate(daemonset, kubernetes_validate.latest_version(), strict=True)
+    context = daemonset["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    assert context["privileged"] is True and context["allowPrivilegeEscalation"] is True
+
+
+def test_on_delete_drops_the_default_rolling_update():
+    """Helm merges a given updateStrategy into the default; the API refuses rollingUpdate next to OnDelete."""
+    (daemonset,) = [d for d in render({"updateStrategy": {"type": "OnDelete"}}) if d["kind"] == "DaemonSet"]
+    assert daemonset["spec"]["updateStrategy"] == {"type": "OnDelete"}
 
 
 def test_the_sriov_config_value_is_the_file_the_agent_reads(tmp_path):

@@ -24,14 +24,17 @@ from agent.host.nvml.api import (
     FABRIC_STATES,
     RECOVERY_ACTIONS,
     GpuFabric,
+    GpuFacts,
     GpuInfo,
     GpuLostError,
     GpuState,
     MemoryHealth,
+    MigFacts,
     MigInfo,
     NvmlError,
     NvmlEvent,
     NvmlEventSet,
+    NvmlFacts,
     NvmlInventory,
     NvmlUnavailableError,
 )
@@ -53,6 +56,40 @@ class _SimGpu:
 STATE_PARTS = ("nvlink", "fabric", "recovery_action")
 
 
+@dataclass(frozen=True)
+class SimGpuModel:
+    """What the driver reports for one GPU model (a simulated profile's GPUs report a real model's figures)."""
+
+    name: str  # nvmlDeviceGetName
+    memory_mib: int  # memory.total >> 20
+    compute_capability: tuple[int, int]
+    mig_capable: bool
+
+
+@dataclass(frozen=True)
+class SimMigProfile:
+    """nvmlDeviceGetAttributes of a MIG device of one profile on one GPU model (`nvidia-smi mig -lgip`)."""
+
+    memory_mb: int
+    multiprocessors: int
+    copy_engines: int
+    decoders: int
+    encoders: int
+    jpeg_engines: int
+    ofa_engines: int
+
+
+@dataclass(frozen=True)
+class SimDriver:
+    """The simulated driver: its version, the CUDA version it supports (NVML's integer), its GPU models by bus
+    id and MIG profile attributes by profile name."""
+
+    version: str = "550.54.15"
+    cuda_version: int = 12040
+    models: Mapping[str, SimGpuModel] = field(default_factory=dict)
+    mig_profiles: Mapping[str, SimMigProfile] = field(default_factory=dict)
+
+
 _ZERO: dict[str, Any] = {f.name: 0 for f in fields(MemoryHealth) if f.name != "uuid"} | {
     "retired_pages_pending": False, "remap_pending": False, "remap_failure": False}
 _FIELD_GROUPS = {"ecc": ("ecc_",), "retired_pages": ("retired_",), "remapped_rows": ("remap",)}
@@ -64,7 +101,8 @@ class SimulatedNvml:
     def __init__(self, uuids: Mapping[str, str], *, available: bool = True,
                  unavailable_reason: str = "NVMLError_LibraryNotFound: simulated", mig: Iterable[str] = (),
                  nvlinks: int = 0, fabric: bool = False, overrides_dir: Path | None = None,
-                 mig_devices: Mapping[str, Iterable[MigInfo]] | None = None) -> None:
+                 mig_devices: Mapping[str, Iterable[MigInfo]] | None = None, driver: SimDriver | None = None
+                 ) -> None:
         """`nvlinks` active links per GPU (0: a PCIe board); `fabric`: an NVSwitch system whose fabric probe has
         completed; `overrides_dir`: where `<uuid>.json` override files are read (module docstring); `mig`: GPUs in
         MIG mode, and `mig_devices` their MIG devices by bus id (a GPU named there is in MIG mode too)."""
@@ -81,6 +119,8 @@ class SimulatedNvml:
         self._listeners: list[tuple[frozenset[str], queue.SimpleQueue[NvmlEvent]]] = []
         self._gate = SessionGate()
         self.suspensions = 0  # sessions closed for a GPU reset
+        self.driver = driver or SimDriver()
+        self._facts_failure = ""
 
     @property
     def available(self) -> bool:
@@ -115,7 +155,9 @@ class SimulatedNvml:
         if not self._available:
             raise NvmlUnavailableError(self._reason)
         with self._lock:
-            gpus = tuple(GpuInfo(index, "simulated GPU", self._uuids[bus_id], bus_id, bus_id in self._mig, True, True)
+            models = self.driver.models
+            gpus = tuple(GpuInfo(index, models[bus_id].name if bus_id in models else "simulated GPU",
+                                 self._uuids[bus_id], bus_id, bus_id in self._mig, True, True)
                          for index, bus_id in enumerate(sorted(self._uuids)))
             first = self._gpus[gpus[0].uuid] if gpus else None
         off = first.unsupported if first is not None else set()
@@ -124,7 +166,40 @@ class SimulatedNvml:
                    "fabric_info": "no" if "fabric" in off else "v3",
                    "remapped_rows": "no" if "remapped_rows" in off else "yes",
                    "process_list": "v3", "event_set": "no" if "events" in off else "yes"} if first else {}
-        return NvmlInventory("simulated", "simulated", "simulated", gpus, support)
+        cuda = self.driver.cuda_version
+        return NvmlInventory(self.driver.version, "simulated", f"{cuda // 1000}.{cuda % 1000 // 10}", gpus, support)
+
+    def fail_facts(self, why: str = "NVMLError_Unknown: simulated") -> None:
+        """Make `facts` fail (a driver query erroring while NVML stays up); an empty `why` heals it."""
+        self._facts_failure = why
+
+    def facts(self) -> NvmlFacts:
+        """The driver's and each GPU's facts from `driver`; NvmlError for a GPU whose model or MIG profile the
+        simulated driver does not describe (no invented figures), or while `fail_facts` is set."""
+        if not self._available:
+            raise NvmlUnavailableError(self._reason)
+        if self._facts_failure:
+            raise NvmlError(self._facts_failure)
+        gpus: list[GpuFacts] = []
+        with self._gate.call(), self._lock:
+            for bus_id in sorted(self._uuids):
+                uuid, model = self._uuids[bus_id], self.driver.models.get(bus_id)
+                if model is None:
+                    raise NvmlError(f"simulated driver: no GPU model for {bus_id}")
+                if self._gpus[uuid].lost:
+                    raise GpuLostError(uuid, "GPU is lost")
+                migs = tuple(self._mig_facts(m) for m in self._mig_devices.get(bus_id, ()))
+                gpus.append(GpuFacts(uuid, bus_id, model.name, model.memory_mib, model.compute_capability,
+                                     model.mig_capable, bus_id in self._mig, migs))
+        return NvmlFacts(self.driver.version, self.driver.cuda_version, tuple(gpus))
+
+    def _mig_facts(self, mig: MigInfo) -> MigFacts:
+        known = self.driver.mig_profiles.get(mig.profile)
+        if known is None:
+            raise NvmlError(f"simulated driver: no attributes for MIG profile {mig.profile}")
+        return MigFacts(mig.uuid, mig.profile, mig.memory_mb, known.multiprocessors, mig.gpu_slices,
+                        mig.compute_slices, known.copy_engines, known.decoders, known.encoders, known.jpeg_engines,
+                        known.ofa_engines)
 
     def mig_devices(self) -> dict[str, list[MigInfo]]:
         """The MIG devices the GPUs were built with."""

@@ -362,6 +362,33 @@ def shaping(cfg: AgentConfig, registry: CollectorRegistry, cluster: ClusterPort,
                           events=events, owns_source=netacct is None)
 
 
+def node_labels(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, cluster: ClusterPort,
+                device_health: DeviceHealth, health_ready: asyncio.Event, scratch: Path) -> Subsystem | None:
+    """Node labels (GFD-compatible keys and the agent's own) on an NFD NodeFeature or the Node; None without a
+    cluster to publish on (logged)."""
+    from agent.host.nic_sysfs import NicSysfs
+    from agent.kube.errors import ClusterConfigError
+    from agent.labels import NodeLabels
+    from agent.labels.facts import ExpectedGpus, FactReader, GfdPresence, GfdSettings
+    from agent.labels.service import NodeLabelService, Settings
+
+    lc, rc = cfg.node_labels, cfg.remediation
+    try:
+        api = cluster.get()
+    except ClusterConfigError as exc:
+        log.info("node labels off: %s", exc)
+        return None
+    namespace = rc.pod_namespace or ("default" if cluster.in_memory else "")
+    presence = GfdPresence(lc.gfd, api, [namespace, *lc.gfd_namespaces] if namespace else lc.gfd_namespaces,
+                           interval=max(300.0, 10 * lc.interval_seconds))
+    reader = FactReader(hardware.nvml, lambda: hardware.topology, NicSysfs(hardware.sysfs_root), hardware.sysfs_root,
+                        gfd=GfdSettings(cfg.device_plugin.mig_strategy, cfg.device_plugin.time_slicing),
+                        presence=presence, expected=ExpectedGpus(lc.expected_gpus, hardware.state_dir(cfg, scratch)))
+    service = NodeLabelService(reader, device_health, registry, settings=Settings(lc.interval_seconds),
+                               health_ready=health_ready)
+    return Subsystem("node-labels", NodeLabels(lc.mode, api, service, namespace=namespace, pod_name=rc.pod_name).run)
+
+
 @dataclass
 class Wiring:
     """Every enabled subsystem, and the shared client the process closes after they stop."""
@@ -424,6 +451,11 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
         resets.reset_starting, resets.reset_abandoned = health_service.gpu_reset_starting, \
             health_service.gpu_reset_abandoned
         wiring.subsystems.append(Subsystem("remediation", wiring.remediation.run))
+    if cfg.node_labels.mode != "off":
+        labels = node_labels(cfg, hardware, registry, cluster=wiring.cluster, device_health=device_health,
+                             health_ready=health_service.first_pass_done, scratch=scratch)
+        if labels is not None:
+            wiring.subsystems.append(labels)
     if cfg.netacct.enabled:
         wiring.netacct = netacct(cfg, registry, wiring.cluster)
         wiring.subsystems.append(_kernel_state_subsystem("netacct", wiring.netacct))

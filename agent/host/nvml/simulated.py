@@ -4,7 +4,8 @@ fabric state, the driver's recovery action).
 NVLink, fabric and recovery-action faults can also be injected from outside the process (`run --simulate`): a
 JSON file `<overrides_dir>/<GPU UUID>.json` is read on every `gpu_state` call, e.g.
 `{"nvlink_inactive": [3, 7], "fabric": {"state": "in_progress"}, "recovery_action": "gpu_reset"}`; deleting it
-clears them.
+clears them. `<overrides_dir>/driver.json` with `{"unavailable": "<why>"}` makes the whole library unavailable
+(a driver unloaded, a broken install) until it is deleted.
 """
 
 from __future__ import annotations
@@ -124,13 +125,23 @@ class SimulatedNvml:
 
     @property
     def available(self) -> bool:
-        """False only when built with available=False (a node without the driver)."""
-        return self._available
+        """False when built with available=False (a node without the driver), after `set_available(False)`, or
+        while `<overrides_dir>/driver.json` says `{"unavailable": "<why>"}` (a driver unloaded from outside)."""
+        return self._available and not self._driver_down()
+
+    def _driver_down(self) -> str:
+        path = self.overrides_dir / "driver.json" if self.overrides_dir is not None else None
+        if path is None or not path.is_file():
+            return ""
+        try:
+            return str(json.loads(path.read_text(encoding="utf-8")).get("unavailable") or "")
+        except (OSError, ValueError, AttributeError) as exc:
+            return f"simulated override {path} unreadable: {exc}"
 
     @property
     def unavailable_reason(self) -> str:
         """Why NVML is unavailable."""
-        return self._reason
+        return self._reason or self._driver_down()
 
     def set_available(self, available: bool, reason: str = "NVMLError_DriverNotLoaded: simulated") -> None:
         """Make NVML fail to initialise (a driver reload, a broken library) or come back."""
@@ -139,21 +150,21 @@ class SimulatedNvml:
 
     def gpu_uuids(self) -> dict[str, str]:
         """The profile's UUIDs."""
-        return dict(self._uuids) if self._available else {}
+        return dict(self._uuids) if self.available else {}
 
     def gpu_minors(self) -> dict[str, int]:
         """Minors in bus-id order, as the driver numbers GPUs it probes in that order."""
-        return {bus_id: minor for minor, bus_id in enumerate(sorted(self._uuids))} if self._available else {}
+        return {bus_id: minor for minor, bus_id in enumerate(sorted(self._uuids))} if self.available else {}
 
     def mig_gpus(self) -> set[str]:
         """The GPUs built with MIG mode on."""
-        return set(self._mig) if self._available else set()
+        return set(self._mig) if self.available else set()
 
     def inventory(self) -> NvmlInventory:
         """A simulated driver: every GPU in bus-id order, each call supported unless marked unsupported on the
         first GPU."""
-        if not self._available:
-            raise NvmlUnavailableError(self._reason)
+        if not self.available:
+            raise NvmlUnavailableError(self.unavailable_reason)
         with self._lock:
             models = self.driver.models
             gpus = tuple(GpuInfo(index, models[bus_id].name if bus_id in models else "simulated GPU",
@@ -176,8 +187,8 @@ class SimulatedNvml:
     def facts(self) -> NvmlFacts:
         """The driver's and each GPU's facts from `driver`; NvmlError for a GPU whose model or MIG profile the
         simulated driver does not describe (no invented figures), or while `fail_facts` is set."""
-        if not self._available:
-            raise NvmlUnavailableError(self._reason)
+        if not self.available:
+            raise NvmlUnavailableError(self.unavailable_reason)
         if self._facts_failure:
             raise NvmlError(self._facts_failure)
         gpus: list[GpuFacts] = []
@@ -203,7 +214,7 @@ class SimulatedNvml:
 
     def mig_devices(self) -> dict[str, list[MigInfo]]:
         """The MIG devices the GPUs were built with."""
-        return {bus_id: list(found) for bus_id, found in self._mig_devices.items()} if self._available else {}
+        return {bus_id: list(found) for bus_id, found in self._mig_devices.items()} if self.available else {}
 
     def set_mig_devices(self, bus_id: str, devices: Iterable[MigInfo]) -> None:
         """Repartition one GPU (in MIG mode from now on): its MIG devices are these."""
@@ -213,8 +224,8 @@ class SimulatedNvml:
 
     def open_events(self, uuids: Iterable[str]) -> NvmlEventSet:
         """An event set fed by the inject_* methods."""
-        if not self._available:
-            raise NvmlUnavailableError(self._reason)
+        if not self.available:
+            raise NvmlUnavailableError(self.unavailable_reason)
         with self._lock:
             watched = frozenset(u for u in uuids if u in self._gpus and "events" not in self._gpus[u].unsupported)
             events: queue.SimpleQueue[NvmlEvent] = queue.SimpleQueue()
@@ -230,8 +241,8 @@ class SimulatedNvml:
 
     def _answering(self, uuid: str) -> _SimGpu:
         """The GPU a query reads, with the lock held; raises as NVML would (unavailable, no such GPU, lost)."""
-        if not self._available:
-            raise NvmlUnavailableError(self._reason)
+        if not self.available:
+            raise NvmlUnavailableError(self.unavailable_reason)
         gpu = self._gpus.get(uuid)
         if gpu is None:
             raise NvmlError(f"{uuid}: no such GPU")

@@ -335,7 +335,7 @@ class LightkubeCluster:
     async def create_node_feature(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST a NodeFeature."""
         path_ns = url_segment(namespace, namespace=True)
-        created = await self._do(lambda: self._client.create(NodeFeature.from_dict(body), namespace=path_ns))
+        created = await self._do(lambda: self._client.create(NodeFeature.from_dict(body), namespace=path_ns))  # type: ignore[call-overload]
         return dict(created.to_dict())
 
     async def replace_node_feature(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ class NodeFeatureApi:
     """NodeFeatures by (namespace, name). Needs `rv` and `_bump()`."""
 
     rv: int
+    requests: list[Request]
     nfd_served: bool
     node_features: dict[tuple[str, str], dict[str, Any]]
 
@@ -41,8 +42,7 @@ class NodeFeatureApi:
 
     def feature_requests(self, *, writes: bool = False) -> list[Request]:
         """Every request on NodeFeatures (only POST/PUT/PATCH/DELETE with `writes`)."""
-        requests: list[Request] = getattr(self, "requests")
-        return [r for r in requests if FEATURES.fullmatch(r.path)
+        return [r for r in self.requests if FEATURES.fullmatch(r.path)
                 and (not writes or r.method in ("POST", "PUT", "PATCH", "DELETE"))]
 
     def _nfd(self, r: Request) -> Answer | None:

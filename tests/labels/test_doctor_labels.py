@@ -24,16 +24,17 @@ async def _check(tmp_path: Path, root: Path, nvml: object, api: ApiServerDouble,
     return next(c for c in checks if c.name == "api.node-labels")
 
 
-@pytest.mark.parametrize(("served", "denied", "status", "words"), [
-    (True, set(), "ok", "NodeFeature gpu-node-agent-<node> in gpu-node-agent; 3 verbs"),
-    (True, {("nfd.k8s-sigs.io", "nodefeatures", "create")}, "fail",
-     "denied: create nodefeatures.nfd.k8s-sigs.io in gpu-node-agent"),
-    (False, set(), "ok", "the Node (patch nodes)"),
-    (False, {("", "nodes", "patch")}, "fail", "denied: patch nodes"),
-    (True, {("nfd.k8s-sigs.io", "nodefeatures", "get")}, "fail", "get nodefeatures"),
+@pytest.mark.parametrize(("served", "denied", "expected"), [
+    (True, set(), ("ok", "NodeFeature gpu-node-agent-<node> in gpu-node-agent; 3 verbs")),
+    (True, {("nfd.k8s-sigs.io", "nodefeatures", "create")},
+     ("fail", "denied: create nodefeatures.nfd.k8s-sigs.io in gpu-node-agent")),
+    (False, set(), ("ok", "the Node (patch nodes)")),
+    (False, {("", "nodes", "patch")}, ("fail", "denied: patch nodes")),
+    (True, {("nfd.k8s-sigs.io", "nodefeatures", "get")}, ("fail", "get nodefeatures")),
 ])
-async def test_the_mode_in_force_and_its_verbs(tmp_path, tree, served, denied, status, words):  # noqa: F811
+async def test_the_mode_in_force_and_its_verbs(tmp_path, tree, served, denied, expected):  # noqa: F811
     root, nvml = tree
+    status, words = expected
     api = ApiServerDouble(FakeClock())
     api.nfd_served, api.denied = served, denied
     check = await _check(tmp_path, root, nvml, api, "--pod-namespace", "gpu-node-agent")

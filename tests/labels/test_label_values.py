@@ -62,8 +62,8 @@ def test_single_on_an_all_mig_node_describes_the_mig_devices(tmp_path):
     node = _node("dgx-h100-mig", tmp_path)
     facts = node.nvml.facts()
     donor = facts.gpus[0]
-    facts = dataclasses.replace(facts, gpus=tuple(dataclasses.replace(g, mig_enabled=True, mig_devices=donor.mig_devices)
-                                                 for g in facts.gpus))
+    everything = tuple(dataclasses.replace(g, mig_enabled=True, mig_devices=donor.mig_devices) for g in facts.gpus)
+    facts = dataclasses.replace(facts, gpus=everything)
     labels = gfd_labels(facts, _inputs(node, mig_strategy="single"))
     assert labels["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb"
     assert labels["nvidia.com/gpu.count"] == "56"

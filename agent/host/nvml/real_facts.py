@@ -17,6 +17,7 @@ from typing import Any
 
 from agent.host.busid import normalize_bus_id
 from agent.host.nvml.api import (
+    _ARGUMENT_VERSION_MISMATCH,
     _FUNCTION_NOT_FOUND,
     _NOT_SUPPORTED,
     FABRIC_COMPLETED,
@@ -75,16 +76,26 @@ def _mig_devices(nvml: ModuleType, handle: Any, total_bytes: int) -> tuple[MigFa
 
 
 def _clique(nvml: ModuleType, handle: Any) -> tuple[str, str] | None:
-    """go-nvlib `IsFabricAttached` then `GetFabricIDs`: state completed, status success, cluster UUID set."""
-    if not hasattr(nvml, "c_nvmlGpuFabricInfo_t"):
+    """go-nvlib `IsFabricAttached` then `GetFabricIDs`: state completed, status success, cluster UUID set. The v3
+    struct through nvmlDeviceGetGpuFabricInfoV, the v1 call for a driver without it."""
+    info = None
+    for call, struct in (("nvmlDeviceGetGpuFabricInfoV", "c_nvmlGpuFabricInfo_v3_t"),
+                         ("nvmlDeviceGetGpuFabricInfo", "c_nvmlGpuFabricInfo_t")):
+        if not hasattr(nvml, call) or not hasattr(nvml, struct):
+            continue
+        info = getattr(nvml, struct)()
+        try:
+            getattr(nvml, call)(handle, ctypes.byref(info))
+            break
+        except nvml.NVMLError as exc:
+            if _code(exc) in (_NOT_SUPPORTED,):
+                return None
+            if _code(exc) in (_FUNCTION_NOT_FOUND, _ARGUMENT_VERSION_MISMATCH):
+                info = None
+                continue
+            raise
+    if info is None:
         return None
-    info = nvml.c_nvmlGpuFabricInfo_t()
-    try:
-        nvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info))
-    except nvml.NVMLError as exc:
-        if _code(exc) in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND):
-            return None
-        raise
     raw = bytes(info.clusterUuid)
     if int(info.state) != FABRIC_COMPLETED or int(info.status) != _SUCCESS or not any(raw):
         return None

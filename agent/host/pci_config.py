@@ -35,7 +35,8 @@ class VgpuCapability:
 def read_machine_type(sysfs_root: str | os.PathLike[str]) -> str | None:
     """`class/dmi/id/product_name`, trimmed; None when it cannot be read."""
     try:
-        return (Path(sysfs_root) / "class/dmi/id/product_name").read_text(errors="replace").strip()
+        with (Path(sysfs_root) / "class/dmi/id/product_name").open("rb") as handle:
+            return handle.read(4096).decode("utf-8", "replace").strip()
     except OSError:
         return None
 
@@ -84,7 +85,8 @@ def scan_vgpu(sysfs_root: str | os.PathLike[str]) -> VgpuCapability:
         try:
             if (base / name / "vendor").read_text().strip() != NVIDIA_VENDOR:
                 continue
-            config = (base / name / "config").read_bytes()
+            with (base / name / "config").open("rb") as handle:
+                config = handle.read(4096)  # the extended configuration space is 4096 bytes; nothing more
         except OSError as exc:
             raise PciScanError(f"{name}: {exc}") from exc
         capability = vendor_capability(config)

@@ -24,6 +24,8 @@ from agent.kube.port import NodeApi, NodeFeatureApi
 log = logging.getLogger(__name__)
 
 NODE_NAME_LABEL = "nfd.node.kubernetes.io/node-name"
+OWNED_PREFIXES = ("nvidia.com/", f"{PROJECT_DOMAIN}/")  # the only keys the annotation can make the agent's
+MAX_OWNED = 512  # far above the agent's ~80 keys; an annotation listing more is not the agent's
 OWNED_ANNOTATION = f"{PROJECT_DOMAIN}/labels"
 API_VERSION = "nfd.k8s-sigs.io/v1alpha1"
 
@@ -122,8 +124,9 @@ class NodeTarget:
     async def read(self) -> dict[str, str]:
         """GET the Node: the keys its annotation lists as the agent's, with their values."""
         node = await self.api.get_node()
-        listed = node.annotations.get(OWNED_ANNOTATION, "")
-        self._owned = {key for key in listed.split(",") if key}
+        listed = node.annotations.get(OWNED_ANNOTATION, "")[:MAX_OWNED * 128].split(",")
+        # an edited annotation must not make the agent remove labels it never wrote (kubernetes.io/hostname)
+        self._owned = {key for key in listed[:MAX_OWNED] if key.startswith(OWNED_PREFIXES)}
         self._labels = dict(node.labels)
         self._version = node.resource_version
         self._read = True

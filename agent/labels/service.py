@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -32,6 +33,18 @@ log = logging.getLogger(__name__)
 SETTLE = 0.5  # seconds: one fault flips a GPU and its MIG devices in a burst; one write for all of them
 GROUPS = ("gfd", "topology", "rate", "expected", "healthy")
 BLOCKING = ("gfd", "healthy")  # the first write waits for these
+
+
+_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+
+
+def valid(key: str, value: str) -> bool:
+    """A label the API server accepts: `prefix/name` with a name of at most 63 characters, a value of at most 63
+    (alphanumerics, `-_.` inside), as apimachinery's validation checks them."""
+    name = key.rpartition("/")[2]
+    return len(name) <= 63 and _NAME.fullmatch(name) is not None and len(value) <= 63 and \
+        _VALUE.fullmatch(value) is not None
 
 
 def group_of(key: str) -> str:
@@ -67,6 +80,7 @@ class NodeLabelService:
         self.healthy = own.HealthyGpus()
         self._reading: Reading | None = None
         self._waiting_logged = ""
+        self._invalid_logged: set[str] = set()
 
     # --- computing --------------------------------------------------------------------------------------------
 
@@ -95,6 +109,12 @@ class NodeLabelService:
                 labels.update(self.last[group])
             elif group in BLOCKING:
                 missing.append(f"{group} ({reading.why.get(group, 'not read yet')})")
+        for key in [k for k, v in labels.items() if not valid(k, v)]:
+            # one bad value (a machine type longer than 63 characters) must not stop every other label
+            value = labels.pop(key)
+            if key not in self._invalid_logged:
+                self._invalid_logged.add(key)
+                log.warning("node label %s=%r is not a valid label: left out", key[:100], value[:100])
         if missing:
             text = "; ".join(missing)
             if text != self._waiting_logged:

@@ -136,3 +136,15 @@ def test_healthy_gpus_keep_their_last_known_state_while_unknown(tmp_path):
     assert healthy.count(gpus, set(uuids), set(uuids)) == 7  # NVML down: every GPU unknown, counts as it was
     fresh = own.HealthyGpus()
     assert fresh.count(gpus, set(uuids), set(uuids)) is None  # never known: no value at all
+
+
+def test_a_machine_type_past_63_characters_is_left_out_not_published_invalid(tmp_path):
+    from agent.labels.service import valid
+
+    node = _node("dgx-h100", tmp_path)
+    (node.sysfs_root / "class/dmi/id").mkdir(parents=True)
+    (node.sysfs_root / "class/dmi/id/product_name").write_text("DGX H100 " + "x" * 80 + "\n")
+    labels = gfd_labels(node.nvml.facts(), _inputs(node))
+    assert not valid("nvidia.com/gpu.machine", labels["nvidia.com/gpu.machine"])
+    assert all(valid(k, v) for k, v in labels.items() if k != "nvidia.com/gpu.machine")
+    assert valid("nvidia.com/cuda.driver.rev", "") and not valid("x/y", "-a") and not valid("x/" + "n" * 64, "1")

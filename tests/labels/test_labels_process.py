@@ -72,9 +72,12 @@ async def test_nodefeature_carries_gfds_keys_and_the_agents_owned_by_pod_and_dae
 async def test_without_nfd_the_labels_land_on_the_node_and_foreign_labels_are_untouched():
     directory = _scratch()
     agent, api, _ = await start(directory, nfd=False)
-    api.admin_patch({"metadata": {"labels": {"team.example.com/rack": "r12", "nvidia.com/gpu.product": "theirs"}}})
+    # a foreign nvidia.com/ key, and an annotation edited to claim labels the agent never wrote
+    api.admin_patch({"metadata": {"labels": {"team.example.com/rack": "r12", "nvidia.com/gpu.product": "theirs"},
+                                  "annotations": {"gpunodeagent.io/labels": "kubernetes.io/hostname,"
+                                                                            "team.example.com/rack"}}})
     try:
-        await published(api, agent, lambda a: a.annotations.get("gpunodeagent.io/labels"))
+        await published(api, agent, lambda a: a.labels.get("gpunodeagent.io/gpu.healthy"))
         labels = api.labels
         wanted = {k: v for k, v in {**H100_GFD, **H100_OWN}.items() if k != "nvidia.com/gpu.product"}
         assert {k: labels.get(k) for k in wanted} == wanted

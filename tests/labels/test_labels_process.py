@@ -141,3 +141,20 @@ async def test_a_restart_never_blanks_a_key_and_a_failing_nvml_keeps_every_value
         code = agent.stop()
         await api.stop()
     assert code == 0, agent.log_tail()
+
+
+async def test_a_time_sliced_config_gets_gfds_shared_product_and_replicas():
+    directory = _scratch()
+    config = directory / "nvidia-dp.yaml"
+    config.write_text("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n"
+                      "      replicas: 10\n")
+    agent, api, _ = await start(directory, "--nvidia-dp-config", str(config))
+    try:
+        await published(api, agent, feature_labels)
+        assert feature_labels(api) == {**H100_GFD, **H100_OWN,
+                                       "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3-SHARED",
+                                       "nvidia.com/gpu.replicas": "10", "nvidia.com/gpu.sharing-strategy": "time-slicing"}
+    finally:
+        code = agent.stop()
+        await api.stop()
+    assert code == 0, agent.log_tail()

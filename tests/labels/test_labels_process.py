@@ -153,7 +153,8 @@ async def test_a_time_sliced_config_gets_gfds_shared_product_and_replicas():
         await published(api, agent, feature_labels)
         assert feature_labels(api) == {**H100_GFD, **H100_OWN,
                                        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3-SHARED",
-                                       "nvidia.com/gpu.replicas": "10", "nvidia.com/gpu.sharing-strategy": "time-slicing"}
+                                       "nvidia.com/gpu.replicas": "10",
+                                       "nvidia.com/gpu.sharing-strategy": "time-slicing"}
     finally:
         code = agent.stop()
         await api.stop()

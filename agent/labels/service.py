@@ -111,10 +111,10 @@ class NodeLabelService:
                 missing.append(f"{group} ({reading.why.get(group, 'not read yet')})")
         for key in [k for k, v in labels.items() if not valid(k, v)]:
             # one bad value (a machine type longer than 63 characters) must not stop every other label
-            value = labels.pop(key)
+            bad = labels.pop(key)
             if key not in self._invalid_logged:
                 self._invalid_logged.add(key)
-                log.warning("node label %s=%r is not a valid label: left out", key[:100], value[:100])
+                log.warning("node label %s=%r is not a valid label: left out", key[:100], bad[:100])
         if missing:
             text = "; ".join(missing)
             if text != self._waiting_logged:

@@ -1,6 +1,7 @@
 """The agent process: one asyncio loop, one `Supervisor` over every enabled subsystem, and the exit code.
 
-`agent.wiring` builds the subsystems from the config; this module runs them. A subsystem that fails is
+`agent.node` opens the node (hardware, mode defaults, node paths), `agent.wiring` builds the subsystems on it;
+this module runs them. A subsystem that fails is
 restarted with backoff and marked down in `gpu_node_agent_subsystem_up`, so it never takes the others with
 it. SIGTERM/SIGINT set `stop`; SIGHUP asks for a hardware rescan. A `FatalError` (a `StartupError` for a
 config that cannot run) ends the process with its exit code after one log line; exit decisions live here only.
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import shutil
@@ -29,8 +29,8 @@ from prometheus_client import (
 
 from agent import __version__, aio, doctor, wiring
 from agent.config import AgentConfig, ConfigError
-from agent.hardware import Hardware, open_hardware
 from agent.http import MetricsServer, Readiness
+from agent.node import Node, open_node
 from agent.simulate.profiles import UnknownProfileError
 from agent.supervisor import FatalError, StartupError, Supervisor
 from agent.topology.nccl_xml import TopologyXmlError
@@ -64,18 +64,10 @@ async def _heartbeat(readiness: Readiness, stop: asyncio.Event) -> None:
         await aio.sleep_or_stop(stop, 1.0)
 
 
-def _resolve(cfg: AgentConfig) -> AgentConfig:
-    """Settings whose default depends on the mode: GPUs are served by default only on a simulated node."""
-    if cfg.device_plugin.serve_gpus is None:
-        serve = cfg.topology.simulate is not None
-        cfg = dataclasses.replace(cfg, device_plugin=dataclasses.replace(cfg.device_plugin, serve_gpus=serve))
-    return cfg
-
-
-async def _open_hardware(cfg: AgentConfig, scratch: Path) -> Hardware:
-    """The hardware sources; an unknown profile or an unreadable topology file is a `StartupError`."""
+async def _open_node(cfg: AgentConfig, scratch: Path) -> Node:
+    """The node; an unknown profile or an unreadable topology file is a `StartupError`."""
     try:
-        return await asyncio.to_thread(open_hardware, cfg.topology, scratch / "sys")
+        return await asyncio.to_thread(open_node, cfg, scratch)
     except (UnknownProfileError, TopologyXmlError) as exc:
         raise StartupError(f"topology: {exc}") from exc
     except OSError as exc:
@@ -92,11 +84,11 @@ def _metrics_server(cfg: AgentConfig, registry: CollectorRegistry, readiness: Re
         raise StartupError(f"cannot serve metrics on {cfg.metrics_address}: {exc.strerror or exc}") from exc
 
 
-async def _self_check(cfg: AgentConfig, hardware: Hardware, scratch: Path, readiness: Readiness) -> None:
+async def _self_check(node: Node, readiness: Readiness) -> None:
     """The machine's own part of `gpu-node-agent doctor` (NVML, sysfs, kernel log, state dir, clock), bounded: one
     log line, and the failing checks named in /readyz while not ready. The kubelet, API and exporter checks are
     left to the subsystems that use them (they log and retry on their own)."""
-    checks = await doctor.diagnose(cfg, hardware, scratch, local_only=True, check_s=3.0)
+    checks = await doctor.diagnose(node.cfg, node.hardware, node.scratch, local_only=True, check_s=3.0)
     failing = [c for c in checks if c.status == "fail"]
     log.log(logging.WARNING if failing else logging.INFO, "self-check: %s", doctor.summary(checks))
     readiness.findings("; ".join(f"{c.name}: {c.detail}" for c in failing))
@@ -116,7 +108,7 @@ async def run_agent(cfg: AgentConfig, stop: asyncio.Event | None = None,
     # simulated sysfs and stand-in kubelet dir (short path)
     scratch = Path(tempfile.mkdtemp(prefix="gna-", dir=scratch_parent(cfg.topology.simulate is not None)))
     try:
-        await _run(_resolve(cfg), stop, rescan, scratch, on_ready)
+        await _run(cfg, stop, rescan, scratch, on_ready)
     except FatalError as exc:
         log.critical("%s; stopping the agent (exit %d)", exc, exc.exit_code)
         return exc.exit_code
@@ -143,13 +135,14 @@ async def _run(cfg: AgentConfig, stop: asyncio.Event, rescan: asyncio.Event, scr
     server = _metrics_server(cfg, registry, readiness)
     built: wiring.Wiring | None = None
     try:
-        hardware = await _open_hardware(cfg, scratch)
-        await _self_check(cfg, hardware, scratch, readiness)
+        node = await _open_node(cfg, scratch)
+        hardware = node.hardware
+        await _self_check(node, readiness)
         up = Gauge("gpu_node_agent_subsystem_up", "1 while a subsystem runs, 0 after it failed", ["subsystem"],
                    registry=registry)
         supervisor = Supervisor(stop, up=up, restart_returned=True)
         supervisor.add("heartbeat", lambda s: _heartbeat(readiness, s))
-        built = wiring.build(cfg, hardware, registry, readiness=readiness, rescan=rescan, scratch=scratch)
+        built = wiring.build(node, registry, readiness=readiness, rescan=rescan)
         for subsystem in built.subsystems:
             supervisor.add(subsystem.name, subsystem.run)
         server.start()

@@ -7,13 +7,14 @@ Flags and environment are parsed here, once, into an `AgentConfig` that is passe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ from agent.logs import setup_logging
 
 if TYPE_CHECKING:
     from agent.deviceplugin.sriovdp import SriovConfig
+    from agent.node import Node
 
 log = logging.getLogger("agent")
 
@@ -104,19 +106,20 @@ def _load_config(args: argparse.Namespace) -> config.AgentConfig:
     return cfg
 
 
+@contextlib.contextmanager
+def _opened_node(cfg: config.AgentConfig, prefix: str) -> Iterator[Node]:
+    """The node as `run` opens it (`agent.node`), in a scratch directory removed afterwards."""
+    from agent.node import open_node
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield open_node(cfg, Path(tmp))
+
+
 def _cmd_topology(args: argparse.Namespace) -> int:
-    from agent.host.nvml import RealNvml
-    from agent.simulate.node import build_simulated_node
-    from agent.topology.load import load_topology
     from agent.topology.render import to_json, to_matrix
 
-    cfg = _load_config(args).topology
-    if cfg.simulate:
-        with tempfile.TemporaryDirectory(prefix="gna-sysfs-") as tmp:
-            node = build_simulated_node(cfg.simulate, Path(tmp))
-            topology = load_topology(node.sysfs_root, node.nvml.gpu_uuids(), cfg.topology_file or node.topology_file)
-    else:
-        topology = load_topology(cfg.sysfs_root, RealNvml().gpu_uuids(), cfg.topology_file)
+    with _opened_node(_load_config(args), "gna-sysfs-") as node:
+        topology = node.hardware.topology
     print(json.dumps(to_json(topology), indent=2) if args.json else to_matrix(topology))
     return 0
 
@@ -178,7 +181,9 @@ def _read_sriov_dp_config(cfg: config.AgentConfig) -> SriovConfig | None:
     if not cfg.device_plugin.sriov_dp_config:
         return None
     try:
-        return sriovdp.read_config(cfg.device_plugin.sriov_dp_config, sriovdp.default_prefix(cfg.device_plugin))
+        read = sriovdp.read_config(cfg.device_plugin.sriov_dp_config, sriovdp.default_prefix(cfg.device_plugin))
+        sriovdp.with_pools(cfg.device_plugin, read)  # a name another served resource has: exit 2 here
+        return read
     except sriovdp.SriovConfigError as exc:
         raise UsageError(str(exc)) from exc
 
@@ -202,26 +207,15 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _pool_table(cfg: config.AgentConfig) -> dict[str, object]:
-    """Each pool's devices on this node (as `run` would serve them), and what was left out and why."""
-    from agent.deviceplugin.pools import PoolConfigError, build_pools
-    from agent.host.nvml import RealNvml
-    from agent.simulate.node import build_simulated_node
-    from agent.topology.load import load_topology
+    """Each pool's devices on this node, as `run` serves them on the node it opens the same way (MIG strategy,
+    time-slicing, the SR-IOV file and DRA's share applied), and what was left out and why."""
+    from agent.deviceplugin.pools import PoolConfigError
 
-    plugin = cfg.device_plugin
-    if plugin.serve_gpus is None:  # as `run` resolves it: GPUs served only where no other GPU plugin runs
-        plugin = dataclasses.replace(plugin, serve_gpus=bool(cfg.topology.simulate))
-    with tempfile.TemporaryDirectory(prefix="gna-sysfs-") as tmp:
-        if cfg.topology.simulate:
-            node = build_simulated_node(cfg.topology.simulate, Path(tmp))
-            topology = load_topology(node.sysfs_root, node.nvml.gpu_uuids(), cfg.topology.topology_file
-                                     or node.topology_file)
-        else:
-            topology = load_topology(cfg.topology.sysfs_root, RealNvml().gpu_uuids(), cfg.topology.topology_file)
-    try:
-        scan = build_pools(topology, plugin)
-    except PoolConfigError as exc:
-        raise UsageError(str(exc)) from exc
+    with _opened_node(cfg, "gna-sysfs-") as node:
+        try:
+            scan = node.pools()
+        except PoolConfigError as exc:
+            raise UsageError(str(exc)) from exc
     return {"pools": {pool.resource_name: list(pool.ids) for pool in scan.pools},
             "notServed": list(scan.skipped)}
 
@@ -282,36 +276,55 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     import asyncio
 
     from agent import doctor
-    from agent.hardware import Hardware, open_hardware
-    from agent.host.links import SysfsLinkPort
-    from agent.host.nvml import RealNvml
-    from agent.topology.model import Topology
+    from agent.node import open_node
 
     cfg = _load_config(args)
-    if cfg.device_plugin.serve_gpus is None:  # as `run` resolves it
-        serve = cfg.topology.simulate is not None
-        cfg = dataclasses.replace(cfg, device_plugin=dataclasses.replace(cfg.device_plugin, serve_gpus=serve))
     with tempfile.TemporaryDirectory(prefix="gna-doc-") as tmp:
-        scratch = Path(tmp)
-        try:
-            hardware = open_hardware(cfg.topology, scratch / "sys")
-        except OSError as exc:  # reported by the sysfs check (no PCI tree), not a crash
-            log.warning("cannot read the hardware: %s", exc)
-            root = Path(cfg.topology.sysfs_root)
-            hardware = Hardware(RealNvml(), root, None, Topology(), SysfsLinkPort(root))
-        checks = asyncio.run(doctor.diagnose(cfg, hardware, scratch,
+        node = open_node(cfg, Path(tmp), unreadable_ok=True)
+        checks = asyncio.run(doctor.diagnose(node.cfg, node.hardware, node.scratch,
                                              has_credentials=bool(cfg.api_server.kubeconfig)))
     print(doctor.to_json(checks) if args.json else doctor.to_table(checks))
     return doctor.exit_code(checks)
 
 
+class _Held(logging.Handler):
+    """Keeps what config loading logs until the log level and format it reads are set up."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _load_config_held(args: argparse.Namespace) -> tuple[config.AgentConfig, list[logging.LogRecord]]:
+    """`_load_config`, with what the config package logs meanwhile (a raised interval, NVIDIA's names read)
+    held back, to be logged once logging is set up as the config says (JSON lines, not a bare stderr line)."""
+    logger = logging.getLogger("agent.config")
+    held, level, propagate = _Held(), logger.level, logger.propagate
+    logger.addHandler(held)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    try:
+        return _load_config(args), held.records
+    finally:
+        logger.removeHandler(held)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from agent import app
 
-    cfg = _load_config(args)
+    cfg, records = _load_config_held(args)
     if cfg.device_plugin.enabled:
         _read_sriov_dp_config(cfg)  # refused here with exit 2, before anything starts (the device plugin reads it)
     setup_logging(cfg.log_level, cfg.log_format)
+    for record in records:
+        logger = logging.getLogger(record.name)
+        if logger.isEnabledFor(record.levelno):
+            logger.handle(record)
     return app.main(cfg)
 
 

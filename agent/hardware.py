@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.clock import SYSTEM_CLOCK, Clock
-from agent.config import AgentConfig, TopologyConfig
+from agent.config import TopologyConfig
 from agent.health import probes
+from agent.host.driver_files import PROC_ROOT, mig_minors_path
 from agent.host.links import LinkPort, NetlinkLinkPort, SysfsLinkPort
 from agent.host.nic_sysfs import NicSysfs
 from agent.host.nvml import NvmlPort, RealNvml
@@ -41,6 +42,7 @@ class Hardware:
     links: LinkPort
     simulated: SimulatedNode | None = None
     counters: NicSysfs | None = None  # IB port counters, PCIe widths, AER: read by health's NIC/PCIe pass
+    proc_root: str = PROC_ROOT  # where the driver's /proc files are (a simulated node carries its own)
 
     def __post_init__(self) -> None:
         if self.counters is None:
@@ -53,6 +55,11 @@ class Hardware:
                                       mig_devices=self.nvml.mig_devices())
         return self.topology
 
+    @property
+    def mig_minors(self) -> str:
+        """The driver's MIG capability minors file on this node."""
+        return mig_minors_path(self.proc_root)
+
     def preflight_probes(self) -> dict[str, probes.Probe]:
         """The active checks preflight runs (blocking), by check name, on the sources health watches."""
         def topology() -> Topology:
@@ -63,18 +70,6 @@ class Hardware:
             "NoUncorrectableEcc": probes.no_uncorrectable_ecc(self.nvml, topology),
             "NicLinksUp": probes.nic_links_up(self.links, topology),
         }
-
-    def state_dir(self, cfg: AgentConfig, scratch: Path) -> Path:
-        """The state directory `run` uses: on a simulated node left at the default (a newcomer's laptop has no
-        root-owned state directory), `state` in the scratch directory."""
-        if self.simulated is not None and cfg.state_dir == AgentConfig().state_dir:
-            return scratch / "state"
-        return Path(cfg.state_dir)
-
-    def kmsg(self, cfg: AgentConfig) -> str:
-        """The kernel log health reads: none on a simulated node left at /dev/kmsg (simulated GPUs must not be
-        judged by the host's kernel log)."""
-        return "" if self.simulated is not None and cfg.health.kmsg == "/dev/kmsg" else cfg.health.kmsg
 
     def describe(self) -> str:
         """One line for logs: which sources are in use."""
@@ -88,10 +83,12 @@ class Hardware:
 def open_hardware(cfg: TopologyConfig, scratch: Path, clock: Clock = SYSTEM_CLOCK) -> Hardware:
     """Open the configured sources and read the first topology. Raises for an unknown profile or bad XML."""
     if cfg.simulate:
-        node = build_simulated_node(cfg.simulate, scratch, scratch.parent / "nvml")
+        # the simulated node's root holds sys/ (plays /sys), proc/ (plays /proc) and the NVML override files
+        node = build_simulated_node(cfg.simulate, scratch, scratch.parent / "nvml", scratch.parent / "proc")
         xml = Path(cfg.topology_file) if cfg.topology_file else node.topology_file
         hardware = Hardware(nvml=node.nvml, sysfs_root=node.sysfs_root, topology_file=xml,
-                            topology=Topology(), links=SysfsLinkPort(node.sysfs_root), simulated=node)
+                            topology=Topology(), links=SysfsLinkPort(node.sysfs_root), simulated=node,
+                            proc_root=node.driver_proc_root)
     else:
         hardware = Hardware(nvml=RealNvml(clock=clock), sysfs_root=Path(cfg.sysfs_root),
                             topology_file=Path(cfg.topology_file) if cfg.topology_file else None,

@@ -8,7 +8,7 @@ turns it into one. After `stop` the children get `grace` seconds to finish befor
 
 `Backoff` is the one capped exponential backoff (optionally jittered, as client-go does) that every retry loop
 uses: the process supervisor, health producers, the device-plugin registration, remediation, drain, the
-Kubernetes reflector and netacct syncs.
+Kubernetes reflector, netacct and shaping syncs.
 """
 
 from __future__ import annotations

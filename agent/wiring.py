@@ -1,4 +1,7 @@
-"""The composition root: builds each subsystem from the config and returns it; `agent.app` runs what it returns.
+"""The composition root: builds each subsystem from the opened node and returns it; `agent.app` runs what it returns.
+
+The node comes opened from `agent.node` (the config with the mode's defaults resolved, the hardware, the node
+paths, the stand-in kubelet decision): nothing here tells a simulated node from a real one again.
 
 Each builder takes exactly what its subsystem needs as arguments and returns values (a `Subsystem` to
 supervise, the service object), so nothing depends on the order things were built in and tests build one
@@ -14,7 +17,6 @@ import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
@@ -22,9 +24,11 @@ from prometheus_client import CollectorRegistry
 from agent import aio
 from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config import AgentConfig
+from agent.config.model import RESCAN_FLOOR_S
 from agent.hardware import Hardware
 from agent.http import Readiness
 from agent.kube.access import ClusterPort
+from agent.node import Node
 from agent.signals import DeviceHealth, DeviceHealthEvent, Latest, NodeVerdict
 from agent.supervisor import RunFn, StartupError
 from agent.topology.model import Topology
@@ -56,17 +60,33 @@ class Subsystem:
 
 
 def rescans(hardware: Hardware, rescan: asyncio.Event, interval: float,
-            listeners: Sequence[TopologyListener]) -> Subsystem:
-    """Rescan hardware on SIGHUP (`rescan`) and on a slow timer; publish a changed topology to `listeners`."""
+            listeners: Sequence[TopologyListener], registry: CollectorRegistry | None = None) -> Subsystem:
+    """Rescan hardware on SIGHUP (`rescan`) and on a slow timer; publish a changed topology to `listeners`.
+
+    A full rescan (a sysfs walk and NVML) starts at most once per RESCAN_FLOOR_S, whatever asks for it: the
+    interval has that floor in config, and SIGHUPs within it are coalesced into one rescan at its end.
+    """
+    from prometheus_client import Counter
+
+    done = Counter("gpu_node_agent_hardware_rescans", "Full hardware rescans (timer and SIGHUP; at most one a "
+                   "second)", registry=registry)
+
     async def run(stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        last = -RESCAN_FLOOR_S
         while not stop.is_set():
             await aio.wait_any(stop, rescan, timeout=interval)
+            wait = last + RESCAN_FLOOR_S - loop.time()
+            if wait > 0 and not stop.is_set():
+                await aio.sleep_or_stop(stop, wait)
             if stop.is_set():
                 return
             requested = rescan.is_set()
             rescan.clear()
+            last = loop.time()
             before = hardware.topology
             topology = await asyncio.to_thread(hardware.rescan)
+            done.inc()
             if topology == before:
                 log.log(logging.INFO if requested else logging.DEBUG, "rescan: hardware unchanged")
                 continue
@@ -109,34 +129,27 @@ async def _show_sample_allocations(kubelet: LocalKubelet, manager: DevicePluginM
         kubelet.release(allocation)
 
 
-def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, readiness: Readiness,
-                  scratch: Path, device_health: DeviceHealth, clock: Clock = SYSTEM_CLOCK
-                  ) -> tuple[DevicePluginManager, Subsystem, LocalKubelet | None]:
-    """Serve the device-plugin resources; in simulate mode bring a stand-in kubelet when none is there (returned,
-    so that device ownership reads its records)."""
+def device_plugin(node: Node, registry: CollectorRegistry, *, readiness: Readiness, device_health: DeviceHealth,
+                  clock: Clock = SYSTEM_CLOCK) -> tuple[DevicePluginManager, Subsystem, LocalKubelet | None]:
+    """Serve the device-plugin resources; on a simulated node without a kubelet bring a stand-in kubelet (returned,
+    so that device ownership reads its records), in the directories `agent.node` chose for it."""
     from agent.deviceplugin.manager import DevicePluginManager
     from agent.deviceplugin.pools import PoolConfigError
     from agent.host.unixsocket import SocketPathError
     from agent.simulate.kubelet import LocalKubelet
 
-    dp = cfg.device_plugin
-    directory = Path(dp.device_plugin_dir)
-    stand_in = hardware.simulated is not None and not (directory / "kubelet.sock").exists()
-    if stand_in and not directory.is_dir():
-        directory = scratch / "dp"
-        directory.mkdir()
-        dp = dataclasses.replace(dp, device_plugin_dir=str(directory))
-    registry_dir, cdi_dir = cfg.dra.plugin_registry_dir, cfg.dra.cdi_spec_dir  # node paths shared with DRA
-    if stand_in:  # the stand-in kubelet's world: no device-info files, plugin-watcher sockets or specs on the host
-        dp = dataclasses.replace(dp, device_info_dir=str(scratch / "devinfo"))
-        registry_dir, cdi_dir = str(directory / "plugins_registry"), str(scratch / "cdi")
+    dp, paths, hardware = node.device_plugin_config(), node.paths, node.hardware
+    directory = paths.device_plugin_dir
+    if paths.stand_in:
+        directory.mkdir(parents=True, exist_ok=True)
     try:
         manager = DevicePluginManager(dp, hardware.topology, device_health=device_health, registry=registry,
-                                      clock=clock, plugin_registry_dir=registry_dir, cdi_spec_dir=cdi_dir)
+                                      clock=clock, plugin_registry_dir=str(paths.plugin_registry_dir),
+                                      cdi_spec_dir=str(paths.cdi_spec_dir), mig_minors=hardware.mig_minors)
     except (SocketPathError, PoolConfigError) as exc:  # PoolConfigError: the SR-IOV DP config.json
         raise StartupError(f"device plugin: {exc}") from exc
     readiness.require("device-plugin registered")
-    kubelet = LocalKubelet(directory) if stand_in else None
+    kubelet = LocalKubelet(directory) if paths.stand_in else None
 
     async def run(stop: asyncio.Event) -> None:
         if kubelet is not None:
@@ -161,21 +174,17 @@ def device_plugin(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegis
     return manager, Subsystem("device-plugin", run, manager.update_topology), kubelet
 
 
-def dra(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, cluster: ClusterPort,
-        scratch: Path, verdicts: Latest[NodeVerdict] | None = None) -> tuple[DraService, Subsystem]:
-    """The DRA driver: this node's ResourceSlices and the kubelet DRA plugin. On a simulated node without kubelet
-    directories, the sockets and CDI specs go to the scratch directory."""
+def dra(node: Node, registry: CollectorRegistry, *, cluster: ClusterPort,
+        verdicts: Latest[NodeVerdict] | None = None) -> tuple[DraService, Subsystem]:
+    """The DRA driver: this node's ResourceSlices and the kubelet DRA plugin, in the directories `agent.node` chose
+    (the scratch directory on a simulated node without kubelet directories)."""
     from agent.dra.service import DraService
     from agent.host.unixsocket import SocketPathError
     from agent.kube.errors import ClusterConfigError
 
-    dc = cfg.dra
-    if hardware.simulated is not None and not Path(dc.plugin_registry_dir).is_dir():
-        dc = dataclasses.replace(dc, plugin_registry_dir=str(scratch / "plugins_registry"),
-                                 plugin_dir=str(scratch / "dra"), cdi_spec_dir=str(scratch / "cdi"))
     try:
-        service = DraService(dc, cluster.get(), hardware.topology, hardware.state_dir(cfg, scratch), registry,
-                             verdicts=verdicts)
+        service = DraService(node.dra_config(), cluster.get(), node.hardware.topology, node.paths.state_dir, registry,
+                             verdicts=verdicts, mig_minors=node.hardware.mig_minors)
     except (SocketPathError, ClusterConfigError) as exc:
         raise StartupError(f"dra: {exc}") from exc
 
@@ -185,32 +194,18 @@ def dra(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, cl
     return service, Subsystem("dra", service.run, on_topology)
 
 
-def device_plugin_beside_dra(cfg: AgentConfig) -> AgentConfig:
-    """With --dra the device plugin serves only what DRA does not (two APIs for one device over-commit it)."""
-    dp, dc = cfg.device_plugin, cfg.dra
-    if not dc.enabled or not dp.enabled:
-        return cfg
-    serve_gpus = bool(dp.serve_gpus) and not dc.gpus
-    pools = [] if dc.rdma else dp.pools
-    if not serve_gpus and not pools:
-        log.info("DRA serves GPUs and RDMA functions; the device plugin is off")
-        return dataclasses.replace(cfg, device_plugin=dataclasses.replace(dp, enabled=False))
-    log.info("DRA serves %s; the device plugin serves the rest", " and ".join(
-        k for k, on in (("GPUs", dc.gpus), ("RDMA functions", dc.rdma)) if on))
-    return dataclasses.replace(cfg, device_plugin=dataclasses.replace(dp, serve_gpus=serve_gpus, pools=pools))
-
-
-def health(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, readiness: Readiness,
+def health(node: Node, registry: CollectorRegistry, *, readiness: Readiness,
            manager: DevicePluginManager | None, device_health: DeviceHealth, verdicts: Latest[NodeVerdict],
-           scratch: Path, dra: DraService | None = None,
+           dra: DraService | None = None,
            device_health_copies: Sequence[asyncio.Queue[DeviceHealthEvent]] = ()) -> tuple[Subsystem, HealthService]:
     """GPU and NIC health: device health into its one owner (the device plugin reads it; the DRA driver and each
     of `device_health_copies`, pod Events, are told each flip), the node verdict into `verdicts` for remediation
     once every check has looked once. The service too: remediation tells it about the GPUs it reset."""
     from agent.health.service import HealthService
 
-    hc = dataclasses.replace(cfg.health, kmsg=hardware.kmsg(cfg))
-    state_dir = hardware.state_dir(cfg, scratch)
+    hardware = node.hardware
+    hc = dataclasses.replace(node.serving.health, kmsg=node.paths.kmsg)
+    state_dir = node.paths.state_dir
 
     def resource_of(device_id: str) -> str | None:
         if manager is None:
@@ -362,8 +357,8 @@ def shaping(cfg: AgentConfig, registry: CollectorRegistry, cluster: ClusterPort,
                           events=events, owns_source=netacct is None)
 
 
-def node_labels(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, cluster: ClusterPort,
-                device_health: DeviceHealth, health_ready: asyncio.Event, scratch: Path) -> Subsystem | None:
+def node_labels(node: Node, registry: CollectorRegistry, *, cluster: ClusterPort, device_health: DeviceHealth,
+                health_ready: asyncio.Event) -> Subsystem | None:
     """Node labels (GFD-compatible keys and the agent's own) on an NFD NodeFeature or the Node; None without a
     cluster to publish on (logged)."""
     from agent.host.nic_sysfs import NicSysfs
@@ -372,6 +367,7 @@ def node_labels(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistr
     from agent.labels.facts import ExpectedGpus, FactReader, GfdPresence, GfdSettings
     from agent.labels.service import NodeLabelService, Settings
 
+    cfg, hardware = node.serving, node.hardware
     lc, rc = cfg.node_labels, cfg.remediation
     try:
         api = cluster.get()
@@ -383,7 +379,7 @@ def node_labels(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistr
                            interval=max(300.0, 10 * lc.interval_seconds))
     reader = FactReader(hardware.nvml, lambda: hardware.topology, NicSysfs(hardware.sysfs_root), hardware.sysfs_root,
                         gfd=GfdSettings(cfg.device_plugin.mig_strategy, cfg.device_plugin.time_slicing),
-                        presence=presence, expected=ExpectedGpus(lc.expected_gpus, hardware.state_dir(cfg, scratch)))
+                        presence=presence, expected=ExpectedGpus(lc.expected_gpus, node.paths.state_dir))
     service = NodeLabelService(reader, device_health, registry, settings=Settings(lc.interval_seconds),
                                health_ready=health_ready)
     return Subsystem("node-labels", NodeLabels(lc.mode, api, service, namespace=namespace, pod_name=rc.pod_name).run)
@@ -412,20 +408,21 @@ class Wiring:
         return f"cluster: {self.cluster.describe()}; remediation: {mode}"
 
 
-def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, readiness: Readiness,
-          rescan: asyncio.Event, scratch: Path, cluster: ClusterPort | None = None) -> Wiring:
-    """Every enabled subsystem, in the order data flows. Raises `StartupError` for a config that cannot run."""
+def build(node: Node, registry: CollectorRegistry, *, readiness: Readiness, rescan: asyncio.Event,
+          cluster: ClusterPort | None = None) -> Wiring:
+    """Every enabled subsystem of the opened node, in the order data flows. Raises `StartupError` for a config that
+    cannot run."""
+    cfg, hardware = node.serving, node.hardware
     wiring = Wiring(cluster or ClusterPort(cfg, registry))
     verdicts: Latest[NodeVerdict] = Latest()  # the node verdict, health -> remediation
     device_health = DeviceHealth()  # Unhealthy devices: health writes, the device plugin reads
-    cfg = device_plugin_beside_dra(cfg)
     kubelet = None
     if cfg.device_plugin.enabled:
-        wiring.device_plugin, served, kubelet = device_plugin(cfg, hardware, registry, readiness=readiness,
-                                                              scratch=scratch, device_health=device_health)
+        wiring.device_plugin, served, kubelet = device_plugin(node, registry, readiness=readiness,
+                                                              device_health=device_health)
         wiring.subsystems.append(served)
     if cfg.dra.enabled:
-        wiring.dra, driver = dra(cfg, hardware, registry, cluster=wiring.cluster, scratch=scratch, verdicts=verdicts)
+        wiring.dra, driver = dra(node, registry, cluster=wiring.cluster, verdicts=verdicts)
         wiring.subsystems.append(driver)
     if cfg.pod_resources.socket:
         wiring.ownership = ownership(cfg, registry, wiring.cluster, kubelet)
@@ -438,8 +435,8 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
             manager.use_ownership(OwnershipFacts(wiring.ownership.service, manager.pools,
                                                  cfg.device_plugin.gpu_resource_name))
     copies = [wiring.ownership.health_changes] if wiring.ownership is not None else []
-    watched, health_service = health(cfg, hardware, registry, readiness=readiness, manager=wiring.device_plugin,
-                                     device_health=device_health, verdicts=verdicts, scratch=scratch, dra=wiring.dra,
+    watched, health_service = health(node, registry, readiness=readiness, manager=wiring.device_plugin,
+                                     device_health=device_health, verdicts=verdicts, dra=wiring.dra,
                                      device_health_copies=copies)
     wiring.subsystems.append(watched)
     if cfg.remediation.enabled or wiring.cluster.in_memory:  # the in-memory node: remediation is part of the demo
@@ -452,8 +449,8 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
             health_service.gpu_reset_abandoned
         wiring.subsystems.append(Subsystem("remediation", wiring.remediation.run))
     if cfg.node_labels.mode != "off":
-        labels = node_labels(cfg, hardware, registry, cluster=wiring.cluster, device_health=device_health,
-                             health_ready=health_service.first_pass_done, scratch=scratch)
+        labels = node_labels(node, registry, cluster=wiring.cluster, device_health=device_health,
+                             health_ready=health_service.first_pass_done)
         if labels is not None:
             wiring.subsystems.append(labels)
     if cfg.netacct.enabled:
@@ -463,5 +460,5 @@ def build(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *, 
         wiring.shaping = shaping(cfg, registry, wiring.cluster, wiring.netacct)
         wiring.subsystems.append(_kernel_state_subsystem("shaping", wiring.shaping))
     listeners = [s.on_topology for s in wiring.subsystems if s.on_topology is not None]
-    wiring.subsystems.append(rescans(hardware, rescan, cfg.topology.rescan_interval_seconds, listeners))
+    wiring.subsystems.append(rescans(hardware, rescan, cfg.topology.rescan_interval_seconds, listeners, registry))
     return wiring

@@ -16,6 +16,9 @@ churn (pods end at random, at most 6 live). Scenarios:
 - `joint facts`: the same with the PodResources lookup.
 - `joint restarts`: the same without API access, the agent restarted twice mid-churn, each time answering the
   kubelet before its ownership poll's first reading.
+- `joint early restarts`: the same, but each time the poll's first reading comes before the device plugins
+  register again (the kubelet then has none of their devices as allocatable), as the ownership subsystem starts
+  beside them.
 
 Misses: NIC-only, a GPU-first container whose VF is not PIX while a VF under its GPU's switch was free; joint, a
 container not PIX while a free GPU and a free VF shared a switch when its admission began. Fallbacks: preference
@@ -70,7 +73,7 @@ from tests.fakes.standin_plugin import StandInPlugin
 GPU, NIC = "nvidia.com/gpu", "gpunodeagent.io/sriov_rdma"
 PROFILES = ("pcie-pairs", "dgx-h100")
 SCENARIOS = ("nic-only spread", "nic-only facts", "nic-only no-api", "nic-only lagging", "joint guess",
-             "joint facts", "joint restarts")
+             "joint facts", "joint restarts", "joint early restarts")
 
 
 def spin(stop) -> None:  # stop: a multiprocessing Event
@@ -172,6 +175,7 @@ class Agent:
         self.preference_rpc: list[float] = []
         self.manager: DevicePluginManager | None = None
         self.client: KubeletPodResources | None = None
+        self.poll_first = False  # a restart's first poll reading comes before the plugins register again
 
     async def start(self, *, first_poll: bool = True) -> None:
         assert self.kubelet.pod_resources is not None
@@ -200,6 +204,8 @@ class Agent:
             manager.use_ownership(ownership)
         ours = (GPU, NIC) if self.joint else (NIC,)
         before = {r: self.kubelet.plugins.get(r) for r in ours}
+        if self.poll_first and not first_poll:
+            await service.refresh()
         await manager.start()
         await self.kubelet.wait_for(lambda: all(r in self.kubelet.plugins and self.kubelet.plugins[r].lists
                                                 and self.kubelet.plugins[r].connected for r in (GPU, NIC))
@@ -244,6 +250,7 @@ async def run(profile: str, topology: Topology, scenario: str, args: argparse.Na
     kubelet.pod_resources.bucket = TokenBucket(100, 10, monotonic=lambda: now[0])
     specs: dict[tuple[str, str], PodView] = {}
     agent = Agent(kubelet, topology, directory, joint=joint, facts=facts, specs=specs if api else None, now=now)
+    agent.poll_first = scenario == "joint early restarts"
     nvidia = None
     await kubelet.start()
     if not joint:
@@ -299,7 +306,7 @@ async def main() -> None:
 
 
 async def report(args: argparse.Namespace) -> None:
-    print(f"{'profile':<11} {'scenario':<17} {'containers':>10} {'PIX':>6} {'GPU-first':>10} {'NIC-first':>10}"
+    print(f"{'profile':<11} {'scenario':<20} {'containers':>10} {'PIX':>6} {'GPU-first':>10} {'NIC-first':>10}"
           f" {'misses':>6} {'lookups exact/failed':>21}  fallbacks")
     rpc: dict[str, list[float]] = {}
     lookups: list[float] = []
@@ -307,7 +314,7 @@ async def report(args: argparse.Namespace) -> None:
         topology = simulated_topology(profile, Path(tempfile.mkdtemp(prefix="gnabt")))
         for scenario in args.scenarios:
             r = await run(profile, topology, scenario, args)
-            print(f"{profile:<11} {scenario:<17} {r['n']:>10} {r['pix']:>6.1%} {r['gpu-first']:>10} "
+            print(f"{profile:<11} {scenario:<20} {r['n']:>10} {r['pix']:>6.1%} {r['gpu-first']:>10} "
                   f"{r['nic-first']:>10} {r['misses']:>6} {r['exact']:>12}/{r['failed']:<8}  {r['fallbacks']}",
                   flush=True)
             if scenario.startswith("joint"):

@@ -2,6 +2,9 @@
 joint allocator calls it), with NVIDIA's README example (10 replicas of 8 GPUs) and the largest sharing the config
 allows (1024 replicas of 8 GPUs), half of the replicas taken, for 1 and 8 replicas asked, with and without the
 container's NICs known (the rank by PCIe level). Prints the median and p99 of 200 calls per case, in ms.
+Then the big requests of issue 37 (every replica offered, no NIC known): 1000 / 4000 / 8000 of 8192 replicas on
+dgx-h100 and 25,088 of 28,672 on dgx-h100-mig (1024 replicas of each 1g.10gb device), 20 calls each (they took
+2.8 / 10.4 / 19.7 s and over 60 s per call before the heap).
 
     python bench/replica_preference.py
 """
@@ -22,6 +25,7 @@ from agent.simulate.node import simulated_topology
 from agent.topology.model import Level
 
 CALLS = 200
+BIG_CALLS = 20
 
 
 def main() -> None:
@@ -44,6 +48,19 @@ def main() -> None:
                 times.sort()
                 print(f"{replicas:>9} x {len(topology.gpus):<4} {size:>6} {known!s:>10} "
                       f"{statistics.median(times):>10.3f} {times[int(CALLS * 0.99) - 1]:>8.3f}")
+    mig = simulated_topology("dgx-h100-mig", Path(tempfile.mkdtemp(prefix="gnabench")))
+    big = [([f"{g.uuid}::{n}" for g in topology.gpus for n in range(1024)], (1000, 4000, 8000)),
+           ([f"{m.uuid}::{n}" for g in mig.gpus for m in g.mig_devices for n in range(1024)], (25_088,))]
+    print(f"{'offered':>16} {'asked':>6} {'median ms':>10} {'max ms':>8}")
+    for served, sizes in big:
+        for size in sizes:
+            times = []
+            for _ in range(BIG_CALLS):
+                start = time.perf_counter()
+                got = preferred_replicas(served, served, (), size)
+                times.append((time.perf_counter() - start) * 1000)
+            assert len(got) == size
+            print(f"{len(served):>16} {size:>6} {statistics.median(times):>10.3f} {max(times):>8.3f}")
 
 
 if __name__ == "__main__":

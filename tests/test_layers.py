@@ -147,7 +147,8 @@ def test_only_the_cli_imports_the_app_and_only_the_app_imports_the_wiring():
 def test_the_supervisor_and_the_clock_sit_below_every_subsystem():
     for module in ("agent.supervisor", "agent.clock", "agent.kube.reflector"):
         agent_imports = {name for name in MODULES[module] if name.startswith("agent")}
-        assert agent_imports <= {"agent.clock", "agent.supervisor", "agent.kube.errors", "agent.kube.model"}, module
+        assert agent_imports <= {"agent.clock", "agent.aio", "agent.supervisor", "agent.kube.errors",
+                                 "agent.kube.model"}, module
 
 
 # --- the whole import graph: every import counts (lazy ones in functions and TYPE_CHECKING ones included) ---
@@ -209,9 +210,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("agent.placement", "agent.ownership", "agent.health"),
     # consumers that act
     ("agent.deviceplugin", "agent.dra", "agent.remediation", "agent.netacct", "agent.shaping", "agent.labels"),
-    # the composition root, the choice between real and simulated hardware it makes, and the node self-check
-    # (`doctor`) that opens the same hardware and runs the readers below once
-    ("agent.wiring", "agent.hardware", "agent.doctor"),
+    # the composition root, the choice between real and simulated hardware it makes, the one opened node every
+    # command works from (`agent.node`: mode defaults, hardware, node paths), and the node self-check (`doctor`)
+    # that opens the same node and runs the readers below once
+    ("agent.wiring", "agent.hardware", "agent.node", "agent.doctor"),
     ("agent.app",),
     ("agent.cli", "agent.__main__"),
 )

@@ -81,10 +81,11 @@ class HealthConfig:
                              "that is appended to (simulation); empty turns the kernel-log check off")
     nvml_poll_interval_seconds: float = setting(
         30.0, flag="--nvml-poll-interval", env="GPU_NODE_AGENT_NVML_POLL_INTERVAL",
-        help="seconds between NVML polls of ECC counts, retired pages and remapped rows")
+        floor=0.1, help="seconds between NVML polls of ECC counts, retired pages and remapped rows")
     nvml_event_timeout_seconds: float = setting(
         5.0, flag="--nvml-event-timeout", env="GPU_NODE_AGENT_NVML_EVENT_TIMEOUT",
-        help="longest single wait for NVML Xid/ECC events (bounds how long stopping takes)")
+        help="longest single wait for NVML Xid/ECC events: how often the watch re-checks the GPU set and retries "
+             "a failing wait (an event ends the wait at once; a stop interrupts it within 0.5 s)")
     require_nvml: bool = setting(
         False, flag="--require-nvml", env="GPU_NODE_AGENT_REQUIRE_NVML",
         help="fail the health checks (agent exits non-zero) when NVML cannot start; otherwise the NVML checks "
@@ -103,6 +104,7 @@ class HealthConfig:
     link_check_interval_seconds: float = setting(
         30.0, flag="--link-check-interval", env="GPU_NODE_AGENT_LINK_CHECK_INTERVAL",
         zero_ok=True,
+        floor=0.1,
         help="seconds between safety-net NIC link checks (netdev carrier/operstate, InfiniBand port state); links "
              "are judged at once on every netlink link event, this poll catches what no event reports; 0 turns "
              "link checks off")
@@ -112,6 +114,7 @@ class HealthConfig:
 
     nic_counter_interval_seconds: float = setting(
         10.0, flag="--nic-counter-interval", env="GPU_NODE_AGENT_NIC_COUNTER_INTERVAL", zero_ok=True,
+        floor=0.1,
         help="seconds between passes over the InfiniBand/RoCE port counters, PCIe link widths and AER counters "
              "(one pass reads them all); 0 turns the check off")
     nic_hold_seconds: float = setting(
@@ -136,7 +139,7 @@ class HealthConfig:
         help="GPUs this node must have (on the PCI bus and in NVML); 0 means the count at the first scan")
     gpu_state_interval_seconds: float = setting(
         30.0, flag="--gpu-state-interval", env="GPU_NODE_AGENT_GPU_STATE_INTERVAL", zero_ok=True,
-        help="seconds between NVML reads of every GPU's NVLink link states, fabric state and the driver's "
+        floor=0.1, help="seconds between NVML reads of every GPU's NVLink link states, fabric state and the driver's "
              "recovery action; 0 turns these checks off")
     gpu_fabric_grace_seconds: float = setting(
         600.0, flag="--gpu-fabric-grace", env="GPU_NODE_AGENT_GPU_FABRIC_GRACE", zero_ok=True,
@@ -160,7 +163,7 @@ class HealthConfig:
              "from, e.g. http://$(HOST_IP):9400/metrics; empty (the default) turns the DCGM check off")
     dcgm_scrape_interval_seconds: float = setting(
         15.0, flag="--dcgm-scrape-interval", env="GPU_NODE_AGENT_DCGM_SCRAPE_INTERVAL",
-        help="seconds between scrapes of dcgm-exporter")
+        floor=0.1, help="seconds between scrapes of dcgm-exporter")
     dcgm_scrape_timeout_seconds: float = setting(
         5.0, flag="--dcgm-scrape-timeout", env="GPU_NODE_AGENT_DCGM_SCRAPE_TIMEOUT",
         help="longest wait for one dcgm-exporter scrape")

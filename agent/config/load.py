@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -22,6 +23,8 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from agent.config import model, nvidia_env, nvidia_file
+from agent.config.fields import floored
+from agent.config.files import read_regular
 from agent.config.numbers import MAX_DIGITS, NumberError, bounded_float, bounded_int, no_constant, shown
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -48,7 +51,9 @@ def camel_case(name: str) -> str:
     return head + "".join(part.capitalize() for part in rest)
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
+    # once per class: get_type_hints per list item was most of the 19,000-entry file's time (read-only result)
     return typing.get_type_hints(cls)
 
 
@@ -136,6 +141,7 @@ def from_mapping(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
             raise ConfigError(f"{path}: unknown setting (known here: {known})")
         values[name] = _convert(raw, hints[name], path)
         _check_choices(fields[name], values[name], path)
+        values[name] = floored(fields[name], values[name], path)
     instance = cls(**values)
     check = getattr(instance, "check", None)
     if callable(check):
@@ -223,8 +229,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
     expansion (MAX_NODES) and integer digits; any of them is a ConfigError naming the file.
     """
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_FILE_BYTES + 1)
+        raw = read_regular(path, MAX_FILE_BYTES)  # never waits on a FIFO
     except OSError as exc:
         raise ConfigError(f"config file {path}: cannot read: {exc.strerror or exc}") from exc
     if len(raw) > MAX_FILE_BYTES:

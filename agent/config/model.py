@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from agent.config.address import parse_address
 from agent.config.fields import PROJECT_DOMAIN, setting
+from agent.config.files import check_dirs, check_files
 from agent.config.health import HealthConfig
 from agent.config.labels import NodeLabelsConfig
 from agent.config.names import check_node_name
@@ -25,6 +26,8 @@ CONFIG_VERSION = 1
 DEFAULT_RESOURCE_PREFIX = PROJECT_DOMAIN
 # NVIDIA k8s-device-plugin's deviceListStrategy values (api/config/v1/strategy.go)
 DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
+# A full hardware rescan (sysfs walk, NVML) at most this often: at 0.01 s it took 46 % of a core
+RESCAN_FLOOR_S = 1.0
 
 
 @dataclass
@@ -41,7 +44,7 @@ class TopologyConfig:
         help="run on a built-in simulated node profile instead of the host (e.g. dgx-h100)")
     rescan_interval_seconds: float = setting(
         300.0, flag="--rescan-interval", env="GPU_NODE_AGENT_RESCAN_INTERVAL",
-        help="seconds between hardware rescans (SIGHUP rescans at once)")
+        floor=RESCAN_FLOOR_S, help="seconds between hardware rescans (SIGHUP rescans at once, at most once a second)")
 
 
 @dataclass
@@ -183,25 +186,39 @@ class DevicePluginConfig:
         if not self.cdi_annotation_prefix.endswith("/"):
             raise ValueError(f"cdiAnnotationPrefix: {self.cdi_annotation_prefix!r} must end with '/'")
 
-    def check(self) -> None:
-        """Every served resource name is valid and served once (the device plugin would crash-loop otherwise)."""
-        names: list[str] = []
+    def served_names(self, pools_from: str = "") -> list[tuple[str, str]]:
+        """(full resource name, the setting that names it) of every resource this config alone fixes: each NIC
+        pool and, unless serveGpus is false, the GPU resource. `pools_from` names the file the pools came from
+        (the SR-IOV device plugin's), when they did not come from `pools`. MIG and time-slicing names always carry
+        a dot (`mig-1g.10gb`, `gpu.shared`), which neither a pool name nor gpuResourceName may: they cannot meet
+        these. Raises ValueError for a name the kubelet would refuse."""
+        names: list[tuple[str, str]] = []
         for index, pool in enumerate(self.pools):
             prefix = pool.resource_prefix or self.resource_prefix
+            where = f"{pools_from} pool {pool.resource_name!r}" if pools_from else f"pools[{index}]"
             problem = resource_name_problem(prefix, pool.resource_name)
             if problem:
-                where = "resourcePrefix" if pool.resource_prefix is None else f"pools[{index}]"
-                raise ValueError(f"{where}: {problem}")
-            names.append(f"{prefix}/{pool.resource_name}")
+                raise ValueError(f"{'resourcePrefix' if pool.resource_prefix is None else where}: {problem}")
+            names.append((f"{prefix}/{pool.resource_name}", where))
         prefix, _, name = self.gpu_resource_name.rpartition("/")
         problem = resource_name_problem(prefix, name) if prefix else "needs a prefix, e.g. nvidia.com/gpu"
         if problem:
             raise ValueError(f"gpuResourceName: {self.gpu_resource_name!r}: {problem}")
         if self.serve_gpus is not False:
-            names.append(self.gpu_resource_name)
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise ValueError(f"pools: resource {', '.join(twice)} is configured twice")
+            names.append((self.gpu_resource_name, "gpuResourceName (the GPUs)"))
+        return names
+
+    def check(self, pools_from: str = "") -> None:
+        """Every served resource name is valid and served once (the device plugin crash-looped otherwise): one
+        collision is one error naming both settings. Linear in the number of pools."""
+        check_files(("sriovDpConfig", self.sriov_dp_config), ("nvidiaDpConfig", self.nvidia_dp_config))
+        check_dirs(("devicePluginDir", self.device_plugin_dir), required=True)
+        check_dirs(("deviceInfoDir", self.device_info_dir))
+        seen: dict[str, str] = {}
+        for name, where in self.served_names(pools_from):
+            if name in seen:
+                raise ValueError(f"resource {name} is configured twice: by {seen[name]} and by {where}")
+            seen[name] = where
         self._check_gpu_serving()
 
 
@@ -213,7 +230,8 @@ class PodResourcesConfig:
                           env="GPU_NODE_AGENT_POD_RESOURCES_SOCKET",
                           help="the kubelet's PodResources v1 socket (mount its directory, not the socket, so "
                                "the agent sees it again after a kubelet restart); \"\" turns its use off")
-    poll_interval_seconds: float = setting(10.0, help="seconds between reads of who holds which device (metrics, "
+    poll_interval_seconds: float = setting(10.0, floor=0.1,
+                                           help="seconds between reads of who holds which device (metrics, "
                                                       "free devices after a restart)")
     lookup_timeout_seconds: float = setting(
         0.05, flag="--pod-resources-lookup-timeout", env="GPU_NODE_AGENT_POD_RESOURCES_LOOKUP_TIMEOUT",
@@ -254,7 +272,8 @@ class DraConfig:
     rdma_resource_name: str = setting(f"{PROJECT_DOMAIN}/sriov_rdma",
                                       help="k8s.cni.cncf.io/resourceName of RDMA devices: the NetworkAttachment"
                                            "Definition's resourceName annotation, for Multus")
-    resync_seconds: float = setting(60.0, help="republish slices this often (the kubelet wipes them at its start)")
+    resync_seconds: float = setting(60.0, floor=1.0,
+                                    help="republish slices this often (the kubelet wipes them at its start)")
 
     @property
     def socket_dir(self) -> str:
@@ -262,7 +281,10 @@ class DraConfig:
         return self.plugin_dir or f"/var/lib/kubelet/plugins/{self.driver_name}"
 
     def check(self) -> None:
-        """The driver name is a DNS subdomain of at most 63 characters (ResourceSlice spec.driver)."""
+        """The driver name is a DNS subdomain of at most 63 characters (ResourceSlice spec.driver); the node
+        directories are absolute."""
+        check_dirs(("pluginRegistryDir", self.plugin_registry_dir), ("cdiSpecDir", self.cdi_spec_dir), required=True)
+        check_dirs(("pluginDir", self.plugin_dir))
         if len(self.driver_name) > 63 or not re.fullmatch(
                 r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*", self.driver_name):
             raise ValueError(f"driverName: {self.driver_name!r} is not a DNS subdomain of at most 63 characters")
@@ -280,7 +302,8 @@ class ApiServerConfig:
                                      help="timeout of one API server request")
 
     def check(self) -> None:
-        """A request timeout must be positive."""
+        """A request timeout must be positive; the kubeconfig, when it exists, a regular file."""
+        check_files(("kubeconfig", self.kubeconfig))
         if self.timeout_seconds <= 0:
             raise ValueError(f"timeoutSeconds: {self.timeout_seconds} must be positive")
 
@@ -321,6 +344,7 @@ class AgentConfig:
             raise ValueError(f"version: {self.version} is not a config version this agent reads "
                              f"(it reads version {CONFIG_VERSION})")
         parse_address(self.metrics_address)
+        check_dirs(("stateDir", self.state_dir), required=True)
         if self.node_name:
             try:
                 check_node_name(self.node_name)

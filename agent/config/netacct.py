@@ -12,6 +12,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from agent.config.fields import setting
+from agent.config.files import check_files
 
 # RFC 1918, RFC 6598 (CGNAT), IPv4 link-local, IPv6 ULA and IPv6 link-local (reference netacct.md §6).
 DEFAULT_INTERNAL_CIDRS: tuple[str, ...] = (
@@ -63,13 +64,15 @@ class NetacctConfig:
                          help="also account IPv6 with ip6tables (turn off on nodes without IPv6)")
     sync_interval_seconds: float = setting(
         30.0, flag="--netacct-sync-interval", env="GPU_NODE_AGENT_NETACCT_SYNC_INTERVAL",
-        help="seconds between full re-checks of rules and sets (pod changes are applied at once)")
+        floor=1.0, help="seconds between full re-checks of rules and sets (pod changes are applied at once)")
     lock_wait_seconds: int = setting(5, flag="--netacct-lock-wait", env="GPU_NODE_AGENT_NETACCT_LOCK_WAIT",
                                      zero_ok=True,
                                      help="seconds iptables-restore waits for the xtables lock (/run/xtables.lock)")
 
     def check(self) -> None:
-        """Reject malformed CIDRs and non-positive intervals (the loader reports them with exit code 2)."""
+        """Reject malformed CIDRs, non-positive intervals and a pods file that is no regular file (the loader
+        reports them with exit code 2)."""
+        check_files(("podsFile", self.pods_file))
         for index, text in enumerate(self.internal_cidrs):
             where = f"internalCidrs[{index}]"
             try:

@@ -27,7 +27,15 @@ def _same(value: str) -> str:
 
 
 def _kubelet_dir(value: str) -> str:
-    return os.path.dirname(value.rstrip("/")) or "/"
+    """The device-plugin directory of NVIDIA's kubelet socket path. A relative path (`kubelet.sock`) or one whose
+    directory is `/` silently made `/` (or a directory under the agent's working directory) the device-plugin
+    directory: refused."""
+    directory = os.path.dirname(value.rstrip("/"))
+    if not value.startswith("/") or directory in ("", "/"):
+        raise NvidiaEnvError(f"KUBELET_SOCKET={value[:200]!r} (NVIDIA device plugin) must be the absolute path of "
+                             "the kubelet's socket in its device-plugin directory, e.g. "
+                             "/var/lib/kubelet/device-plugins/kubelet.sock")
+    return directory
 
 
 def _ignored_xids(value: str) -> str:

@@ -174,8 +174,14 @@ def _time_slicing(sliced: object, source: str) -> dict[str, Any]:
     entries = sliced.get("resources")
     if not isinstance(entries, list) or not entries:
         raise NvidiaConfigError(f"{where}.resources: no resources specified")
-    resources = [_resource(entry, f"{where}.resources[{i}]", flags["renameByDefault"], source)
-                 for i, entry in enumerate(entries)]
+    resources: list[dict[str, Any]] = []
+    named: set[str] = set()
+    for i, entry in enumerate(entries):  # a repeat is refused at once (YAML aliases make 19,000 entries cheap)
+        resource = _resource(entry, f"{where}.resources[{i}]", flags["renameByDefault"], source)
+        if resource["name"] in named:
+            raise NvidiaConfigError(f"{where}.resources[{i}]: {resource['name']} is listed twice")
+        named.add(resource["name"])
+        resources.append(resource)
     return {**flags, "resources": resources}
 
 

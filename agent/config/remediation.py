@@ -79,6 +79,7 @@ class RemediationConfig:
     slot_lease_seconds: float = setting(3600.0, flag="--slot-lease-seconds", env="GPU_NODE_AGENT_SLOT_LEASE_SECONDS",
                                         help="slot Lease duration; renewed at a third of it while held")
     slot_retry_seconds: float = setting(300.0, flag="--slot-retry-seconds", env="GPU_NODE_AGENT_SLOT_RETRY_SECONDS",
+                                        floor=1.0,
                                         help="how long a deferred remediation waits before looking for a slot again")
     healthy_window_seconds: float = setting(
         1800.0, flag="--healthy-window", env="GPU_NODE_AGENT_HEALTHY_WINDOW",
@@ -139,13 +140,13 @@ class RemediationConfig:
         help="seconds after a reset within which the GPU's checks must pass again, else the reset failed")
     eviction_backoff_seconds: float = setting(
         5.0, flag="--eviction-backoff", env="GPU_NODE_AGENT_EVICTION_BACKOFF",
-        help="first wait after a 429 (PodDisruptionBudget) eviction refusal; doubles up to the maximum")
+        floor=0.1, help="first wait after a 429 (PodDisruptionBudget) eviction refusal; doubles up to the maximum")
     eviction_backoff_max_seconds: float = setting(
         120.0, flag="--eviction-backoff-max", env="GPU_NODE_AGENT_EVICTION_BACKOFF_MAX",
         help="longest wait between eviction retries after 429")
     eviction_blocked_retry_seconds: float = setting(
         300.0, flag="--eviction-blocked-retry", env="GPU_NODE_AGENT_EVICTION_BLOCKED_RETRY",
-        help="wait after a 500 eviction refusal (e.g. several PDBs select the pod) before trying again")
+        floor=1.0, help="wait after a 500 eviction refusal (e.g. several PDBs select the pod) before trying again")
     preflight_taint: str = setting(
         f"{PROJECT_DOMAIN}/preflight", flag="--preflight-taint", env="GPU_NODE_AGENT_PREFLIGHT_TAINT",
         help="taint key that marks a node not yet checked; removed when the checks pass (empty: off)")
@@ -160,7 +161,7 @@ class RemediationConfig:
     preflight_retry_seconds: float = setting(
         600.0, flag="--preflight-retry", env="GPU_NODE_AGENT_PREFLIGHT_RETRY",
         zero_ok=True,
-        help="seconds between preflight attempts while it fails (0: try once)")
+        floor=1.0, help="seconds between preflight attempts while it fails (0: try once)")
     maintenance_clouds: list[str] = setting(
         factory=list, flag="--maintenance-cloud", env="GPU_NODE_AGENT_MAINTENANCE_CLOUDS", repeat=True,
         help="clouds whose scheduled maintenance events to poll: azure, gcp, aws (empty: off)")
@@ -169,7 +170,7 @@ class RemediationConfig:
         help="instance metadata endpoint (a local server in tests)")
     maintenance_poll_seconds: float = setting(
         10.0, flag="--maintenance-poll", env="GPU_NODE_AGENT_MAINTENANCE_POLL",
-        help="seconds between metadata polls (local only, no API server load)")
+        floor=1.0, help="seconds between metadata polls (local only, no API server load)")
     maintenance_drain_before_seconds: float = setting(
         0.0, flag="--maintenance-drain-before", env="GPU_NODE_AGENT_MAINTENANCE_DRAIN_BEFORE",
         zero_ok=True,

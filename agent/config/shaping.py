@@ -84,10 +84,10 @@ class ShapingConfig:
              "Kubernetes quantities); either direction may be left out (unshaped)")
     sync_interval_seconds: float = setting(
         30.0, flag="--shaping-sync-interval", env="GPU_NODE_AGENT_SHAPING_SYNC_INTERVAL",
-        help="seconds between full re-checks of the shapers (pod changes are applied at once)")
+        floor=1.0, help="seconds between full re-checks of the shapers (pod changes are applied at once)")
     retry_seconds: float = setting(
         2.0, flag="--shaping-retry", env="GPU_NODE_AGENT_SHAPING_RETRY",
-        help="seconds before looking again for a pod whose host-side interface was not found yet")
+        floor=0.1, help="seconds before looking again for a pod whose host-side interface was not found yet")
 
     def check(self) -> None:
         """Reject bad defaults and non-positive intervals (the loader reports them with exit code 2)."""

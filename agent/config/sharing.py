@@ -8,6 +8,7 @@ cmd/nvidia-device-plugin/main.go), so what changes the served resources is the r
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from agent.config.fields import setting
@@ -50,8 +51,8 @@ class TimeSlicingConfig:
 
     def check(self) -> None:
         """Each resource is named once."""
-        names = [resource.name for resource in self.resources]
-        twice = sorted({name for name in names if names.count(name) > 1})
+        # counted once: names.count() per entry took 7.4 s for 19,000 aliases of one entry
+        twice = sorted(name for name, seen in Counter(r.name for r in self.resources).items() if seen > 1)
         if twice:
             raise ValueError(f"resources: {', '.join(twice)} is listed twice")
 

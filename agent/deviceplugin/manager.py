@@ -24,6 +24,7 @@ from agent.config.model import DevicePluginConfig
 from agent.deviceplugin.cdi import SPEC_DIRS, RdmaSpecWriter, find_spec, remove_stale_specs
 from agent.deviceplugin.devinfo import DeviceInfoWriter
 from agent.deviceplugin.metrics import AllocationMetrics
+from agent.deviceplugin.nvidia import MIG_MINORS
 from agent.deviceplugin.payload import AllocateOptions
 from agent.deviceplugin.pluginwatcher import PLUGIN_WATCHER, PluginWatcherLink, resolve_mode
 from agent.deviceplugin.pools import ResourcePool, build_pools, socket_name
@@ -63,11 +64,11 @@ class DevicePluginManager:
                  policy: PreferencePolicy | None = None, registry: CollectorRegistry | None = None,
                  admission_ttl_s: float = DEFAULT_TTL_S, clock: Clock = SYSTEM_CLOCK,
                  plugin_registry_dir: str = DEFAULT_PLUGIN_REGISTRY_DIR,
-                 cdi_spec_dir: str = DEFAULT_CDI_SPEC_DIR) -> None:
+                 cdi_spec_dir: str = DEFAULT_CDI_SPEC_DIR, mig_minors: str = MIG_MINORS) -> None:
         config = apply_sriov_dp_config(config)  # SriovConfigError (a PoolConfigError) when it cannot be served
         self.config = config
         self.device_health = device_health if device_health is not None else DeviceHealth()
-        self._options = AllocateOptions.from_config(config)
+        self._options = AllocateOptions.from_config(config, mig_minors)
         self.device_info = DeviceInfoWriter(config.device_info_dir) if config.device_info_dir else None
         self.cdi_spec_dir = cdi_spec_dir
         self.rdma_specs = RdmaSpecWriter(cdi_spec_dir, config.rdma_mad_devices) if config.rdma_cdi else None
@@ -84,6 +85,7 @@ class DevicePluginManager:
         self.allocator = JointAllocator(self._plugins.values, ttl_s=admission_ttl_s, clock=clock.monotonic)
         self.allocator.replica_policy = config.shared_devices_allocation_policy
         self._policy = policy or self.allocator.prefer
+        self._policy_lock = asyncio.Lock()  # one policy state, so one lock for all servicers (see server.py)
         self._topology = topology
         self.registration_mode = resolve_mode(config.registration_mode, plugin_registry_dir)
         self._link: KubeletLink | PluginWatcherLink
@@ -161,17 +163,17 @@ class DevicePluginManager:
                             "is" if len(unshared) == 1 else "are")
 
     def use_ownership(self, facts: OwnershipFacts) -> None:
-        """Place with the kubelet's facts: each preference call looks up the container's partner devices, and the
-        other kind's free devices come from the kubelet's last reading."""
+        """Place with the kubelet's facts: each preference call looks up the container's partner devices and the
+        other kind's free devices at the kubelet's last reading (one value handed to the policy)."""
         self.facts = facts
-        self.allocator.known_free = facts.known_free
         for plugin in self._plugins.values():
             plugin.partner_lookup = facts.partner
 
     def _new_plugin(self, pool: ResourcePool) -> DevicePlugin:
         plugin = DevicePlugin(pool, self._options, policy=self._policy, on_allocate=self.allocator.allocated,
                               metrics=self.metrics, device_info=self.device_info, device_health=self.device_health,
-                              partner_lookup=self.facts.partner if self.facts is not None else None)
+                              partner_lookup=self.facts.partner if self.facts is not None else None,
+                              policy_lock=self._policy_lock)
         self.metrics.add_resource(pool.resource_name)
         return plugin
 

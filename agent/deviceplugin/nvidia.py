@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from agent.config.model import DEVICE_LIST_STRATEGIES
+from agent.host.driver_files import mig_minors_path
 from agent.topology.model import Gpu, MigDevice
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ ID_STRATEGIES = (ID_UUID, ID_INDEX)
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 VOLUME_MOUNTS_HOST_PATH = "/dev/null"
 VOLUME_MOUNTS_ROOT = "/var/run/nvidia-container-devices"
-MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
+MIG_MINORS = mig_minors_path()  # on a node; a simulated one carries its own (agent.host.driver_files)
 MIG_CAPS_DIR = "/dev/nvidia-caps"
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
 DEFAULT_CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"

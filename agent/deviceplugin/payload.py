@@ -34,13 +34,15 @@ class AllocateOptions:
     cdi_annotation_prefix: str = nvidia.DEFAULT_CDI_ANNOTATION_PREFIX
 
     @classmethod
-    def from_config(cls, config: DevicePluginConfig) -> AllocateOptions:
-        """Options taken from the device-plugin config section (`gpuCdi` adds the cdi-cri strategy)."""
+    def from_config(cls, config: DevicePluginConfig, mig_minors: str = nvidia.MIG_MINORS) -> AllocateOptions:
+        """Options taken from the device-plugin config section (`gpuCdi` adds the cdi-cri strategy); `mig_minors`:
+        the driver's MIG capability minors file on this node (a simulated node carries its own)."""
         strategies = [*config.device_list_strategy, *([nvidia.CDI_CRI] if config.gpu_cdi else [])]
         gpu = nvidia.GpuServing(device_list_strategy=nvidia.parse_strategies(strategies),
                                 device_id_strategy=config.device_id_strategy,
                                 pass_device_specs=config.pass_device_specs,
-                                cdi_annotation_prefix=config.cdi_annotation_prefix, cdi_kind=config.gpu_cdi_kind)
+                                cdi_annotation_prefix=config.cdi_annotation_prefix, cdi_kind=config.gpu_cdi_kind,
+                                mig_minors=mig_minors)
         return cls(rdma_mad_devices=config.rdma_mad_devices, gpu=gpu, rdma_cdi=config.rdma_cdi,
                    cdi_annotation_prefix=config.cdi_annotation_prefix)
 

@@ -15,7 +15,6 @@ directory at start, so a plugin only has to keep serving; a socket that disappea
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from collections.abc import Callable
@@ -24,8 +23,8 @@ from pathlib import Path
 
 import grpc
 
-from agent import aio
 from agent.clock import SYSTEM_CLOCK, Clock
+from agent.deviceplugin.link import LinkLoop
 from agent.deviceplugin.registration import PluginServer, check_socket_path
 from agent.deviceplugin.server import DevicePlugin
 from agent.pluginregistration.v1 import api_pb2 as reg_pb2
@@ -82,70 +81,27 @@ class _Entry:
     acknowledged: int = 0  # NotifyRegistrationStatus(registered) calls seen since the socket was served
 
 
-class PluginWatcherLink:
+class PluginWatcherLink(LinkLoop[_Entry]):
     """Keeps a changing set of resources served in the plugin-watcher directory (same interface as KubeletLink)."""
 
+    task_name = "plugin-watcher-link"
+
     def __init__(self, directory: str, *, poll_interval: float = 1.0, clock: Clock = SYSTEM_CLOCK) -> None:
-        self.directory = directory
-        self.clock = clock
-        self.poll_interval = poll_interval
-        self.registered = asyncio.Event()  # every resource acknowledged by the kubelet on its current socket
-        self.registrations = 0  # NotifyRegistrationStatus(plugin_registered=true) received
-        self._entries: dict[str, _Entry] = {}
-        self._wake = asyncio.Event()
-        self._lock = asyncio.Lock()
-        self._task: asyncio.Task[None] | None = None
+        super().__init__(directory, poll_interval=poll_interval, clock=clock)
         self._ready = False
 
-    def add(self, servicer: DevicePlugin, endpoint: str) -> None:
-        """Serve a resource at the next pass; SocketPathError at once if the path is too long."""
-        name = servicer.resource_name
-        if name in self._entries:
-            raise ValueError(f"{name} is already served")
+    def _entry(self, servicer: DevicePlugin, endpoint: str) -> _Entry:
         path = check_socket_path(Path(self.directory) / endpoint)
-        registration = RegistrationServicer(name, path, on_status=self._wake.set)
+        registration = RegistrationServicer(servicer.resource_name, path, on_status=self._wake.set)
         server = PluginServer(servicer, self.directory, endpoint,
                               also_serve=lambda s: reg_grpc.add_RegistrationServicer_to_server(registration, s))
-        self._entries[name] = _Entry(server, registration)
-        self.registered.clear()
-        self._wake.set()
-
-    async def remove(self, resource_name: str) -> None:
-        """Stop serving a resource: its socket goes, and the kubelet deregisters it."""
-        async with self._lock:
-            entry = self._entries.pop(resource_name, None)
-            if entry is not None:
-                await entry.server.stop()
-                log.info("%s: stopped serving", resource_name)
-            self._update_ready()
+        return _Entry(server, registration)
 
     async def start(self) -> None:
         """Start the serve/watch loop."""
         if self._task is None:
             log.info("registering through the kubelet plugin watcher in %s", self.directory)
-            self._task = asyncio.create_task(self._run(), name="plugin-watcher-link")
-
-    async def stop(self) -> None:
-        """Stop the loop and every server (their sockets are removed: the kubelet deregisters them)."""
-        task, self._task = self._task, None
-        if task is not None:
-            await aio.cancel_and_wait(task)
-        async with self._lock:
-            for entry in self._entries.values():
-                await entry.server.stop()
-        self.registered.clear()
-
-    async def _run(self) -> None:
-        while True:
-            self._wake.clear()  # before the pass: a verdict that arrives during it wakes the next one
-            try:
-                async with self._lock:
-                    await self.step()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("device-plugin registration loop failed; retrying")
-            await self.clock.wait(self._wake, self.poll_interval)
+        await super().start()
 
     async def step(self) -> None:
         """One pass: act on the kubelet's verdicts, serve every socket that is not served."""

@@ -9,7 +9,6 @@ retried with backoff; nothing here ends the process.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -19,8 +18,8 @@ from pathlib import Path
 
 import grpc
 
-from agent import aio
 from agent.clock import SYSTEM_CLOCK, Clock
+from agent.deviceplugin.link import LinkLoop
 from agent.deviceplugin.server import DevicePlugin
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.host import unixsocket
@@ -108,78 +107,30 @@ class _Entry:
     last_error: str = ""
 
 
-class KubeletLink:
+class KubeletLink(LinkLoop[_Entry]):
     """Keeps a changing set of plugin servers served and registered with the kubelet in `directory`."""
+
+    task_name = "kubelet-link"
 
     def __init__(self, directory: str, *, poll_interval: float = 1.0, register_timeout: float = 10.0,
                  backoff_initial: float = 0.5, backoff_max: float = 30.0, clock: Clock = SYSTEM_CLOCK) -> None:
-        self.directory = directory
-        self.clock = clock
+        super().__init__(directory, poll_interval=poll_interval, clock=clock)
         self.kubelet_socket = check_socket_path(Path(directory) / KUBELET_SOCKET)
-        self.poll_interval = poll_interval
         self.register_timeout = register_timeout
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
-        self.registered = asyncio.Event()  # every current resource is registered with the current kubelet
-        self.registrations = 0  # successful Register calls, for tests and metrics
-        self._entries: dict[str, _Entry] = {}
-        self._wake = asyncio.Event()
-        self._lock = asyncio.Lock()  # one pass at a time; remove() and stop() wait for it
-        self._task: asyncio.Task[None] | None = None
         self._kubelet: tuple[int, int] | None = None  # last kubelet.sock seen (kept while it is absent)
         self._present = False
         self._state = ""
 
-    def add(self, servicer: DevicePlugin, endpoint: str) -> None:
-        """Serve and register a resource at the next pass; SocketPathError at once if the path is too long."""
-        name = servicer.resource_name
-        if name in self._entries:
-            raise ValueError(f"{name} is already served")
-        self._entries[name] = _Entry(PluginServer(servicer, self.directory, endpoint),
-                                     Backoff(self.backoff_initial, max(self.backoff_initial, self.backoff_max)))
-        self.registered.clear()
-        self._wake.set()
-
-    async def remove(self, resource_name: str) -> None:
-        """Stop serving a resource; the kubelet sees its stream end and drops the devices."""
-        async with self._lock:  # not in the middle of a pass that might (re)start its server
-            entry = self._entries.pop(resource_name, None)
-            if entry is not None:
-                await entry.server.stop()
-                log.info("%s: stopped serving", resource_name)
-            self._update_ready()
-
-    async def start(self) -> None:
-        """Start the serve/register/watch loop."""
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="kubelet-link")
-
-    async def stop(self) -> None:
-        """Stop the loop and every server (their sockets are removed)."""
-        task, self._task = self._task, None
-        if task is not None:
-            await aio.cancel_and_wait(task)
-        async with self._lock:
-            for entry in self._entries.values():
-                await entry.server.stop()
-        self.registered.clear()
+    def _entry(self, servicer: DevicePlugin, endpoint: str) -> _Entry:
+        return _Entry(PluginServer(servicer, self.directory, endpoint),
+                      Backoff(self.backoff_initial, max(self.backoff_initial, self.backoff_max)))
 
     def _set_state(self, state: str, message: str, *args: object, level: int = logging.INFO) -> None:
         if state != self._state:
             self._state = state
             log.log(level, message, *args)
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                async with self._lock:
-                    await self.step()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("device-plugin kubelet loop failed; retrying")
-            self._wake.clear()
-            await self.clock.wait(self._wake, self._next_wait())
 
     def _next_wait(self) -> float:
         if not self._present:

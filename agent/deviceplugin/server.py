@@ -9,9 +9,17 @@ ListAndWatch message). For that it only decodes, calls the policy, counts and en
 choice and the reason live in `agent.placement`. The policy is pluggable: a standalone servicer uses
 `simple_policy`; the manager plugs in the PCIe-aware `placement.joint.JointAllocator`, shared by all its
 resources, and its Allocate hook. With a `partner_lookup` (the kubelet's PodResources facts,
-`agent.ownership`), each preference call first asks which devices of the other kind this container holds; the
-lookup bounds itself with a short deadline and answers None when it cannot tell in time, and then the policy
-guesses as before.
+`agent.ownership`), each preference call first asks what the kubelet's records say of this container's devices
+of the other kind (a `placement.policy.Partner` value, handed to the policy with the request); the lookup bounds
+itself with a short deadline and says when it cannot tell in time, and then the policy guesses as before. What
+the policy decided (`Preference.decision`) is kept until this resource's next Allocate, which hands it back to
+the hook; the hook checks that it is still that container's (see `placement.joint`).
+
+A big offer (time-sliced replicas: up to 28,672 IDs) is chosen in a worker thread, so that no preference call
+holds the event loop (every plugin, health, DRA, remediation) for more than a few ms; a small one, the common
+case, is chosen inline as before. The policy's state is shared by the manager's servicers, so every policy call
+and every Allocate hook holds one lock (`policy_lock`, shared by the manager); a call that waits for it waits
+at most one big choice (~0.1 s), never the loop.
 """
 
 from __future__ import annotations
@@ -27,7 +35,15 @@ from agent.deviceplugin.metrics import POLICY_ERROR, AllocationMetrics
 from agent.deviceplugin.payload import AllocateOptions, Contributor, build_container_payload
 from agent.deviceplugin.pools import ResourcePool
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from agent.placement.policy import AllocationLevel, ContainerRequest, Preference, Reason, simple_preference
+from agent.placement.policy import (
+    AllocationLevel,
+    ContainerRequest,
+    Decision,
+    Partner,
+    Preference,
+    Reason,
+    simple_preference,
+)
 from agent.signals import DeviceHealth, DeviceHealthEvent
 
 log = logging.getLogger(__name__)
@@ -37,10 +53,15 @@ UNHEALTHY = "Unhealthy"
 
 # (pool, one container request) -> the preference and its reason
 PreferencePolicy = Callable[[ResourcePool, ContainerRequest], Preference]
-# (pool, device IDs) after each successful Allocate of one container request -> allocations to count by level
-AllocationHook = Callable[[ResourcePool, Sequence[str]], Iterable[AllocationLevel]]
-# (pool) during a preference call -> the other kind's devices the container under admission holds; None: unknown
-PartnerLookup = Callable[[ResourcePool], Awaitable[frozenset[str] | None]]
+# (pool, device IDs, the decision of this resource's last preference call) after each successful Allocate of one
+# container request -> allocations to count by level
+AllocationHook = Callable[[ResourcePool, Sequence[str], Decision | None], Iterable[AllocationLevel]]
+# (pool) during a preference call -> the kubelet's facts about the container under admission; None: none to give
+PartnerLookup = Callable[[ResourcePool], Awaitable[Partner | None]]
+
+# IDs in one container request above which the policy runs in a worker thread: 2,048 offered replicas are chosen
+# inline in ~3 ms; 28,672 (1024 replicas of 28 MIG devices) take ~60 ms, too long to hold the event loop
+OFFLOAD_IDS = 2048
 
 
 def simple_policy(pool: ResourcePool, request: ContainerRequest) -> Preference:
@@ -68,8 +89,10 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
                  on_allocate: AllocationHook | None = None,
                  metrics: AllocationMetrics | None = None,
                  device_info: DeviceInfoWriter | None = None, device_health: DeviceHealth | None = None,
-                 partner_lookup: PartnerLookup | None = None) -> None:
+                 partner_lookup: PartnerLookup | None = None, policy_lock: asyncio.Lock | None = None) -> None:
         self._pool = pool
+        # held by every policy call and Allocate hook: the manager's servicers share one (and one policy state)
+        self._policy_lock = policy_lock if policy_lock is not None else asyncio.Lock()
         self.partner_lookup = partner_lookup
         self._device_info = device_info
         self._device_health = device_health if device_health is not None else DeviceHealth()
@@ -77,6 +100,7 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
         self._policy = policy or simple_policy
         self._contributors = contributors
         self._on_allocate = on_allocate
+        self._decision: Decision | None = None  # the last preference's, for the next Allocate's hook
         self._metrics = metrics
         self._changed = asyncio.Event()
         self._epoch = 0  # bumped by end_streams(); streams of an older epoch return
@@ -201,12 +225,14 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
                 must_include=tuple(container.must_include_deviceIDs), size=container.allocation_size,
                 unhealthy=unhealthy, partner=partner)
             try:
-                preference = self._policy(self._pool, asked)
+                preference = await self._choose(asked)
             except Exception:
                 log.exception("%s: GetPreferredAllocation policy failed; no preference", self.resource_name)
                 self._failed(POLICY_ERROR)
                 return api_pb2.PreferredAllocationResponse()
             self._count(preference.levels)
+            if preference.decision is not None:
+                self._decision = preference.decision
             if preference.reason is not Reason.OK:
                 log.warning("%s: GetPreferredAllocation: %s: %s", self.resource_name, preference.reason.value,
                             preference.detail)
@@ -216,7 +242,34 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
             response.container_responses.add(deviceIDs=preference.devices)
         return response
 
-    async def _partner(self) -> frozenset[str] | None:
+    async def _choose(self, asked: ContainerRequest) -> Preference:
+        """The policy's answer: inline for a small request, in a worker thread for a big one (see the module
+        docstring); either way under the policy lock."""
+        pool = self._pool
+        lock = self._policy_lock
+        await lock.acquire()
+        if len(asked.available) + len(asked.must_include) <= OFFLOAD_IDS:
+            try:
+                return self._policy(pool, asked)
+            finally:
+                lock.release()
+        try:
+            chosen = asyncio.get_running_loop().run_in_executor(None, self._policy, pool, asked)
+        except BaseException:
+            lock.release()
+            raise
+
+        def done(future: asyncio.Future[Preference]) -> None:
+            # released when the thread is done, not when this call is: a call the kubelet cancels must not let
+            # the next policy call run beside its thread
+            lock.release()
+            if not future.cancelled():
+                future.exception()  # retrieved here too, so a cancelled call's failure is not logged as lost
+
+        chosen.add_done_callback(done)
+        return await asyncio.shield(chosen)
+
+    async def _partner(self) -> Partner | None:
         """The kubelet's fact for this call, or None (no lookup, or it failed: never fail the preference)."""
         if self.partner_lookup is None:
             return None
@@ -257,9 +310,11 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, f"{self.resource_name}: {exc}")
             response.container_responses.append(payload.to_proto())
             log.info("%s: allocated %s", self.resource_name, echo_ids(ids))
+            decision, self._decision = self._decision, None  # one Allocate takes it, whoever it is for
             if self._on_allocate is not None:
                 try:
-                    self._count(self._on_allocate(self._pool, ids))
+                    async with self._policy_lock:  # never beside a preference chosen in a worker thread
+                        self._count(self._on_allocate(self._pool, ids, decision))
                 except Exception:  # bookkeeping must never fail an Allocate
                     log.exception("%s: allocation hook failed", self.resource_name)
         return response

@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from agent.config.files import read_regular
 from agent.config.load import MAX_DEPTH, nesting_depth
 from agent.config.model import DEFAULT_RESOURCE_PREFIX, DevicePluginConfig, PoolConfig, SelectorConfig
 from agent.config.numbers import NumberError, bounded_float, bounded_int, no_constant
@@ -196,8 +197,7 @@ class _Reader:
         """The file's JSON, read within the bounds (size before reading, UTF-8, depth, numbers)."""
         where = f"SR-IOV device plugin config {self.path}"
         try:
-            with open(self.path, "rb") as handle:
-                raw = handle.read(MAX_FILE_BYTES + 1)
+            raw = read_regular(self.path, MAX_FILE_BYTES)  # never waits on a FIFO
         except OSError as exc:
             raise SriovConfigError(f"{where}: cannot read: {exc.strerror or exc}") from exc
         if len(raw) > MAX_FILE_BYTES:
@@ -277,8 +277,21 @@ def apply(config: DevicePluginConfig) -> DevicePluginConfig:
     if not config.sriov_dp_config:
         return config
     read = read_config(config.sriov_dp_config, default_prefix(config))
+    served = with_pools(config, read)
     for warning in read.warnings:
         log.warning("SR-IOV device plugin config %s: %s", config.sriov_dp_config, warning)
     log.info("SR-IOV device plugin config %s: serving %d pools from it: %s", config.sriov_dp_config,
              len(read.pools), ", ".join(f"{p.resource_prefix}/{p.resource_name}" for p in read.pools))
-    return replace(config, pools=list(read.pools))
+    return served
+
+
+def with_pools(config: DevicePluginConfig, read: SriovConfig) -> DevicePluginConfig:
+    """`config` serving the file's pools instead of `pools`, checked as the config loader checks `pools`: a pool
+    whose full name another served resource has (the GPUs' `nvidia.com/gpu`) is a SriovConfigError naming both,
+    at load, instead of a device plugin that crash-loops on it."""
+    served = replace(config, pools=list(read.pools))
+    try:
+        served.check(pools_from=f"SR-IOV device plugin config {config.sriov_dp_config}")
+    except ValueError as exc:
+        raise SriovConfigError(str(exc)) from None
+    return served

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from agent.config import AgentConfig
 from agent.hardware import Hardware
+from agent.node import node_paths
 
 
 @dataclass
@@ -14,7 +15,7 @@ class Context:
     """The config, the opened hardware, and the node paths the checks look at.
 
     On a simulated node without a kubelet the paths are the stand-in kubelet's (in `scratch`), and the state
-    directory and kernel log are what `run --simulate` uses there (scratch, none), as `agent.wiring` decides.
+    directory and kernel log are what `run --simulate` uses there (scratch, none), as `agent.node` decides.
     """
 
     cfg: AgentConfig
@@ -34,14 +35,7 @@ class Context:
 
 
 def resolve(cfg: AgentConfig, hardware: Hardware, scratch: Path) -> Context:
-    """The paths as `run` would use them."""
-    dp_dir = Path(cfg.device_plugin.device_plugin_dir)
-    simulated = hardware.simulated is not None
-    stand_in = simulated and not (dp_dir / "kubelet.sock").exists()
-    state_dir, kmsg = hardware.state_dir(cfg, scratch), hardware.kmsg(cfg)
-    if stand_in:
-        dp_dir = scratch / "dp"
-        return Context(cfg, hardware, dp_dir, dp_dir / "plugins_registry", str(scratch / "pr.sock"),
-                       scratch / "cdi", state_dir, kmsg, stand_in=True)
-    return Context(cfg, hardware, dp_dir, Path(cfg.dra.plugin_registry_dir), cfg.pod_resources.socket,
-                   Path(cfg.dra.cdi_spec_dir), state_dir, kmsg)
+    """The paths as `run` would use them (`agent.node` decides them for both)."""
+    paths = node_paths(cfg, hardware, scratch)
+    return Context(cfg, hardware, paths.device_plugin_dir, paths.plugin_registry_dir, paths.pod_resources_socket,
+                   paths.cdi_spec_dir, paths.state_dir, paths.kmsg, stand_in=paths.stand_in)

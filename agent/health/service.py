@@ -17,7 +17,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
@@ -198,15 +198,7 @@ class HealthService:
             await asyncio.to_thread(self._save, boot_id)
 
     async def _await_first_pass(self, ready: list[asyncio.Event], stop: asyncio.Event) -> None:
-        waiting = asyncio.ensure_future(asyncio.gather(*(event.wait() for event in ready)))
-        stopping = asyncio.ensure_future(stop.wait())
-        try:
-            racers: list[asyncio.Future[Any]] = [waiting, stopping]
-            await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiting.cancel()
-            stopping.cancel()
-            await asyncio.gather(waiting, stopping, return_exceptions=True)
+        await aio.wait_any(stop, asyncio.gather(*(event.wait() for event in ready)))
         if not stop.is_set():
             self.assessor.publisher.open()  # no verdict before this: an early "healthy" could lift a real cordon
             self.first_pass_done.set()

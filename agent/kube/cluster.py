@@ -13,10 +13,12 @@ hence the pinned lightkube minor version. One `LightkubeCluster` serves every su
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any, TypeVar, cast
 
 import httpx2
@@ -25,7 +27,6 @@ from lightkube import AsyncClient, KubeConfig
 from lightkube.config.client_adapter import verify_cluster
 from lightkube.core.exceptions import ApiError as LightkubeApiError
 from lightkube.core.exceptions import ConfigError as LightkubeConfigError
-from lightkube.core.exceptions import NotReadyError
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.models.authorization_v1 import ResourceAttributes, SelfSubjectAccessReviewSpec
 from lightkube.models.meta_v1 import ObjectMeta
@@ -34,6 +35,7 @@ from lightkube.resources.coordination_v1 import Lease
 from lightkube.resources.core_v1 import Event, Node, Pod
 from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
 from lightkube.types import PatchType
+from prometheus_client import CollectorRegistry
 
 from agent.kube import errors
 from agent.kube.errors import ClusterConfigError
@@ -49,6 +51,7 @@ from agent.kube.model import (
     format_time,
 )
 from agent.kube.names import check_node_name, url_segment
+from agent.kube.podlist import DecodedPods, decode_node_pods, read_bounded, status_message
 from agent.kube.transport import CountingTransport
 
 log = logging.getLogger(__name__)
@@ -97,7 +100,7 @@ class LightkubeCluster:
     """`port.Cluster` on a lightkube `AsyncClient` whose transport counts requests."""
 
     def __init__(self, client: AsyncClient, node_name: str, event_namespace: str = "default",
-                 timeout: float = 10.0) -> None:
+                 timeout: float = 10.0, counter: ApiRequestCounter | None = None) -> None:
         try:
             self._node = url_segment(check_node_name(node_name))  # the node's name as it goes into paths
             self._event_ns = url_segment(event_namespace, namespace=True)
@@ -107,6 +110,8 @@ class LightkubeCluster:
         self._timeout = timeout
         self.node_name = node_name
         self._event_namespace = event_namespace
+        self._foreign = (counter or ApiRequestCounter(CollectorRegistry())).foreign_pods
+        self._warned: set[str] = set()  # requests whose foreign pods were logged as a warning
 
     async def _do(self, call: Callable[[], Any]) -> Any:
         try:
@@ -155,13 +160,23 @@ class LightkubeCluster:
             raise errors.ApiServerError(502, f"the watch of node {self.node_name} returned node {node.name[:80]!r}")
         return node
 
-    def watch_pods(self, resource_version: str, timeout_seconds: int) -> AsyncIterator[WatchEvent[PodView]]:
-        """One watch of this node's pods (fieldSelector spec.nodeName, all namespaces) with bookmarks."""
-        return self._watch(Pod, ALL_NAMESPACES, f"spec.nodeName={self.node_name}", resource_version,
-                           timeout_seconds=timeout_seconds, parse=PodView.from_dict)
+    async def watch_pods(self, resource_version: str, timeout_seconds: int) -> AsyncIterator[WatchEvent[PodView]]:
+        """One watch of this node's pods (fieldSelector spec.nodeName, all namespaces) with bookmarks; events of
+        other nodes' pods (a server ignoring the selector) are skipped and counted."""
+        def own_pod(obj: Mapping[str, Any]) -> PodView | None:
+            return PodView.from_dict(obj) if (obj.get("spec") or {}).get("nodeName") == self.node_name else None
+
+        events = self._watch(Pod, ALL_NAMESPACES, f"spec.nodeName={self.node_name}", resource_version,
+                             timeout_seconds=timeout_seconds, parse=own_pod)
+        async with contextlib.aclosing(events):  # the response closes with this watch, not at garbage collection
+            async for event in events:
+                if event.type != "BOOKMARK" and event.object is None:
+                    self._skipped("watch_pods", 1)
+                    continue
+                yield cast(WatchEvent[PodView], event)
 
     async def _watch(self, res: type[Any], namespace: str | None, selector: str, resource_version: str, *,
-                     timeout_seconds: int, parse: Callable[[Mapping[str, Any]], T]) -> AsyncIterator[WatchEvent[T]]:
+                     timeout_seconds: int, parse: Callable[[Mapping[str, Any]], T]) -> AsyncGenerator[WatchEvent[T]]:
         generic = self._client._client
         br = generic.prepare_request("list", res=res, namespace=namespace, watch=True, params={
             "fieldSelector": selector, "resourceVersion": resource_version or None,
@@ -189,29 +204,58 @@ class LightkubeCluster:
 
     async def list_node_pods(self) -> PodList:
         """Pods on this node only, with the list's resourceVersion (where a watch continues)."""
-        async def call() -> PodList:
-            listing = self._client.list(Pod, namespace=ALL_NAMESPACES, fields={"spec.nodeName": self.node_name})
-            pods = tuple([PodView.from_dict(p.to_dict()) async for p in listing])
-            try:
-                version = listing.resourceVersion
-            except NotReadyError as exc:
-                raise errors.ApiServerError(502, "pod list without a resourceVersion") from exc
-            return PodList(pods, version)
-        return await self._do(call)
+        decoded = await self._list_node_pods(ALL_NAMESPACES, f"spec.nodeName={self.node_name}", "list_node_pods")
+        if not decoded.resource_version:
+            raise errors.ApiServerError(502, "pod list without a resourceVersion")
+        return PodList(decoded.pods, decoded.resource_version)
 
     async def find_node_pod(self, namespace: str, name: str) -> PodView | None:
         """One pod by name, only if it is on this node: a LIST in its namespace with both field selectors (a consistent
-        read, no resourceVersion: the watch cache may lag as the watch does). An answer naming another pod is not
-        believed."""
-        async def call() -> PodView | None:
-            listing = self._client.list(Pod, namespace=url_segment(namespace, namespace=True),
-                                        fields={"metadata.name": url_segment(name), "spec.nodeName": self.node_name})
-            pods = [PodView.from_dict(p.to_dict()) async for p in listing]
-            if any(p.key != (namespace, name) for p in pods) or len(pods) > 1:
-                raise errors.ApiServerError(502, f"a list of pod {namespace}/{name} returned "
-                                                 f"{[f'{p.namespace}/{p.name}'[:80] for p in pods[:3]]}")
-            return pods[0] if pods else None
-        return await self._do(call)
+        read, no resourceVersion: the watch cache may lag as the watch does). Pods of other nodes or with other names
+        in the answer (a server ignoring the field selector) are skipped; two pods by the name are not believed."""
+        try:
+            path_ns, path_name = url_segment(namespace, namespace=True), url_segment(name)
+        except ValueError as exc:  # refused before any request is sent
+            raise errors.ApiError(400, f"refused before sending: {exc}") from exc
+        decoded = await self._list_node_pods(path_ns, f"metadata.name={path_name},spec.nodeName={self.node_name}",
+                                             "find_node_pod")
+        pods = [p for p in decoded.pods if p.key == (namespace, name)]
+        if len(pods) > 1:
+            raise errors.ApiServerError(502, f"a list of pod {namespace}/{name} returned it {len(pods)} times")
+        return pods[0] if pods else None
+
+    async def _list_node_pods(self, namespace: str, selector: str, request: str) -> DecodedPods:
+        """One pod LIST, read with a size bound and decoded in a worker thread (`agent.kube.podlist`): a proxy that
+        drops the selector answers with the whole cluster, which must neither hold the loop nor be believed."""
+        generic = self._client._client
+        br = generic.prepare_request("list", res=Pod, namespace=namespace, params={"fieldSelector": selector})
+        try:
+            response = await generic.send(generic.build_adapter_request(br), stream=True)
+        except _FAILURES as exc:
+            raise translate(exc) from exc
+        try:
+            if response.status_code >= 400:
+                await response.aread()
+                raise errors.error_for_status(response.status_code, status_message(response.content),
+                                              _retry_after(response))
+            body = await read_bounded(response.aiter_bytes())
+        except _FAILURES as exc:
+            raise translate(exc) from exc
+        finally:
+            await response.aclose()
+        decoded = await asyncio.to_thread(decode_node_pods, body, self.node_name)
+        if decoded.foreign:
+            self._skipped(request, decoded.foreign)
+        return decoded
+
+    def _skipped(self, request: str, pods: int) -> None:
+        """Count pods of other nodes in an answer; warn once per request kind (a proxy that ignores selectors does
+        so on every request), then at debug level."""
+        self._foreign.labels(request).inc(pods)
+        level = logging.DEBUG if request in self._warned else logging.WARNING
+        self._warned.add(request)
+        log.log(level, "the API server answered %s with %d pods of other nodes: it ignores the field selector; they "
+                "were skipped (gpu_node_agent_apiserver_foreign_pods_total)", request, pods)
 
     async def evict_pod(self, namespace: str, name: str) -> None:
         """policy/v1 Eviction (lightkube fills apiVersion and kind)."""
@@ -390,4 +434,4 @@ def connect(node_name: str, counter: ApiRequestCounter, kubeconfig: str | None =
     verify = verify_cluster(single.cluster, single.user, single.abs_file)
     transport = CountingTransport(httpx2.AsyncHTTPTransport(verify=verify), counter)
     client = AsyncClient(single, timeout=httpx2.Timeout(timeout), field_manager=FIELD_MANAGER, transport=transport)
-    return LightkubeCluster(client, node_name, event_namespace, timeout)
+    return LightkubeCluster(client, node_name, event_namespace, timeout, counter)

@@ -16,6 +16,12 @@ class ApiRequestCounter:
     def __init__(self, registry: CollectorRegistry) -> None:
         self._counter = Counter("gpu_node_agent_apiserver_requests", "API server requests made by the agent",
                                 ("verb", "code"), registry=registry)
+        self.foreign_pods = Counter("gpu_node_agent_apiserver_foreign_pods",
+                                    "Pods of other nodes in an answer to a LIST of this node's pods (a server or "
+                                    "proxy ignoring the field selector), skipped, by request", ("request",),
+                                    registry=registry)
+        for request in ("list_node_pods", "find_node_pod", "watch_pods"):
+            self.foreign_pods.labels(request)
 
     def count(self, verb: str, code: int | str) -> None:
         """Count one request."""

@@ -19,6 +19,7 @@ import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Generic, TypeVar
 
+from agent.aio import wait_any
 from agent.clock import SYSTEM_CLOCK, Clock
 from agent.kube.errors import ApiError, ApiGone
 from agent.kube.model import WatchEvent
@@ -61,13 +62,7 @@ class Reflector(Generic[T]):
     async def run(self, stop: asyncio.Event) -> None:
         """Keep the thing current until `stop` is set; re-raises only a bug (API errors are retried)."""
         loop = asyncio.create_task(self._loop(stop), name=f"watch of {self.what}")
-        stopper = asyncio.create_task(stop.wait())
-        try:
-            await asyncio.wait({loop, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (loop, stopper):
-                task.cancel()
-            await asyncio.gather(loop, stopper, return_exceptions=True)
+        await wait_any(stop, loop)
         error = None if loop.cancelled() else loop.exception()
         if error is not None:
             raise error

@@ -65,6 +65,11 @@ class NetacctCollector:
     def collect(self) -> Iterator[Metric]:
         """Read every counter once and yield all families."""
         reading = self.engine.scrape()
+        if reading.layout == "unknown":
+            # No layout chosen yet (auto, before the first sync): zeros now and the kernel's totals a moment later
+            # would read as new traffic to Prometheus. Export the self-metrics only (up is 0).
+            yield from self._self_metrics(reading)
+            return
         families = _families(self.per_pod)
         totals: dict[tuple[str, str, str], tuple[int, int]] = {
             (d, t, s): (0, 0) for d in ("receive", "transmit") for t in TRAFFIC for s in SCOPES}
@@ -96,10 +101,15 @@ class NetacctCollector:
         layout = GaugeMetricFamily(f"{PREFIX}_netacct_layout_info",
                                    "Where netacct's counting rules live: nft (native table) or iptables",
                                    labels=["layout"])
+        repairs = CounterMetricFamily(f"{PREFIX}_netacct_repairs",
+                                      "netacct objects someone else removed or changed that the agent re-created, "
+                                      "holding the counts it last read (a warning names each)", labels=["what"])
         if reading is not None:
+            for what, count in self.engine.repairs.counts().items():
+                repairs.add_metric([what], count)
             up.add_metric([], 1.0 if reading.ok else 0.0)
             took.add_metric([], reading.seconds)
             syncs.add_metric([], self.engine.sync_failures)
             backend.add_metric([reading.mode], 1.0)
             layout.add_metric([reading.layout], 1.0)
-        yield from (up, took, syncs, backend, layout)
+        yield from (up, took, syncs, backend, layout, repairs)

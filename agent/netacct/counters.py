@@ -53,6 +53,10 @@ class CounterBook:
     _elements: dict[str, dict[ipsets.Member, _Element]] = field(default_factory=dict)
     _owners: dict[bytes, PodKey] = field(default_factory=dict)
     _pod_total: dict[PodKey, dict[str, Counts]] = field(default_factory=dict)
+    # The last raw values of rules and owned elements that disappeared from the kernel without the engine removing
+    # them (someone else did): a repair re-creates them holding these, so the kernel keeps the totals.
+    _vanished_rules: dict[tuple[Source, str], Counts] = field(default_factory=dict)
+    _vanished_elements: dict[str, dict[ipsets.Member, Counts]] = field(default_factory=dict)
 
     # -- feeding ------------------------------------------------------------------------------------------------
 
@@ -64,7 +68,8 @@ class CounterBook:
             total = self._rule_total.get(key, (0, 0))
             self._rule_total[key] = (total[0] + delta[0], total[1] + delta[1])
         for gone in [k for k in self._rule_last if k[0] == family and k[1] not in raw]:
-            del self._rule_last[gone]
+            if (last := self._rule_last.pop(gone)) != (0, 0):
+                self._vanished_rules[gone] = last
         self._rule_last.update(((family, key), value) for key, value in raw.items())
 
     def observe_set(self, name: str, role: str, raw: Mapping[ipsets.Member, Counts]) -> None:
@@ -81,7 +86,21 @@ class CounterBook:
             totals = self._pod_total[element.owner]
             total = totals.get(role, (0, 0))
             totals[role] = (total[0] + delta[0], total[1] + delta[1])
+        for member, element in old.items():
+            if member not in new and element.owner is not None and element.last != (0, 0):
+                self._vanished_elements.setdefault(name, {})[member] = element.last
         self._elements[name] = new
+
+    def take_vanished(self) -> tuple[dict[tuple[Source, str], Counts], dict[str, dict[ipsets.Member, Counts]]]:
+        """The last raw values of rules and elements someone else removed since the last call (then forgotten)."""
+        rules, elements = self._vanished_rules, self._vanished_elements
+        self._vanished_rules, self._vanished_elements = {}, {}
+        return rules, elements
+
+    @property
+    def owners(self) -> dict[bytes, PodKey]:
+        """The current address owners."""
+        return dict(self._owners)
 
     def rules_restarted(self, family: Source, keys: Iterable[str]) -> None:
         """These rules were just re-created: their next raw value is all new traffic."""
@@ -104,6 +123,7 @@ class CounterBook:
         """Every rule and set was re-created (cleanup then install): forget raw values, keep totals."""
         self._rule_last.clear()
         self._elements.clear()
+        self.take_vanished()
 
     def forget(self, sources: Iterable[Source], set_names: Iterable[str]) -> None:
         """These rule sources and sets are gone (a layout removed or re-created): their next sight, if any, is new
@@ -111,8 +131,11 @@ class CounterBook:
         gone = set(sources)
         for key in [k for k in self._rule_last if k[0] in gone]:
             del self._rule_last[key]
+        for key in [k for k in self._vanished_rules if k[0] in gone]:
+            del self._vanished_rules[key]
         for name in set_names:
             self._elements.pop(name, None)
+            self._vanished_elements.pop(name, None)
 
     def set_pods(self, owners: Mapping[bytes, PodKey]) -> None:
         """The current pods, as address owners; departed pods lose their totals, moved addresses change owner."""

@@ -22,7 +22,13 @@ layout (adopted) keeps its own counts and the old one's final counts are carried
 migration cut short safe: a preloaded nft table holds a marker counter until the iptables layout is gone (found
 at a start with the iptables layout still there: remove it, its counts are in the table); the iptables layout has
 a marker chain while it is being installed (found with the nft table still there: remove the iptables layout and
-migrate again). Until the pod list is known the old layout keeps counting, scrapes read it, and nothing moves.
+migrate again). Until the pod list is known the old layout keeps counting, scrapes read it, and nothing moves;
+except that a preloaded table with its marker is finished at once (its counts already include the old layout's,
+and scrapes of the old layout followed by the finish would count them twice).
+
+Repairs (repair): what differs from the state this process installed was changed by someone else. A sync puts it
+back holding the counts the book last read for the deleted objects (the book keeps the last raw values of rules
+and elements that vanished), notes each repair, and the service checks for them every second between syncs.
 """
 
 from __future__ import annotations
@@ -35,13 +41,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agent.config.netacct import NetacctConfig
-from agent.netacct import ipsets, nft_layout, nft_probe, rules
+from agent.netacct import ipsets, nft_layout, nft_probe, repair, rules
 from agent.netacct.backend import FAMILIES, MODES, CommandError, Host, Snapshot
 from agent.netacct.carry import Carry, OldRaw
 from agent.netacct.carry import plan as carry_plan
 from agent.netacct.counters import CounterBook, Counts, PodKey
 from agent.netacct.nft_table import NativeTable
 from agent.netacct.pods import Pod
+from agent.netacct.repair import Repairs, missing_elements
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +87,9 @@ class Netacct:
         self._networks = config.internal_networks()
         self._conflicts: set[str] = set()
         self.native = NativeTable(self.host, self.book, self.families, self._networks)
+        self.repairs = Repairs()
+        self._installed: str | None = None  # the layout this process has brought in line (repairs are against it)
+        self._synced: dict[int, set[ipsets.Member]] = {}  # the pod addresses of that last sync
 
     @property
     def layout(self) -> str:
@@ -142,6 +152,29 @@ class Netacct:
             return Reading(self.book.rule_totals(), self.book.pod_totals(), not errors,
                            time.perf_counter() - started, mode, errors, counting or "unknown")
 
+    def needs_repair(self) -> bool:
+        """Whether the state this process installed differs now (someone else changed it): a read-only check the
+        service runs between syncs, so that a repair comes within seconds rather than a sync interval. Costs one
+        scrape's read (netlink; two iptables-save processes on the iptables layout)."""
+        with self._lock:
+            layout = self._installed
+            if layout is None or (self._counting or layout) != layout:
+                return False
+            try:
+                if layout == "nft":
+                    state = self.native.read(full=True)
+                    return not state.exists or bool(
+                        nft_layout.plan(state, self._synced, self._networks, self.families).payload)
+                snap = self._read(ipsets.all_names(self.families))
+                if snap.errors:
+                    return False
+                if ipsets.plan(snap.sets, self._synced, self._networks, self.families).payload:
+                    return True
+                return any(rules.plan(rules.parse(snap.saves[f]), f).payloads for f in self.families)
+            except (CommandError, OSError) as exc:
+                log.debug("netacct: repair check failed (the next sync reports it): %s", exc)
+                return False
+
     # -- changing -----------------------------------------------------------------------------------------------
 
     def _pod_members(self, pods: Sequence[Pod]) -> tuple[dict[bytes, PodKey], dict[int, set[ipsets.Member]]]:
@@ -185,6 +218,11 @@ class Netacct:
         self._counting = layout
         if not self._present(old):
             self._sync_layout(layout, pods)
+            self._installed = layout
+        elif layout == "nft" and self._present(layout) and self.native.carried(self.native.read(full=True)):
+            # The table already holds the old layout's counts: finish now, pod list or not. Waiting would have
+            # scrapes read the old layout and the finish then add the table's copy of the same counts.
+            self._finish_to_nft(pods)
         elif pods is None:
             log.info("netacct: the %s layout is still installed; migrating once the pod list is known", old)
             self._counting = old
@@ -246,6 +284,7 @@ class Netacct:
         else:
             self.native.remove()
             self.host.restore(self.mode, 4, rules.marker_payload(create=False))
+        self._installed = new
         log.info("netacct: migrated from the %s layout; its counts carry into the new layout's counters",
                  "iptables" if new == "nft" else "nft")
 
@@ -254,10 +293,7 @@ class Netacct:
         someone else. The carry markers say which."""
         if new == "nft":
             if self.native.carried(self.native.read(full=True)):
-                log.warning("netacct: a migration to the nft layout stopped before removing the iptables layout; "
-                            "its counts are in the table already, removing it")
-                self._remove_iptables_layout()
-                self._sync_native(pods)  # drops the marker with the other stale objects
+                self._finish_to_nft(pods)
                 return
         elif rules.MARKER in rules.parse(self.host.save(self.mode, 4, counters=False)).chains:
             log.warning("netacct: a migration to the iptables layout stopped before it was complete; installing "
@@ -267,7 +303,17 @@ class Netacct:
             self._migrate(new, pods)
             return
         self._sync_layout(new, pods)
+        self._installed = new
         self._migrate_in_memory("iptables" if new == "nft" else "nft")
+
+    def _finish_to_nft(self, pods: Sequence[Pod] | None) -> None:
+        """A migration to the nft layout stopped after installing the preloaded table (its marker is there): the
+        iptables layout's counts are in the table, so remove the iptables layout and count the table alone."""
+        log.warning("netacct: a migration to the nft layout stopped before removing the iptables layout; its counts "
+                    "are in the table already, removing it")
+        self._remove_iptables_layout()
+        self._sync_native(pods)  # drops the marker with the other stale objects
+        self._installed = "nft"
 
     def _migrate_in_memory(self, old: str) -> None:
         """An adopted layout keeps its own counts: the old one's final counts go to the book only (they are lost
@@ -312,12 +358,40 @@ class Netacct:
 
     def _sync_native(self, pods: Sequence[Pod] | None, carry: Carry | None = None) -> None:
         state = self.native.read(full=True)
-        if pods is None:
-            members = self.native.members(state)
-        else:
+        _, vanished = self.book.take_vanished()
+        repairing = self._installed == "nft" and carry is None
+        if pods is not None:
             owners, members = self._pod_members(pods)
             self.book.set_pods(owners)
-        self.native.sync(state, members, carry)
+        elif repairing:
+            members = self._synced  # what the table held: a deleted element is not forgotten
+        else:
+            members = self.native.members(state)
+        restore: dict[str, dict[ipsets.Member, Counts]] = {}
+        gone: list[str] = []
+        tampered: list[str] = []
+        if repairing and not state.exists:  # deleted: re-created holding the exported totals
+            keys = [key for _, key in nft_layout.counter_keys((4,)).values()]
+            carry = carry_plan(self.book, OldRaw(), keys=keys, families=self.families, members=members,
+                               owners=self.book.owners)
+        elif repairing:
+            for family in self.families:
+                for role in ipsets.COUNTED:
+                    name = nft_layout.set_name(role, family)
+                    found = state.elements.get(name)
+                    want = members.get(family, set()) & self._synced.get(family, set())
+                    names, restore[name] = missing_elements(name, want, found.counted if found else (), vanished)
+                    gone += names
+            # Chains that differ from what the last sync wrote (the pods' addresses shape the rules: a chain
+            # rewritten for a new pod is no repair).
+            tampered = nft_layout.plan(state, self._synced, self._networks, self.families).rewritten_chains
+        plan = self.native.sync(state, members, carry, marker=not repairing, restore=restore)
+        self._synced = {f: set(m) for f, m in members.items()}
+        if repairing and not state.exists:
+            self.repairs.note("nft_table", [f"table inet {nft_layout.TABLE}"])
+        elif repairing and plan.payload and not plan.rebuilt:
+            self.repairs.note("nft_chain", tampered)
+            self.repairs.note("nft_element", gone)
 
     def _sync_iptables(self, pods: Sequence[Pod] | None, carry: Carry | None = None) -> None:
         names = ipsets.all_names(self.families)
@@ -337,34 +411,54 @@ class Netacct:
         for mode, family in [(m, f) for m in other for f in FAMILIES] + [
                 (self.mode, f) for f in FAMILIES if f not in self.families]:
             self._remove_chains(mode, family)
-        if pods is None:
-            members = {f: {m for role in ipsets.COUNTED if (d := snap.sets.get(ipsets.set_name(role, f)))
-                           for m in d.members} for f in self.families}
-        else:
+        vanished_rules, vanished = self.book.take_vanished()
+        repairing = self._installed == "iptables" and carry is None and not bad
+        if pods is not None:
             owners, members = self._pod_members(pods)
             self.book.set_pods(owners)
-        plan = ipsets.plan(snap.sets, members, self._networks, self.families, carry.elements if carry else None)
+        elif repairing:
+            members = self._synced  # what the sets held: a deleted element is not forgotten
+        else:
+            members = {f: {m for role in ipsets.COUNTED if (d := snap.sets.get(ipsets.set_name(role, f)))
+                           for m in d.members} for f in self.families}
+        restore: dict[str, dict[ipsets.Member, Counts]] = {}
+        if repairing:
+            restore = repair.sets_to_restore(self.repairs, snap.sets, members, self._synced,
+                                              families=self.families,
+                                              vanished=vanished)
+        plan = ipsets.plan(snap.sets, members, self._networks, self.families, carry.elements if carry else None,
+                           restore=restore)
         self.host.ipset_restore(plan.payload)
         for name, elements in plan.carried.items():
             self.book.elements_created_with(name, elements)
+        self._synced = {f: set(m) for f, m in members.items()}
+        dropped: dict[str, Counts] = {}
         for family in self.families:
+            state = rules.parse(snap.saves[family])
             carried = carry.rules.get(family, {}) if carry else None
-            rule_plan = rules.plan(rules.parse(snap.saves[family]), family, carried)
+            if repairing:
+                carried = repair.rule_values(self.repairs, state, family, vanished_rules)
+            rule_plan = rules.plan(state, family, carried, migrating=carry is not None)
             for index, payload in enumerate(rule_plan.payloads):
                 self.host.restore(self.mode, family, payload, counters=index == 0 and bool(rule_plan.carried))
                 if index == 0 and rule_plan.reset_keys:
                     self.book.rules_restarted(family, rule_plan.reset_keys)
-                    self.book.rules_created_with(family, self._check_carried(family, rule_plan.carried))
+                    kept = self._check_carried(family, rule_plan.carried, quiet=repairing)
+                    self.book.rules_created_with(family, kept)
+                    if repairing:
+                        dropped.update({k: v for k, v in rule_plan.carried.items() if k not in kept})
                     log.info("netacct: wrote %d IPv%d rules", len(rule_plan.reset_keys), family)
+        if dropped and 4 in self.families:
+            repair.move_into_ipv4(self.host, self.mode, self.book, dropped)
 
-    def _check_carried(self, family: int, carried: dict[str, Counts]) -> dict[str, Counts]:
+    def _check_carried(self, family: int, carried: dict[str, Counts], quiet: bool = False) -> dict[str, Counts]:
         """The carried rule counters the kernel kept; one it dropped (an iptables build that ignores counters on
         restore) keeps its carry in the book only, with a warning, rather than being counted as lost."""
         if not carried:
             return carried
         kept = rules.counters(rules.parse(self.host.save(self.mode, family)))
         dropped = sorted(k for k, v in carried.items() if kept.get(k, (0, 0)) < v)
-        if dropped:
+        if dropped and not quiet:
             log.warning("netacct: iptables-%s did not keep the carried IPv%d counters of %s; they are carried in "
                         "memory only", self.mode, family, dropped)
         return {k: v for k, v in carried.items() if k not in dropped}
@@ -375,6 +469,7 @@ class Netacct:
         """Remove everything netacct made: the nftables table, and every chain, jump rule and set of the iptables
         layout (both backends, both families); what was removed."""
         with self._lock:
+            self._installed = None
             return self._remove_locked(MODES)
 
     def _remove_chains(self, mode: str, family: int) -> list[str]:

@@ -86,12 +86,14 @@ class SetPlan:
 
 def plan(current: Mapping[str, SetDump | None], pod_members: Mapping[int, set[Member]],
          networks: Iterable[Network], families: Iterable[int],
-         carry: Mapping[tuple[str, int], Mapping[Member, tuple[int, int]]] | None = None) -> SetPlan:
+         carry: Mapping[tuple[str, int], Mapping[Member, tuple[int, int]]] | None = None, *,
+         restore: Mapping[str, Mapping[Member, tuple[int, int]]] | None = None) -> SetPlan:
     """Create missing sets and add/remove members so that the sets hold exactly what is desired.
 
     `current` holds a dump per set (None: the set does not exist); `pod_members` the pod addresses per family;
     `carry` (a migration's counts per (role, family) and member) preloads the elements of sets this plan creates
-    (`add SET ADDR packets N bytes M`; never on an existing set, where `-exist` would overwrite its counters).
+    (`add SET ADDR packets N bytes M`; never on an existing set, where `-exist` would overwrite its counters);
+    `restore` (per set name) gives the members it adds their counters' values (a repair of deleted elements).
     """
     networks = list(networks)
     result = SetPlan()
@@ -105,7 +107,8 @@ def plan(current: Mapping[str, SetDump | None], pod_members: Mapping[int, set[Me
             if dump is None:
                 lines.append(_create_line(role, family))
             add, remove = want - have, have - want
-            carried = (carry or {}).get((role, family), {}) if dump is None else {}
+            carried = dict((restore or {}).get(name, {}))
+            carried.update((carry or {}).get((role, family), {}) if dump is None else {})
             lines.extend(f"del {name} {member_text(m, role)}" for m in sorted(remove))
             for member in sorted(add):
                 value = carried.get(member)

@@ -247,10 +247,13 @@ def _elements(verb: str, name: str, items: Iterable[str]) -> list[str]:
 
 
 def plan(state: NftState, pod_members: Mapping[int, set[ipsets.Member]], networks: Iterable[Network],
-         families: Iterable[int], carry: Carry | None = None) -> NftPlan:
+         families: Iterable[int], carry: Carry | None = None, *, marker: bool = True,
+         restore: Mapping[str, Mapping[ipsets.Member, Counts]] | None = None) -> NftPlan:
     """One transaction that makes the table exactly what is desired, touching only what differs. `carry` (a
-    migration's counts) preloads the counters and elements of a table created by this transaction, with the
-    marker counter beside them; an existing table keeps its own counts and `carry` is ignored."""
+    migration's counts, or a repair's) preloads the counters and elements of a table created by this transaction,
+    with the marker counter beside them when `marker`; an existing table keeps its own counts and `carry` is
+    ignored. `restore` gives elements this transaction adds to an existing set their counters' values (a repair of
+    elements someone else deleted)."""
     families, networks = tuple(families), list(networks)
     carry = carry if not state.exists else None
     carried_rules = carry.rules if carry else {}
@@ -271,7 +274,7 @@ def plan(state: NftState, pod_members: Mapping[int, set[ipsets.Member]], network
     lines += [_set_line(n, fam, role) for n, (fam, role, _) in sets.items() if n not in have_sets]
     lines += [f"add counter inet {TABLE} {n}{_counted(carried_rules.get(fam, {}).get(key))}"
               for n, (fam, key) in counters.items() if n not in current.counters]
-    if carry is not None:
+    if carry is not None and marker:
         lines.append(f"add counter inet {TABLE} {CARRY_MARKER}")
     # Every chain exists before any rule jumps to it; base chains are listed first and filled last.
     for name in [n for n in rules if n not in current.chains]:
@@ -296,7 +299,8 @@ def plan(state: NftState, pod_members: Mapping[int, set[ipsets.Member]], network
         want = {m[0] for m in pod_members.get(family, set())}
         have = set(found.counted) if found is not None else set()
         lines += _elements("delete", name, (str(ipaddress.ip_address(m)) for m in sorted(have - want)))
-        carried = {m[0]: v for m, v in carried_elements.get((role, family), {}).items()}
+        given = [*(restore or {}).get(name, {}).items(), *carried_elements.get((role, family), {}).items()]
+        carried = {m[0]: v for m, v in given}
         lines += _elements("add", name, (_element(m, carried.get(m)) for m in sorted(want - have)))
     # What an older configuration left (IPv6 turned off, a chain of another version): rules first, then objects.
     stale = sorted(set(current.chains) - set(rules))  # flush all before deleting any: they may jump to each other

@@ -15,7 +15,7 @@ from agent.netacct import ipsets, nft_layout
 from agent.netacct.backend import Host
 from agent.netacct.carry import Carry, OldRaw
 from agent.netacct.counters import CounterBook, Counts, Source
-from agent.netacct.nft_layout import NftState
+from agent.netacct.nft_layout import NftPlan, NftState
 from agent.netacct.nft_netlink import Elements
 
 log = logging.getLogger(__name__)
@@ -114,13 +114,17 @@ class NativeTable:
         """The old layout is gone: the carry marker has done its job."""
         self.host.nft_apply(f"delete counter inet {nft_layout.TABLE} {nft_layout.CARRY_MARKER}\n")
 
-    def sync(self, state: NftState, members: Mapping[int, set[ipsets.Member]], carry: Carry | None = None) -> None:
+    def sync(self, state: NftState, members: Mapping[int, set[ipsets.Member]], carry: Carry | None = None, *,
+             marker: bool = True, restore: Mapping[str, Mapping[ipsets.Member, Counts]] | None = None) -> NftPlan:
         """Apply the one transaction that brings the table in line (nothing when nothing differs); `carry`
-        preloads a table this transaction creates, and the book is told so."""
-        plan = nft_layout.plan(state, members, self.networks, self.families, carry)
+        preloads a table this transaction creates (with the migration marker when `marker`), `restore` the elements
+        it adds to existing sets, and the book is told so."""
+        plan = nft_layout.plan(state, members, self.networks, self.families, carry, marker=marker, restore=restore)
         if not plan.payload:
-            return
+            return plan
         self.host.nft_apply(plan.payload)
+        for name, restored in (restore or {}).items():
+            self.book.elements_created_with(name, restored)
         if carry is not None and not state.exists:
             for family, values in carry.rules.items():
                 self.book.rules_created_with(f"nft{family}", values)
@@ -131,6 +135,7 @@ class NativeTable:
             self.book.forget(self.sources(), self.set_names())
         elif plan.rewritten_chains:
             log.info("netacct: wrote nftables chains %s", plan.rewritten_chains)
+        return plan
 
     def remove(self) -> list[str]:
         """Delete the table; what was removed."""

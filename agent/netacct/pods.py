@@ -21,8 +21,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from agent import aio
+from agent.config.files import read_regular
 
 log = logging.getLogger(__name__)
+
+# A node's pod list: ~200 bytes a pod, so 64 MiB is far beyond any node (and bounds what one read can take)
+MAX_PODS_FILE_BYTES = 64 << 20
 
 
 class PodListError(ValueError):
@@ -179,8 +183,11 @@ class FilePodSource(PodFeed):
             return False
         self._stamp = stamp
         try:
-            with open(self.path, encoding="utf-8") as handle:
-                pods = parse_pods(json.load(handle))
+            # never a blocking open (a FIFO put there froze the event loop) nor an endless read (/dev/zero)
+            raw = read_regular(self.path, MAX_PODS_FILE_BYTES)
+            if len(raw) > MAX_PODS_FILE_BYTES:
+                raise ValueError(f"larger than {MAX_PODS_FILE_BYTES} bytes")
+            pods = parse_pods(json.loads(raw.decode("utf-8")))
         except (OSError, ValueError, RecursionError) as exc:  # JSONDecodeError and PodListError are ValueErrors
             log.error("pods file %s is invalid, keeping the last good pod list: %s", self.path, exc)
             return False

@@ -174,11 +174,14 @@ def _table(lines: Iterable[str]) -> str:
     return "*mangle\n" + "".join(line + "\n" for line in body) + "COMMIT\n" if body else ""
 
 
-def plan(state: Mangle, family: int, carry: Mapping[str, tuple[int, int]] | None = None) -> RulePlan:
+def plan(state: Mangle, family: int, carry: Mapping[str, tuple[int, int]] | None = None,
+         migrating: bool | None = None) -> RulePlan:
     """Bring one family's chains and jumps in line, touching only what differs. `carry` (a migration's counts per
-    key) preloads the rules of chains this plan creates (`[packets:bytes]` lines, restored with `--counters`); a
-    chain that exists keeps its own counts."""
+    key) preloads the rules of chains this plan writes (`[packets:bytes]` lines, restored with `--counters`): a
+    created chain (migration), or one rewritten after someone else changed it (repair); a chain left as it is keeps
+    its own counts. The migration marker chain is kept while `migrating` (default: when `carry` is given)."""
     want = desired(family)
+    migrating = carry is not None if migrating is None else migrating
     result = RulePlan()
     lines: list[str] = []
     for hook, chain in CHAINS.items():
@@ -188,7 +191,7 @@ def plan(state: Mangle, family: int, carry: Mapping[str, tuple[int, int]] | None
             lines.append(f":{chain} - [0:0]")  # creates it, or flushes it for a rewrite
             for rule in rules:
                 key = key_of(rule.comment) or ""
-                value = carry.get(key) if carry and chain not in state.chains else None
+                value = carry.get(key) if carry else None
                 if value:
                     result.carried[key] = value
                 lines.append(f"[{value[0]}:{value[1]}] {rule.line()}" if value else rule.line())
@@ -197,7 +200,7 @@ def plan(state: Mangle, family: int, carry: Mapping[str, tuple[int, int]] | None
         lines.extend(f"-D {hook} {r.text}" for r in jumps[1:])
         if not jumps:
             lines.append(f'-I {hook} 1 -m comment --comment "{JUMP_COMMENT}" -j {chain}')
-    stale = state.ours() - set(CHAINS.values()) - ({MARKER} if carry is not None else set())
+    stale = state.ours() - set(CHAINS.values()) - ({MARKER} if migrating else set())
     removal = removal_payloads(state, stale)
     result.payloads = [p for p in (_table(lines), *removal) if p]
     return result

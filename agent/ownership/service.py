@@ -11,7 +11,9 @@ List (one sent before the call could predate the partner's Allocate). Before the
 start (the poll's first may still be on its way when the device plugin registers and the kubelet calls), a
 lookup first takes that reading itself, joining the poll's in flight and waiting at most `poll_timeout`: deciding
 without it, every device held before the restart looks free, and every container holding a GPU looks like a
-new holder (see `Listings`: the first reading is the baseline). A reply that comes after the deadline is
+new holder (see `Listings`: the first reading is the baseline). That wait is paid once: a lookup after its window
+waits for the reading only `lookup_timeout` (a kubelet that accepts and never answers would otherwise cost every
+admission `poll_timeout`), and fails as a time-out when it is not in. A reply that comes after the deadline is
 not lost: every List reply, on time or late, poll or lookup, becomes `latest` (free devices) and the
 `Listings` memory the next call compares with, unless a newer reply is already there. A poll joins a List in
 flight instead of sending its own. The container under admission comes from the pod specs when the own-node
@@ -98,6 +100,7 @@ class OwnershipService:
         self._inflight: asyncio.Future[Containers] | None = None  # the newest List not answered yet
         self._reading: asyncio.Future[Ownership | None] | None = None  # a full reading in flight (`refresh`)
         self.read_fully = False  # a full reading (List and GetAllocatableResources) succeeded since the start
+        self._first_wait_ends: float | None = None  # end of the lookups' first-reading wait (`_first_reading`)
         self._info = DevicePodInfo(lambda: self.latest, registry)
         self._lookups = Counter("gpu_node_agent_pod_resources_lookups",
                                 "Admission lookups in the kubelet's PodResources API during preference calls, by "
@@ -157,14 +160,23 @@ class OwnershipService:
         self.refreshed.set()
         return self.latest
 
-    async def _first_reading(self) -> None:
-        """The full reading a decision after a start needs, bounded by `poll_timeout`; on failure the lookup goes
-        on with what it has (its own List becomes the baseline, see `Listings.apply`)."""
+    async def _first_reading(self) -> bool:
+        """The full reading a decision after a start needs. The first lookup waits for it at most `poll_timeout`,
+        and so do the lookups within that same window; after it, a lookup starts (or joins) the reading and waits
+        at most `lookup_timeout`: a kubelet that accepts and never answers costs one first-reading wait, not one
+        per call (it would be paid by every admission for as long as the kubelet hangs). True: go on (the
+        reading is in, or the kubelet refused at once and the lookup's own List becomes the baseline, see
+        `Listings.apply`); False: no answer in time, the lookup fails as a time-out without a List of its own."""
+        now = self.monotonic()
+        if self._first_wait_ends is None:
+            self._first_wait_ends = now + self.poll_timeout
         try:
-            if await asyncio.wait_for(self.refresh(), self.poll_timeout) is None:
+            if await asyncio.wait_for(self.refresh(), max(self._first_wait_ends - now, self.lookup_timeout)) is None:
                 log.debug("admission lookup before the first reading: the kubelet did not answer")
         except TimeoutError:
-            log.debug("admission lookup before the first reading: no reading within %.1f s", self.poll_timeout)
+            log.debug("admission lookup before the first reading: no reading in time")
+            return False
+        return True
 
     async def run(self, stop: asyncio.Event) -> None:
         """Poll until `stop`; never raises for a kubelet that is away (that is `pod_resources_up` 0)."""
@@ -226,8 +238,9 @@ class OwnershipService:
         """One List (at most), waited on for `lookup_timeout`: the container under admission for `resource`.
         `alike`: whether several candidates lead to the same placement anyway (then no spec is fetched)."""
         partner_names = frozenset(partners)
-        if not self.read_fully:  # the first call after a start: never decide against "everything is free"
-            await self._first_reading()
+        if not self.read_fully and not await self._first_reading():  # never decide against "everything is free"
+            self._lookups.labels("failed").inc()
+            return Lookup(None, "timeout")
         started = self.monotonic()
         listing = self._list(max(LATE_S, self.lookup_timeout), patient=False, lookup=True, started=started)
         try:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
+from agent import aio
 from agent.clock import Clock, SystemClock
 from agent.config.remediation import RemediationConfig
 from agent.host.kmsg import read_boot_id
@@ -172,14 +173,8 @@ class RemediationService:
         seen = 0
         while not stop.is_set():
             newer = asyncio.ensure_future(self.verdicts.wait_newer(seen))
-            stopper = asyncio.ensure_future(stop.wait())
-            try:
-                await asyncio.wait({newer, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                stopper.cancel()
-                if not newer.done():
-                    newer.cancel()
-            if not newer.done() or newer.cancelled():
+            await aio.wait_any(stop, newer)
+            if newer.cancelled():
                 return  # stop won
             seen, verdict = newer.result()  # the latest: verdicts published meanwhile are superseded
             if verdict != self.inputs.health:

@@ -26,6 +26,7 @@ from agent.kube.port import EventApi
 from agent.netacct.pods import PodSource
 from agent.shaping.collector import ShapingCollector
 from agent.shaping.engine import Shaper, SyncReport
+from agent.supervisor import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +55,19 @@ class ShapingService:
     async def run(self, stop: asyncio.Event) -> None:
         """Sync now, then on every pod change, retry delay and sync interval, until `stop` is set."""
         source = asyncio.create_task(self.pods.run(stop), name="shaping-pods") if self.owns_source else None
-        backoff = self.backoff_initial
+        # doubling from `backoff_initial` up to the sync interval, the wait a healthy round takes anyway
+        backoff = Backoff(self.backoff_initial, max(self.backoff_initial, self.config.sync_interval_seconds))
         try:
             while not stop.is_set():
                 version, pods = self.pods.snapshot()
                 try:
                     report = await asyncio.to_thread(self.shaper.sync, pods)
                 except Exception as exc:  # one failure must not end shaping; the next round retries
-                    log.error("shaping: sync failed, retrying in %.1f s: %s", backoff, exc,
+                    wait = backoff.next()
+                    log.error("shaping: sync failed, retrying in %.1f s: %s", wait, exc,
                               exc_info=not isinstance(exc, (TcError, OSError)))
-                    wait, backoff = backoff, min(backoff * 2, self.config.sync_interval_seconds)
                 else:
-                    backoff = self.backoff_initial
+                    backoff.reset()
                     unsettled = report.count("pending") + report.count("error")
                     wait = self.config.retry_seconds if unsettled else self.config.sync_interval_seconds
                     if pods is not None:
@@ -79,12 +81,7 @@ class ShapingService:
 
     async def _wait(self, stop: asyncio.Event, version: int, timeout: float) -> bool:
         """Wait for a pod change, `timeout` or stop; True when the pods changed."""
-        changed = asyncio.create_task(self.pods.wait_changed(version, timeout))
-        stopped = asyncio.create_task(stop.wait())
-        try:
-            await asyncio.wait({changed, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            await aio.cancel_and_wait(changed, stopped)
+        await aio.wait_any(stop, self.pods.wait_changed(version, timeout))
         return self.pods.snapshot()[0] != version
 
     async def _report_problems(self, report: SyncReport) -> None:

@@ -1,4 +1,5 @@
-"""A simulated node: a profile's sysfs tree written to disk, its NVML identities, and its NCCL XML if any.
+"""A simulated node: a profile's sysfs tree written to disk, its NVML identities, its NCCL XML if any, and the files
+the NVIDIA driver keeps under /proc (the MIG capability minors) in a `proc` directory of its own.
 
 The agent's real readers then run on it unchanged, which is the point: `--simulate` exercises the same code
 paths as a real host, only the sources differ.
@@ -10,9 +11,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.host.driver_files import PROC_ROOT
 from agent.host.nvml import MigInfo, SimulatedNvml, mig_profile_name
 from agent.host.nvml.simulated import SimDriver, SimGpuModel, SimMigProfile
-from agent.simulate import profiles, sysfs_writer
+from agent.simulate import nvidia_caps, profiles, sysfs_writer
 from agent.topology.load import load_topology
 from agent.topology.model import Topology
 
@@ -24,6 +26,12 @@ class SimulatedNode:
     profile: profiles.Profile
     sysfs_root: Path
     nvml: SimulatedNvml
+    proc_root: Path | None = None  # what plays /proc (the driver's files), when written
+
+    @property
+    def driver_proc_root(self) -> str:
+        """Where the agent reads the driver's /proc files: the node's own, or the host's when none was written."""
+        return str(self.proc_root) if self.proc_root is not None else PROC_ROOT
 
     @property
     def topology_file(self) -> Path | None:
@@ -97,15 +105,21 @@ def simulated_nvml(profile: profiles.Profile, overrides_dir: Path | None = None)
                          mig=profile.gpu_mig, mig_devices=mig, driver=driver)
 
 
-def build_simulated_node(name: str, root: Path, nvml_overrides: Path | None = None) -> SimulatedNode:
+def build_simulated_node(name: str, root: Path, nvml_overrides: Path | None = None,
+                         proc_root: Path | None = None) -> SimulatedNode:
     """Write profile `name` as a sysfs tree under `root` (and create `nvml_overrides`, where NVML override files
-    are read, when given). Raises profiles.UnknownProfileError."""
+    are read, when given; write the driver's /proc files under `proc_root` when given, for a node with GPUs).
+    Raises profiles.UnknownProfileError."""
     profile = profiles.load_profile(name)
     root.mkdir(parents=True, exist_ok=True)
     sysfs_writer.write_sysfs(profile, root)
     if nvml_overrides is not None:
         nvml_overrides.mkdir(parents=True, exist_ok=True)
-    return SimulatedNode(profile=profile, sysfs_root=root, nvml=simulated_nvml(profile, nvml_overrides))
+    nvml = simulated_nvml(profile, nvml_overrides)
+    if proc_root is not None and profile.gpu_uuids:  # the driver (and its files) is loaded only with GPUs
+        # minors as the driver numbers its GPUs, which the simulated NVML reports too
+        nvidia_caps.write_mig_minors(proc_root, range(len(profile.gpu_uuids)))
+    return SimulatedNode(profile=profile, sysfs_root=root, nvml=nvml, proc_root=proc_root)
 
 
 def simulated_topology(name: str, root: Path) -> Topology:

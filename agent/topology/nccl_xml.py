@@ -26,6 +26,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from agent.config.files import read_regular
 from agent.host.busid import BusIdError, normalize_bus_id
 from agent.topology.model import Location, Topology
 
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 SOURCE = "sysfs+nccl-xml"
 
 
+MAX_FILE_BYTES = 16 << 20  # an NCCL topology of the largest node is tens of KiB
 MAX_PCI_DEPTH = 32
 
 
@@ -58,7 +60,10 @@ def _read(path_or_text: str | Path) -> tuple[str, str]:
         return "<text>", path_or_text
     origin = str(path_or_text)
     try:
-        return origin, Path(path_or_text).read_text(encoding="utf-8")
+        raw = read_regular(path_or_text, MAX_FILE_BYTES)  # a FIFO never answers an open; /dev/zero never ends
+        if len(raw) > MAX_FILE_BYTES:
+            raise TopologyXmlError(f"{origin}: larger than {MAX_FILE_BYTES} bytes: not an NCCL topology file")
+        return origin, raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise TopologyXmlError(f"{origin}: cannot read NCCL topology file: {exc}") from None
 

@@ -21,7 +21,7 @@ def _numa(value: int | None) -> int:
 
 
 def to_json(topology: Topology) -> dict[str, Any]:
-    """The `topology --json` document: GPUs, RDMA physical functions, GPU->NIC levels."""
+    """The `topology --json` document: GPUs (each with its MIG devices), RDMA physical functions, GPU->NIC levels."""
     nics = topology.rdma_nics
     gpus: list[dict[str, Any]] = []
     for gpu in topology.gpus:
@@ -29,6 +29,9 @@ def to_json(topology: Topology) -> dict[str, Any]:
         if gpu.uuid:
             entry["uuid"] = gpu.uuid
         entry["pcie_root"] = gpu.location.root
+        entry["mig_devices"] = [{"uuid": mig.uuid, "profile": mig.profile, "gpu_instance": mig.gpu_instance,
+                                 "compute_instance": mig.compute_instance, "parent_uuid": gpu.uuid}
+                                for mig in gpu.mig_devices]  # NVML's order; empty unless in MIG mode
         gpus.append(entry)
     return {
         "source": topology.source,
@@ -76,7 +79,10 @@ def to_matrix(topology: Topology) -> str:
         lines += [f"  NIC{i}: {nic.rdma} ({nic.bus_id}, {len(nic.vfs)} VFs)" for i, nic in enumerate(nics)]
     if topology.gpus:
         lines += ["", "GPU Legend:", ""]
-        lines += [f"  GPU{g.index}: {g.bus_id} {g.uuid or '(UUID unknown: NVML unavailable)'}"
-                  for g in topology.gpus]
+        for g in topology.gpus:
+            lines.append(f"  GPU{g.index}: {g.bus_id} {g.uuid or '(UUID unknown: NVML unavailable)'}")
+            # a MIG device sits where its parent sits: its row in the matrix is the parent's
+            lines += [f"    MIG {m.profile} GI {m.gpu_instance} CI {m.compute_instance}: {m.uuid}"
+                      for m in g.mig_devices]
     lines.append(f"\nSource: {topology.source}")
     return "\n".join(lines)

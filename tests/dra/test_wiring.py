@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from agent.config.model import AgentConfig, DevicePluginConfig, DraConfig
-from agent.wiring import device_plugin_beside_dra
+from agent.node import device_plugin_beside_dra
 
 
 def test_dra_takes_gpus_and_rdma_and_the_device_plugin_steps_aside() -> None:

@@ -87,6 +87,7 @@ class Node:
     watched: PodSpecs | None = None  # pod specs from a real own-node pod watch instead of `specs`
     pod_lookup: PodLookupApi | None = None
     fetch_late_s: float = 30.0  # a fetch's own bound: generous, the tests hold answers on purpose
+    config_changes: dict[str, object] = field(default_factory=dict)  # device-plugin settings (time-slicing...)
 
     def __post_init__(self) -> None:
         self.kubelet = LocalKubelet(self.directory / "dp", rng=random.Random(7),  # noqa: S311
@@ -98,9 +99,11 @@ class Node:
     def clock(self) -> Callable[[], float]:
         return time.monotonic if self.real_clock else (lambda: self.now)
 
-    async def start_agent(self, *, first_poll: bool = True) -> None:
+    async def start_agent(self, *, first_poll: bool = True, poll_first: bool = False) -> None:
         """A (re)started agent: a fresh manager, allocator and ownership service. `first_poll` False: the ownership
-        poll's first reading has not come back when the kubelet starts calling (the race after a restart)."""
+        poll's first reading has not come back when the kubelet starts calling (the race after a restart).
+        `poll_first`: the poll's first reading comes before the plugins (re)register, as the agent's ownership
+        subsystem starts beside the device plugins (the kubelet then has none of their devices as allocatable)."""
         assert self.kubelet.pod_resources is not None
         self.registry = registry = CollectorRegistry()
         client = KubeletPodResources(self.kubelet.pod_resources.socket_path,
@@ -111,18 +114,20 @@ class Node:
                                                                       late_s=self.fetch_late_s)
         self.service = OwnershipService(client, pod_specs=specs, registry=registry,
                                         lookup_timeout=self.lookup_timeout, spec_fetcher=fetcher)
-        config = dp_config(str(self.directory / "dp"), serve_gpus=self.serve_gpus)
+        config = dp_config(str(self.directory / "dp"), serve_gpus=self.serve_gpus, **self.config_changes)
         self.manager = DevicePluginManager(config, self.topology, registry=registry, **FAST,
                                            plugin_registry_dir=str(self.directory / "reg"),
                                            cdi_spec_dir=str(self.directory / "cdi"))
         self.manager.use_ownership(OwnershipFacts(self.service, self.manager.pools, GPU))
         ours = (GPU, NIC) if self.serve_gpus else (NIC,)
         before = {r: self.kubelet.plugins.get(r) for r in ours}  # a restart: wait for the new registrations
+        if poll_first:
+            await self.service.refresh()
         await self.manager.start()
         await self.kubelet.wait_for(lambda: all(r in self.kubelet.plugins and self.kubelet.plugins[r].lists > 0
                                                 and self.kubelet.plugins[r].connected for r in (GPU, NIC))
                                     and all(self.kubelet.plugins[r] is not before[r] for r in ours))
-        if first_poll:
+        if first_poll and not poll_first:
             await self.service.refresh()  # what the ownership subsystem does first
 
     async def stop_agent(self) -> None:

@@ -10,7 +10,8 @@ stand-in for NVIDIA's plugin): pairing from the kubelet's records alone, bursts,
 - rule 5: without the partner, VFs under switches with free GPUs (or the candidates' GPUs); fallbacks counted;
 - rule 1, ordering: a pod listed before another appeared has finished admission (joint mode, no API access);
 - rule 6: right after an agent restart, before the ownership poll's first reading, a NIC-first container gets a
-  VF under the one free GPU, not under GPUs held since before the restart;
+  VF under the one free GPU, not under GPUs held since before the restart; also (joint mode) when the poll's
+  first reading came before the plugins registered again;
 - rule 7: allocations counted by level, and none counted as a missed PIX.
 """
 
@@ -179,6 +180,26 @@ async def test_right_after_a_restart_a_nic_first_container_goes_under_a_free_gpu
     picks.next = freed
     got = await node.kubelet.admit({GPU: 1, NIC: 1}, order=[GPU, NIC], pod=node.pod("gpu-first", {GPU: 1, NIC: 1}))
     assert got[GPU] == [freed] and pix(node.topology, freed, got[NIC][0]), got
+
+
+@pytest.mark.parametrize("api", [True, False], ids=["pod-specs", "no-api"])
+async def test_after_a_restart_whose_first_poll_beat_the_registration_a_nic_first_container_takes_the_free_pair(
+        node_factory, api: bool) -> None:
+    """Issue 37 item 7 (joint mode): the ownership poll's first reading after a restart comes before the device
+    plugins register again, so the kubelet's allocatable has none of the agent's devices. Pods from before the
+    restart hold every GPU but one; the NIC-first container must take a VF under that GPU's switch."""
+    node = await node_factory(serve_gpus=True, api=api, profile="dgx-h100")
+    for i in range(len(node.gpu_ids()) - 1):
+        requests = {GPU: 1, NIC: 1} if i % 2 else {GPU: 1}
+        await node.kubelet.admit(requests, order=[GPU, NIC][:len(requests)], pod=node.pod(f"old-{i}", requests))
+    (last,) = node.free(GPU)
+    for _ in range(2):
+        await node.stop_agent()
+        await node.start_agent(poll_first=True)
+    assert node.service is not None and node.service.read_fully
+    got = await node.kubelet.admit({GPU: 1, NIC: 1}, order=[NIC, GPU], pod=node.pod("nic-first", {GPU: 1, NIC: 1}))
+    assert got[GPU] == [last] and pix(node.topology, last, got[NIC][0]), got
+    offered_only(node)
 
 
 async def test_a_burst_of_sixteen_containers_all_pair_within_the_rate_limit(node_factory) -> None:

@@ -6,7 +6,8 @@ client, pod specs as the own-node pod watch gives them) which devices of the oth
 holds. Checked on churn with 20 % single-resource pods and an agent restart in the middle:
 - joint mode (the agent serves GPUs and VFs): every GPU+NIC container is PIX whenever a PIX pair was free when
   its admission started; also with two restarts each answered before the ownership poll's first reading (the
-  first lookup takes the full reading itself), with and without pod specs;
+  first lookup takes the full reading itself), with and without pod specs, and with two restarts whose poll's
+  first reading came before the plugins registered again (the kubelet had none of their devices allocatable);
 - NIC-only mode (a stand-in for NVIDIA's plugin serves GPUs by UUID and picks them itself): every container
   whose GPU came first gets a PIX VF whenever one under its GPU's switch was free;
 - no preference ever names a device the kubelet did not offer;
@@ -26,8 +27,8 @@ from tests.ownership.rig import GPU, NIC, Node, node_factory, offered_only, pix
 __all__ = ["node_factory"]  # the fixture
 
 
-async def churn(node: Node, steps: int, seed: int, restarts: tuple[float, ...] = (0.5,),
-                first_poll: bool = True) -> dict[str, list[bool]]:
+async def churn(node: Node, steps: int, seed: int, restarts: tuple[float, ...] = (0.5,), *,
+                first_poll: bool = True, poll_first: bool = False) -> dict[str, list[bool]]:
     """Admit and end pods; per kind of GPU+NIC admission ('gpu-first'/'nic-first'), whether the promise held.
     The agent restarts at each of `restarts` (fractions of `steps`); the kubelet keeps its records."""
     rng = random.Random(seed)  # noqa: S311
@@ -38,7 +39,7 @@ async def churn(node: Node, steps: int, seed: int, restarts: tuple[float, ...] =
         node.now += 0.1
         if step in restart_steps:
             await node.stop_agent()
-            await node.start_agent(first_poll=first_poll)
+            await node.start_agent(first_poll=first_poll, poll_first=poll_first)
         if live and (len(live) >= 6 or rng.random() < 0.35):
             node.kubelet.end_pod(*live.pop(rng.randrange(len(live))))
             continue
@@ -83,6 +84,22 @@ async def test_joint_mode_two_restarts_before_the_first_poll_every_pair_is_pix_w
     assert all(held["gpu-first"]), held
     assert all(held["nic-first"]), held
     assert node.service is not None and node.service.read_fully  # the first lookup took the full reading
+    offered_only(node)
+
+
+@pytest.mark.parametrize("api", [True, False], ids=["pod-specs", "no-api"])
+async def test_joint_mode_two_restarts_with_the_first_poll_before_registration_every_pair_is_pix(
+        node_factory, api: bool) -> None:
+    """Issue 37 item 7: the ownership poll's first reading after each restart comes before the device plugins
+    register again, when the kubelet has none of the agent's devices as allocatable (a disconnected plugin's
+    devices are unhealthy until its successor's first ListAndWatch). 36 GPU+NIC containers, every one PIX
+    whenever a free GPU and a free VF shared a switch."""
+    node = await node_factory(serve_gpus=True, api=api, profile="dgx-h100")
+    held = await churn(node, steps=100, seed=30, restarts=(1 / 3, 2 / 3), poll_first=True)
+    pairs = held["gpu-first"] + held["nic-first"]
+    assert len(pairs) >= 36 and held["nic-first"], held
+    assert all(held["gpu-first"]), held
+    assert all(held["nic-first"]), held
     offered_only(node)
 
 

@@ -59,7 +59,7 @@ def test_subprocesses_run_only_in_the_host_ports_and_the_iptables_port():
 SOURCES = ("agent.topology", "agent.host", "agent.simulate.profiles", "agent.simulate.sysfs_writer",
            "agent.simulate.sysfs_tree", "agent.config", "agent.signals", "agent.placement")
 CONSUMERS = ("agent.deviceplugin", "agent.dra", "agent.health", "agent.remediation", "agent.netacct", "agent.shaping",
-             "agent.kube", "agent.app", "agent.wiring", "agent.doctor", "agent.cli")
+             "agent.labels", "agent.kube", "agent.app", "agent.wiring", "agent.doctor", "agent.cli")
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -87,6 +87,9 @@ def test_sources_never_import_consumers(source):
                     "agent.dra")),
     # health publishes device health and verdicts (agent.signals); it never reaches into the subsystems acting on them
     ("agent.health", ("agent.deviceplugin", "agent.remediation", "agent.netacct", "agent.kube")),
+    # node labels read the model, the ports and device health (agent.signals); they act through agent.kube only
+    ("agent.labels", ("agent.deviceplugin", "agent.dra", "agent.remediation", "agent.netacct", "agent.shaping",
+                      "agent.health", "agent.ownership")),
 ])
 def test_consumers_stay_apart(package, forbidden):
     for module, imports in MODULES.items():
@@ -211,7 +214,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # decisions over the model
     ("agent.placement", "agent.ownership", "agent.health"),
     # consumers that act
-    ("agent.deviceplugin", "agent.dra", "agent.remediation", "agent.netacct", "agent.shaping"),
+    ("agent.deviceplugin", "agent.dra", "agent.remediation", "agent.netacct", "agent.shaping", "agent.labels"),
     # the composition root, the choice between real and simulated hardware it makes, the one opened node every
     # command works from (`agent.node`: mode defaults, hardware, node paths), and the node self-check (`doctor`)
     # that opens the same node and runs the readers below once; the simulated node's sample admissions, a client

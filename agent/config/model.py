@@ -14,6 +14,7 @@ from agent.config.address import parse_address
 from agent.config.fields import PROJECT_DOMAIN, setting
 from agent.config.files import check_dirs, check_files
 from agent.config.health import HealthConfig
+from agent.config.labels import NodeLabelsConfig
 from agent.config.names import check_node_name
 from agent.config.netacct import NetacctConfig
 from agent.config.remediation import RemediationConfig, check_sentinel_path
@@ -333,6 +334,8 @@ class AgentConfig:
     remediation: RemediationConfig = setting(factory=RemediationConfig, help="actions on this node's API objects")
     netacct: NetacctConfig = setting(factory=NetacctConfig, help="network traffic accounting")
     shaping: ShapingConfig = setting(factory=ShapingConfig, help="per-pod internet bandwidth shaping")
+    node_labels: NodeLabelsConfig = setting(factory=NodeLabelsConfig,
+                                            help="node labels for schedulers (NFD NodeFeature or the Node)")
 
 
     def check(self) -> None:

@@ -169,6 +169,18 @@ def profile_tree(profile: Profile) -> SysfsTree:
     return tree
 
 
+def _config_space(m: Model) -> bytes:
+    """The 256-byte PCI configuration space root reads: ids, class, and a capability list holding one power
+    management capability (no vendor-specific one: a bare-metal GPU, not a vGPU)."""
+    space = bytearray(256)
+    space[0:2], space[2:4] = int(m.vendor, 16).to_bytes(2, "little"), int(m.device, 16).to_bytes(2, "little")
+    space[6] = 0x10  # status: capability list present
+    space[9:12] = int(m.pci_class, 16).to_bytes(3, "little")  # prog-if, subclass, class
+    space[0x34] = 0x60
+    space[0x60:0x62] = bytes((0x01, 0x00))  # PM capability, end of list
+    return bytes(space)
+
+
 def _write_function(tree: SysfsTree, profile: Profile, f: SimFunction) -> None:
     base, m = f.path, f.model
     numa = "-1" if f.numa_node is None else str(f.numa_node)
@@ -179,6 +191,7 @@ def _write_function(tree: SysfsTree, profile: Profile, f: SimFunction) -> None:
         ("current_link_speed", m.current_link_speed), ("current_link_width", m.current_link_width),
     ):
         tree.add_file(base / name, f"{text}\n")
+    tree.add_file(base / "config", _config_space(m))
     tree.add_symlink_to(f"bus/pci/devices/{f.bdf}", base)
     if f.pf is None:
         for kind, lines in AER_FILES.items():

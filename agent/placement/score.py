@@ -6,11 +6,11 @@ is what lets the search find the exact optimum by dynamic programming over count
 
 Terms, for the chosen set S of the requested kind ("units" are NIC VFs, or VF-less PFs):
 
-- alignment[L] (L = PIX..SYS): GPU-NIC pairs at level <= L in a best one-to-one matching of S with its
-  partners. Partners are the devices of the other kind just allocated to this container (the admission
-  context) or, when there are none, the free devices of the other kind (all of them when unknown). Compared
-  from PIX up, so this is the per-GPU level histogram: most PIX first, then most PXB, and so on.
-- locality[L] (L = NODE, PHB, PXB, PIX): pairs within S at level <= L. Compared from NODE down, which is
+- alignment[L] (L = PIX..SYS; P2C between PXB and PHB): GPU-NIC pairs at level <= L in a best one-to-one
+  matching of S with its partners. Partners are the devices of the other kind just allocated to this container
+  (the admission context) or, when there are none, the free devices of the other kind (all of them when
+  unknown). Compared from PIX up, so this is the per-GPU level histogram: most PIX first, then most PXB, and so on.
+- locality[L] (L = NODE, PHB, P2C, PXB, PIX): pairs within S at level <= L. Compared from NODE down, which is
   "fewest SYS pairs, then fewest NODE pairs, ...": the worst pairwise level first.
 - spread: pairs of units of S on different PFs. Largest when S uses as many PFs as it can, as evenly as
   it can: one VF per PF up to the number of PFs, then two, and so on.

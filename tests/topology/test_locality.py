@@ -183,3 +183,16 @@ def test_vpd_round_trip_and_damage():
     for bad in (image[:5], image[:-3] + b"\x00" + image[-2:], b"\x82\x01\x00x\x78", b"\x90\xff\xff"):
         with pytest.raises(VpdError):
             vpd_keywords(bad)
+
+
+def test_doctor_warns_about_an_unreadable_vpd(tmp_path, capsys):
+    root = _tree(tmp_path, "gb300-cx8")
+    assert cli.main(["doctor", "--sysfs-root", str(root), "--json"]) in (0, 1)
+    rows = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert rows["sysfs.locality"]["status"] == "ok"
+    assert "data-direct 4" in rows["sysfs.locality"]["detail"]
+    (root / "bus/pci/devices/0018:03:00.0/vpd").write_bytes(b"\x82\xff\xff")
+    assert cli.main(["doctor", "--sysfs-root", str(root), "--json"]) in (0, 1)
+    rows = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert rows["sysfs.locality"]["status"] == "warn"
+    assert "0018:03:00.0/vpd" in rows["sysfs.locality"]["detail"] and rows["sysfs.locality"]["fix"]

@@ -69,9 +69,10 @@ class Term(enum.Enum):
 
 Field = tuple[Term, Level | None]
 
-_UP = (Level.PIX, Level.PXB, Level.PHB, Level.NODE, Level.SYS)
+_UP = (Level.PIX, Level.PXB, Level.P2C, Level.PHB, Level.NODE, Level.SYS)  # P2C: Grace/Vera C2C nodes
 _ALIGNMENT: list[Field] = [(Term.ALIGNMENT, level) for level in _UP]
-_LOCALITY: list[Field] = [(Term.LOCALITY, level) for level in (Level.NODE, Level.PHB, Level.PXB, Level.PIX)]
+_LOCALITY: list[Field] = [(Term.LOCALITY, level) for level in (Level.NODE, Level.PHB, Level.P2C, Level.PXB,
+                                                                Level.PIX)]
 _PROXIMITY: list[Field] = [(Term.PROXIMITY, level) for level in _UP]
 _CLUSTERING: list[Field] = [(Term.FREE_CLUSTERING, level) for level in _UP[:-1]]
 _SPREAD: list[Field] = [(Term.SPREAD, None)]
@@ -134,12 +135,20 @@ def _node_weights(mode: Mode, tree: PcieTree) -> NodeWeights:
     spread = weight.get((Term.SPREAD, None), 0)
     result: list[_NodeWeights | None] = []
     for index, node in enumerate(tree.nodes):
-        level = node.level if node.maximal else None
+        # a maximal group is the "within L" class for every L from its own level up to its parent's (exclusive):
+        # a top switch under a root complex is the class for PXB and P2C, a Grace socket's C2C group for P2C and
+        # PHB. Every count is linear in its weight, so the group's weight is the sum over those levels.
+        covered = [] if not node.maximal else [level for level in Level if node.level <= level and (
+            node.parent < 0 or level < tree.nodes[node.parent].level)]
+
+        def of(term: Term, covered: list[Level] = covered) -> int:
+            return sum(weight.get((term, level), 0) for level in covered)
+
         weights = _NodeWeights(
-            alignment=weight.get((Term.ALIGNMENT, level), 0),
-            locality=weight.get((Term.LOCALITY, level), 0),
-            proximity=weight.get((Term.PROXIMITY, level), 0),
-            clustering=weight.get((Term.FREE_CLUSTERING, level), 0),
+            alignment=of(Term.ALIGNMENT),
+            locality=of(Term.LOCALITY),
+            proximity=of(Term.PROXIMITY),
+            clustering=of(Term.FREE_CLUSTERING),
             spread=spread if index == 0 else -spread if node.pf != NO_PF else 0,
             pix_left=weight[(Term.PIX_PAIRS_LEFT, None)] if node.under_switch else 0,
         )

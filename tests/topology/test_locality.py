@@ -159,8 +159,8 @@ def test_vfs_follow_the_dma_function_unless_switched_off(tmp_path, capsys):
 
 def test_bluefield_and_x86_root_ports_are_not_c2c(tmp_path, capsys):
     doc = _doc(capsys, "--simulate", "gb200-cx7")
-    bf3 = {n["pci"]: n for n in doc["nics"]}["0006:01:00.0"]
-    assert bf3["gpu_direct_group"] is None and doc["links"]["0008:01:00.0"]["0006:01:00.0"] == "NODE"
+    bf3 = {n["pci"]: n for n in doc["nics"]}["0001:01:00.0"]
+    assert bf3["gpu_direct_group"] is None and doc["links"]["0008:01:00.0"]["0001:01:00.0"] == "NODE"
     root = _tree(tmp_path, "gb200-cx7")
     for port in root.glob("devices/pci*/*:00:00.0"):  # the same tree behind x86 root ports
         (port / "vendor").write_text("0x8086\n")

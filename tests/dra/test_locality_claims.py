@@ -67,3 +67,17 @@ async def test_one_match_attribute_on_the_group_pairs_every_gpu_with_its_nic(
         in_use |= {(r["driver"], r["pool"], r["device"]) for r in results.values()}
         claims += 1
     assert claims == SHAPES[profile][1]
+
+
+def test_mig_devices_carry_their_gpus_group(tmp_path_factory: pytest.TempPathFactory) -> None:
+    import dataclasses
+
+    from agent.topology.model import MigDevice
+    base = profile_topology("gb300-cx8", tmp_path_factory)
+    gpu = dataclasses.replace(base.gpus[0], mig_enabled=True, mig_devices=(
+        MigDevice(uuid="MIG-a", index=0, gpu_instance=1, compute_instance=0, profile="1g.23gb"),))
+    devices = node_devices(dataclasses.replace(base, gpus=(gpu, *base.gpus[1:])), RDMA_RESOURCE)
+    mig = next(d for d in devices if d.kind == "mig")
+    assert mig.attributes[GROUP] == {"string": gpu.gpu_direct_group}
+    assert mig.attributes[PATH] == {"string": "data-direct"}
+    assert any(d.kind == "rdma" and d.attributes.get(GROUP) == mig.attributes[GROUP] for d in devices)

@@ -196,3 +196,23 @@ def test_doctor_warns_about_an_unreadable_vpd(tmp_path, capsys):
     rows = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
     assert rows["sysfs.locality"]["status"] == "warn"
     assert "0018:03:00.0/vpd" in rows["sysfs.locality"]["detail"] and rows["sysfs.locality"]["fix"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "huge"])
+def test_a_hostile_vpd_neither_blocks_nor_floods_the_scan(tmp_path, capsys, kind):
+    """A FIFO planted as `vpd` is refused without blocking; a 1 GiB sparse one is read up to the 32 KiB VPD limit."""
+    import os
+    import time
+    root = _tree(tmp_path, "gb300-cx8")
+    vpd = root / "bus/pci/devices/0009:03:00.0/vpd"
+    vpd.unlink()
+    if kind == "fifo":
+        os.mkfifo(vpd)
+    else:
+        with open(vpd, "wb") as f:
+            f.truncate(1 << 30)
+    start = time.monotonic()
+    doc, err = _run(capsys, "--sysfs-root", str(root))
+    assert time.monotonic() - start < 5
+    assert {n["pci"]: n for n in doc["nics"]}["0000:03:00.0"]["data_direct_function"] is None
+    assert sum("0009:03:00.0" in line and "vpd" in line for line in err.splitlines()) == 1

@@ -45,6 +45,10 @@ class TopologyConfig:
     rescan_interval_seconds: float = setting(
         300.0, flag="--rescan-interval", env="GPU_NODE_AGENT_RESCAN_INTERVAL",
         floor=RESCAN_FLOOR_S, help="seconds between hardware rescans (SIGHUP rescans at once, at most once a second)")
+    data_direct_vfs: bool = setting(
+        True, flag="--data-direct-vfs", env="GPU_NODE_AGENT_DATA_DIRECT_VFS",
+        help="place the VFs of a ConnectX-8 Data Direct NIC at its DMA function, like the PF (false: by the VF's "
+             "own path; set false unless Data Direct was enabled per VF in firmware)")
 
 
 @dataclass

@@ -154,9 +154,9 @@ def netacct(ctx: Context) -> Check:
     (a throw-away table) is the agent's own start-up step, not the doctor's."""
     if not ctx.cfg.netacct.enabled:
         return skip("netacct", "network accounting off")
-    from agent.netacct.backend import CommandError, Host
+    from agent.host.netfilter import CommandError, Host
+    from agent.host.nft_netlink import NftReader
     from agent.netacct.nft_layout import TABLE
-    from agent.netacct.nft_netlink import NftReader
 
     layout = ctx.cfg.netacct.layout
     host = Host(timeout=3.0)

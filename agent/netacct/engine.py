@@ -41,8 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agent.config.netacct import NetacctConfig
+from agent.host.netfilter import FAMILIES, MODES, CommandError, Host, Snapshot
 from agent.netacct import ipsets, nft_layout, nft_probe, repair, rules
-from agent.netacct.backend import FAMILIES, MODES, CommandError, Host, Snapshot
 from agent.netacct.carry import Carry, OldRaw
 from agent.netacct.carry import plan as carry_plan
 from agent.netacct.counters import CounterBook, Counts, PodKey

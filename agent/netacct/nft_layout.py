@@ -36,9 +36,9 @@ import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from agent.host.nft_netlink import SET_INTERVAL, ChainInfo, Counts, Elements, Range, SetInfo, merge
 from agent.netacct import ipsets
 from agent.netacct.carry import Carry
-from agent.netacct.nft_netlink import SET_INTERVAL, ChainInfo, Counts, Elements, Range, SetInfo, merge
 
 TABLE = "gpu_node_agent_netacct"
 PRIORITY = -300

@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
+from agent.host.netfilter import Host
+from agent.host.nft_netlink import Elements
 from agent.netacct import ipsets, nft_layout
-from agent.netacct.backend import Host
 from agent.netacct.carry import Carry, OldRaw
 from agent.netacct.counters import CounterBook, Counts, Source
 from agent.netacct.nft_layout import NftPlan, NftState
-from agent.netacct.nft_netlink import Elements
 
 log = logging.getLogger(__name__)
 

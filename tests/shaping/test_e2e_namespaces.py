@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 
 from agent.config.netacct import DEFAULT_INTERNAL_CIDRS, NetacctConfig
+from agent.host.netfilter import Host
 from agent.host.tc_netlink import NetlinkTc
-from agent.netacct.backend import Host
 from agent.netacct.engine import Netacct
 from agent.netacct.pods import Pod, make_pod
 from agent.shaping.engine import Shaper

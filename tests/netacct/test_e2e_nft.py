@@ -188,8 +188,8 @@ def test_repairs_tampering_and_rebuilds_an_incompatible_set(topology: netns.Topo
     engine.sync(pods())
     assert POD4 in netns.nft_members(node, "rx_inet4")
     listed = netns.nft_table(node) or ""
-    state = engine.native.read(full=True)
-    shape = nft_layout.classifiers(engine.native.networks, engine.native.members(state), (4, 6))
+    state = engine.nft.read(full=True)
+    shape = nft_layout.classifiers(engine.nft.networks, engine.nft.members(state), (4, 6))
     assert all(f'comment "{rule.comment}"' in listed for rules in nft_layout.desired_rules(shape).values()
                for rule in rules)
     now = series(registry)

@@ -355,3 +355,31 @@ def test_the_package_check_finds_a_cycle_the_module_graph_does_not_have():
                "agent.host.nvml": set()}
     assert _cycles(modules) == []
     assert _cycles(_package_graph(_package_edges(modules))) == [["agent.host", "agent.simulate"]]
+
+
+LAYOUT_NAMES = {"nft", "iptables"}  # netacct's layouts, as the config and the `layout` label name them
+
+
+def _layout_switches(tree: ast.AST) -> list[int]:
+    """Lines comparing a value with a layout name (`layout == "nft"`, `layout in ("auto", "nft")`)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            values = [elt for op in operands for elt in (op.elts if isinstance(op, ast.Tuple | ast.List | ast.Set)
+                                                         else [op])]
+            if any(isinstance(v, ast.Constant) and v.value in LAYOUT_NAMES for v in values):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_nothing_switches_on_the_netacct_layout_name():
+    """Each layout is one implementation of agent.netacct.layout.Layout, chosen once by name: the engine, the
+    service and the doctor call the chosen one and never ask which it is (the seam a further layout plugs into)."""
+    found = {module: lines for module, path in PATHS.items() if module.startswith("agent.")
+             and (lines := _layout_switches(ast.parse(path.read_text(), str(path))))}
+    assert not found, f"layout-name switches: {found}"
+
+
+def test_the_layout_switch_check_finds_one():
+    assert _layout_switches(ast.parse('if layout == "nft":\n    pass\nok = mode in ("auto", "iptables")\n')) == [1, 3]

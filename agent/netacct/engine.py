@@ -43,12 +43,12 @@ from dataclasses import dataclass
 
 from agent.config.netacct import NetacctConfig
 from agent.host.netfilter import FAMILIES, CommandError, Host
-from agent.netacct import ipsets, nft_probe
+from agent.netacct import ipsets
 from agent.netacct.carry import plan as carry_plan
 from agent.netacct.carry import rule_keys
 from agent.netacct.counters import CounterBook, Counts, PodKey
 from agent.netacct.iptables_table import IptablesLayout
-from agent.netacct.layout import Desired, Layout, PodMembers, SyncError, choose
+from agent.netacct.layout import Desired, Layout, PodMembers, SyncError, choose, readiness
 from agent.netacct.nft_table import NftLayout
 from agent.netacct.pods import Pod
 from agent.netacct.repair import Repairs
@@ -87,22 +87,18 @@ class Netacct:
         self.nft = NftLayout(self.host, self.book, families=self.families, networks=networks, repairs=self.repairs)
         self.iptables = IptablesLayout(config, self.host, self.book, families=self.families, networks=networks,
                                        repairs=self.repairs)
-        self._layouts: tuple[Layout, ...] = (self.nft, self.iptables)  # removal order
-        self._chosen: Layout | None = None if config.layout == "auto" else choose(config.layout, self._layouts,
-                                                                                   self._probe_nft)
+        self._layouts: tuple[Layout, ...] = (self.nft, self.iptables)  # auto's preference, and removal order
+        self._chosen: Layout | None = None if config.layout == "auto" else choose(config.layout, self._layouts)
         self._counting: Layout | None = None  # the layout that counts now (the old one while a migration waits)
         self._conflicts: set[str] = set()
         self._installed: Layout | None = None  # the layout this process has brought in line (repairs are against it)
         self._synced: dict[int, set[ipsets.Member]] = {}  # the pod addresses of that last sync
 
-    def _probe_nft(self) -> str | None:
-        return nft_probe.probe(self.host)
-
     @property
     def chosen(self) -> Layout:
         """The layout to count with (probed on first use when configured as auto)."""
         if self._chosen is None:
-            self._chosen = choose(self.config.layout, self._layouts, self._probe_nft)
+            self._chosen = choose(self.config.layout, self._layouts)
         return self._chosen
 
     @property
@@ -114,6 +110,12 @@ class Netacct:
     def mode(self) -> str:
         """The iptables backend in use (detected on first use when configured as auto)."""
         return self.iptables.mode
+
+    def readiness(self) -> str:
+        """Read-only, for the doctor: the layout this configuration would count with and what answers for it;
+        layout.NotReady when it cannot count here."""
+        with self._lock:
+            return readiness(self.config.layout, self._layouts)
 
     def close(self) -> None:
         """Release the netlink socket (rules and sets stay)."""

@@ -21,7 +21,7 @@ from agent.host.netfilter import FAMILIES, MODES, CommandError, Host, Snapshot
 from agent.netacct import ipsets, repair, rules
 from agent.netacct.carry import OldRaw
 from agent.netacct.counters import CounterBook, Counts
-from agent.netacct.layout import Desired, Members, SyncError
+from agent.netacct.layout import Desired, Members, NotReady, SyncError
 from agent.netacct.repair import Repairs
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,20 @@ class IptablesLayout:
         if ipsets.plan(snap.sets, synced, self.networks, self.families).payload:
             return True
         return any(rules.plan(rules.parse(snap.saves[f]), f).payloads for f in self.families)
+
+    def probe(self) -> str | None:
+        """The fallback of `auto`: not probed."""
+        return None
+
+    def ready(self, auto: bool) -> str:
+        """The iptables backend (detected as at start) and `ipset` answer."""
+        try:
+            mode = self.host.detect_mode()
+            names = self.host.ipset_names()
+        except CommandError as exc:
+            raise NotReady(str(exc), "install iptables and ipset (or nftables) in the image and run with NET_ADMIN "
+                                     "in the host network namespace") from exc
+        return f"iptables layout: iptables {mode} backend, ipset answers ({len(names)} sets)"
 
     def present(self) -> bool:
         """Whether any of the layout's sets exist (its chains cannot exist without them)."""

@@ -17,7 +17,7 @@ that `holds_carry` already counts what the old one counted (finish: remove the o
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,6 +32,16 @@ Members = dict[int, set[ipsets.Member]]  # pod addresses per IP family
 
 class SyncError(Exception):
     """A sync could not read or change the kernel state; the service logs it and retries."""
+
+
+class NotReady(Exception):
+    """A layout cannot count here: why, and what to do about it; `fallback`: `auto` goes on to the next layout."""
+
+    def __init__(self, why: str, fix: str, *, fallback: bool = False) -> None:
+        super().__init__(why)
+        self.why = why
+        self.fix = fix
+        self.fallback = fallback
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,14 @@ class Layout(Protocol):
     @property
     def backend(self) -> str:
         """The `backend` label of gpu_node_agent_netacct_backend_info (no detection runs for it)."""
+
+    def probe(self) -> str | None:
+        """For `auto`: None when this layout counts here (tried for real: throw-away objects, removed), else why not.
+        """
+
+    def ready(self, auto: bool) -> str:
+        """Read-only, for the doctor: what answers for this layout (one line naming it); NotReady when it cannot
+        count here. `auto`: the layout would be chosen by `auto`."""
 
     def present(self) -> bool:
         """Whether any of this layout's objects exist (False where they cannot be looked for)."""
@@ -104,15 +122,39 @@ class Layout(Protocol):
         """Remove every object of this layout (both families, wherever it could be); what was removed."""
 
 
-def choose(configured: str, layouts: Iterable[Layout], probe_nft: Callable[[], str | None]) -> Layout:
-    """The layout to count with, chosen once: the configured one, or for `auto` the native nftables layout when
-    `probe_nft()` (None, or why not) says it works here, else the iptables layout."""
-    by_name = {layout.name: layout for layout in layouts}
+def choose(configured: str, layouts: Sequence[Layout]) -> Layout:
+    """The layout to count with, chosen once: the configured one, or for `auto` the first of `layouts` (in order of
+    preference) whose probe says it counts here; the last one is the fallback and is not probed."""
     if configured != "auto":
-        return by_name[configured]
-    why = probe_nft()
-    if why is None:
-        log.info("netacct: using the native nftables layout (table inet gpu_node_agent_netacct)")
-        return by_name["nft"]
-    log.warning("netacct: the native nftables layout does not work here (%s); using the iptables layout", why)
-    return by_name["iptables"]
+        return next(layout for layout in layouts if layout.name == configured)
+    passed: list[str] = []
+    for layout in layouts[:-1]:
+        why = layout.probe()
+        if why is None:
+            log.info("netacct: using the %s layout", layout.name)
+            return layout
+        passed.append(f"the {layout.name} layout does not work here ({why})")
+    # one line saying what was chosen and why the preferred ones were not
+    log.warning("netacct: %s; using the %s layout", "; ".join(passed) or "no layout to probe", layouts[-1].name)
+    return layouts[-1]
+
+
+def readiness(configured: str, layouts: Sequence[Layout]) -> str:
+    """For the doctor, read-only: the layout `configured` names (`auto`: the first of `layouts` that answers, its
+    probe packet left to the agent's start) and what answers for it; NotReady when it cannot count here."""
+    candidates = list(layouts) if configured == "auto" else [layout for layout in layouts if layout.name == configured]
+    passed: list[str] = []
+    for layout in candidates:
+        try:
+            detail = layout.ready(auto=configured == "auto")
+        except NotReady as exc:
+            if not exc.fallback:
+                raise
+            if configured != "auto":
+                raise NotReady(f"layout {layout.name}, but {exc.why}", exc.fix) from exc
+            if layout is candidates[-1]:
+                raise
+            passed.append(f"{layout.name}: {exc.why}")
+            continue
+        return detail.replace(":", f" ({'; '.join(passed)}):", 1) if passed else detail
+    raise NotReady(f"no layout named {configured}", "set netacct.layout to auto, nft or iptables")

@@ -13,11 +13,11 @@ from collections.abc import Mapping, Sequence
 
 from agent.host.netfilter import Host
 from agent.host.nft_netlink import Elements
-from agent.netacct import ipsets, nft_layout
+from agent.netacct import ipsets, nft_layout, nft_probe
 from agent.netacct.carry import Carry, OldRaw, rule_keys
 from agent.netacct.carry import plan as carry_plan
 from agent.netacct.counters import CounterBook, Counts, Source
-from agent.netacct.layout import Desired, Members
+from agent.netacct.layout import Desired, Members, NotReady
 from agent.netacct.nft_layout import NftPlan, NftState
 from agent.netacct.repair import Repairs, missing_elements
 
@@ -47,6 +47,24 @@ class NftLayout:
     def set_names() -> list[str]:
         """The counted sets of this layout (both families)."""
         return [nft_layout.set_name(role, family) for family in (4, 6) for role in ipsets.COUNTED]
+
+    def probe(self) -> str | None:
+        """One packet through a counted set in a throw-away table (nft_probe)."""
+        return nft_probe.probe(self.host)
+
+    def ready(self, auto: bool) -> str:
+        """`nft` answers and nf_tables can be read (read-only: `auto`'s probe packet is the agent's own step)."""
+        why = self.host.nft_usable()
+        if why is not None:
+            raise NotReady(why, "install nftables in the image, or set netacct.layout: auto", fallback=True)
+        try:
+            present = self.host.nft_reader.sets() is not None
+        except OSError as exc:
+            raise NotReady(f"nf_tables cannot be read: {exc}",
+                           "run with NET_ADMIN in the host network namespace") from exc
+        table = f"table inet {nft_layout.TABLE} {'present' if present else 'not created yet'}"
+        return f"native nftables layout: nft answers, {table}" + (
+            "; auto confirms it with one probe packet at start" if auto else "")
 
     def present(self) -> bool:
         """Whether the table exists (False also where nf_tables cannot be asked)."""

@@ -28,11 +28,11 @@ from agent.config.model import DraConfig
 from agent.dra.service import DraService
 from agent.kube.cluster import connect
 from agent.kube.metrics import ApiRequestCounter
+from agent.simulate import nvidia_caps
 from agent.simulate.node import simulated_topology
 from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
 from tests.fakes.clock import FakeClock
 from tests.fakes.kubelet_dra import DraKubelet
-from tests.fakes.nvidia_caps import write_mig_minors
 
 NODE = "bench-node"
 DRIVER = "gpunodeagent.io"
@@ -49,9 +49,9 @@ async def main(claims: int, profile: str) -> None:
     port = connect(NODE, ApiRequestCounter(CollectorRegistry()), str(write_kubeconfig(root / "kc", api.url)))
     cfg = DraConfig(enabled=True, plugin_registry_dir=str(root / "reg"), plugin_dir=str(root / "dra"),
                     cdi_spec_dir=str(root / "cdi"))
-    write_mig_minors(root / "mig-minors", 8)
+    minors_file = nvidia_caps.write_mig_minors(root / "proc", range(8))
     service = DraService(cfg, port, simulated_topology(profile, root / "sys"), root / "state",
-                         mig_minors=str(root / "mig-minors"))
+                         mig_minors=str(minors_file))
     try:
         started = time.perf_counter()
         await service.publish()

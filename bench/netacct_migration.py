@@ -27,7 +27,7 @@ from agent.config.netacct import NetacctConfig
 from agent.host.ipset_netlink import SetDump
 from agent.host.netfilter import Host
 from agent.netacct.engine import Netacct
-from agent.netacct.pods import Pod, make_pod
+from agent.pods.model import Pod, make_pod
 
 
 class TimedHost(Host):

@@ -1,6 +1,6 @@
 """Module hops of one GetPreferredAllocation, from the gRPC servicer method to the answer.
 
-Starts a `DevicePluginManager` on the dgx-h100-like node (GPUs and RDMA VFs, no kubelet needed), admits a
+Starts a `DevicePluginManager` on the simulated dgx-h100 node (GPUs and RDMA VFs, no kubelet needed), admits a
 2-GPU container, then profiles the servicer's `GetPreferredAllocation` for its 2 VFs (NIC after GPU: the
 admission context, the free estimate and the full search all run). Every call from one `agent.*` module into
 another is recorded (`sys.setprofile`, this thread only) and printed with:
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the node buil
 from agent.config.model import DevicePluginConfig
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.v1beta1 import api_pb2
-from tests.fakes.nodes import dgx_h100_like
+from agent.simulate.node import simulated_topology
 
 GPU, RDMA = "nvidia.com/gpu", "gpunodeagent.io/sriov_rdma"
 Edge = tuple[str, str, str, str]  # caller module, caller function, callee module, callee function
@@ -81,8 +81,11 @@ class Recorder:
 
 async def main() -> None:
     directory = tempfile.mkdtemp(prefix="gnh")
+    # the simulated dgx-h100 (its VFs bound to a driver, so served; the fake node's are not ready since pools
+    # skip driverless VFs)
     manager = DevicePluginManager(DevicePluginConfig(device_plugin_dir=directory, serve_gpus=True),
-                                  dgx_h100_like(), poll_interval=5.0, register_timeout=0.1)
+                                  simulated_topology("dgx-h100", Path(directory) / "sys"), poll_interval=5.0,
+                                  register_timeout=0.1)
     try:
         await manager.start()
         gpus, vfs = manager.plugin(GPU), manager.plugin(RDMA)

@@ -84,7 +84,8 @@ class HealthConfig:
         floor=0.1, help="seconds between NVML polls of ECC counts, retired pages and remapped rows")
     nvml_event_timeout_seconds: float = setting(
         5.0, flag="--nvml-event-timeout", env="GPU_NODE_AGENT_NVML_EVENT_TIMEOUT",
-        help="longest single wait for NVML Xid/ECC events (bounds how long stopping takes)")
+        help="longest single wait for NVML Xid/ECC events: how often the watch re-checks the GPU set and retries "
+             "a failing wait (an event ends the wait at once; a stop interrupts it within 0.5 s)")
     require_nvml: bool = setting(
         False, flag="--require-nvml", env="GPU_NODE_AGENT_REQUIRE_NVML",
         help="fail the health checks (agent exits non-zero) when NVML cannot start; otherwise the NVML checks "

@@ -1,5 +1,6 @@
-"""The kubelet's facts for the device plugin's placement: the partner devices of the container under admission,
-and the free devices per kind, from `agent.ownership`.
+"""The kubelet's facts for the device plugin's placement, from `agent.ownership`: one value per preference call
+(`placement.policy.Partner`) with the partner devices of the container under admission (known, or the
+candidates, or unknown and why) and the other kind's free devices. Nothing is kept between calls.
 
 Partner resources are the served pools of the other kind and, when GPUs are not served here (NIC-only mode),
 the other plugin's GPU resource (`--gpu-resource-name`). Several containers newly holding partner devices (no
@@ -10,11 +11,12 @@ the specs the pod watch lacks (with API access), which usually tells them apart.
 When the partner is not known (`gpu_node_agent_preference_fallbacks_total{reason}` counts why), the policy still
 prefers devices under switches where the other kind is free: the kubelet's free devices at the last reading,
 however old (after a failed lookup the container's partner, allocated since, is among them), or, when several
-containers newly hold partner devices, only theirs (the one under admission is among them). Without any
-reading the other kind is unknown and all of it counts as free. For a kind served here (joint mode) it is the
-served devices no listed container holds (their health is the servers' own, not the reading's allocatable, which
-can predate a restarted agent's registration), intersected with the allocator's estimate, and only while fresh
-(three poll intervals).
+containers newly hold partner devices, only theirs (the one under admission is among them; the allocator
+chooses between the two). Without any reading the other kind is unknown and all of it counts as free. For a
+kind served here (joint mode) it is the served devices no listed container holds, in the servers' own IDs (a
+time-sliced GPU's replicas: a GPU with a free replica is free), their health the servers' own (not the
+reading's allocatable, which can predate a restarted agent's registration), intersected with the allocator's
+estimate, and only while fresh (three poll intervals).
 `no_new_holder` (the kubelet answered, nobody newly holds the other kind) is still counted as a fallback but
 passed on as "holds none yet", so joint mode's admission-context guess does not pair the container with a
 single-resource pod admitted just before it.
@@ -27,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from agent.deviceplugin.pools import ResourcePool, mig_resource_name
 from agent.ownership.admitted import Admission
 from agent.ownership.service import OwnershipService
-from agent.placement.policy import DeviceKind
+from agent.placement.policy import DeviceKind, Partner
 from agent.placement.replicas import physical
 from agent.placement.tree import switch_groups
 
@@ -35,14 +37,13 @@ STALE_POLLS = 3
 
 
 class OwnershipFacts:
-    """`partner` is a `server.PartnerLookup`; `known_free` a `joint.KnownFree`."""
+    """`partner` is a `server.PartnerLookup`."""
 
     def __init__(self, service: OwnershipService, pools: Callable[[], Iterable[ResourcePool]],
                  gpu_resource_name: str) -> None:
         self.service = service
         self._pools = pools
         self.gpu_resource_name = gpu_resource_name
-        self._likely: tuple[DeviceKind, frozenset[str]] | None = None  # the current fallback's partner hint
 
     def _resources(self, kind: DeviceKind) -> list[str]:
         pools = list(self._pools())
@@ -55,10 +56,10 @@ class OwnershipFacts:
             names.extend(f"{prefix}/{mig_resource_name(profile)}" for profile in sorted(profiles))
         return names
 
-    async def partner(self, pool: ResourcePool) -> frozenset[str] | None:
-        """Devices of the other kind the container under admission holds (empty: none yet); None when not known."""
+    async def partner(self, pool: ResourcePool) -> Partner:
+        """What the kubelet's records say about the container under admission's devices of the other kind, and
+        that kind's free devices."""
         other = DeviceKind.NIC if pool.kind == DeviceKind.GPU.value else DeviceKind.GPU
-        self._likely = None
 
         def same_switches(candidates: Sequence[Admission]) -> bool:
             if pool.topology is None:
@@ -67,40 +68,39 @@ class OwnershipFacts:
             return len(groups) == 1 and None not in groups
 
         found = await self.service.lookup(pool.resource_name, self._resources(other), alike=same_switches)
+        free = self._free(other)
         if found.found is not None:
-            return found.found.partner_ids
+            return Partner(held=found.found.partner_ids, free=free)
         held = [c.partner_ids for c in found.candidates]
+        candidates: frozenset[str] = frozenset()
         if held and pool.topology is not None:
             if same_switches(found.candidates):
-                return min(held, key=sorted)  # same switches: the same choice whichever it is
-            self._likely = (other, frozenset().union(*held))
+                return Partner(held=min(held, key=sorted), free=free)  # same switches: the same choice either way
+            candidates = frozenset().union(*held)
         self.service.fell_back(found.reason)
         if found.reason == "no_new_holder":
             # the kubelet answered and nobody newly holds the other kind: the container holds none of it yet (its
             # other resource comes later). Saying so keeps joint mode's admission-context guess from pairing it
             # with a single-resource pod admitted just before; the policy aligns with free devices instead.
-            return frozenset()
-        return None
+            return Partner(held=frozenset(), reason=found.reason, candidates=candidates, free=free)
+        return Partner(reason=found.reason, candidates=candidates, free=free)
 
-    def known_free(self, kind: DeviceKind) -> frozenset[str] | None:
-        """The other kind's devices to align with when the partner is not known: the kubelet's free devices of
-        `kind` at the last reading, or the candidates' partner devices after an ambiguous lookup; None when the
-        kubelet was never read."""
-        likely, self._likely = self._likely, None
-        served = any(p.kind == kind.value for p in self._pools())
-        if likely is not None and likely[0] is kind and not served:
-            return frozenset(physical(i) for i in likely[1])
+    def _free(self, kind: DeviceKind) -> frozenset[str] | None:
+        """The kubelet's free devices of `kind` at the last reading; None when it was never read, or (for a kind
+        served here) the reading is too old to beat the allocator's own estimate."""
         latest, read_at = self.service.latest, self.service.read_at
         if latest is None or read_at is None:
             return None
+        served = [p for p in self._pools() if p.kind == kind.value]
         if served and self.service.monotonic() - read_at > STALE_POLLS * self.service.poll_interval:
             return None  # the allocator's own estimate of its own devices is better than an old reading
         if served:
             # who holds them from the kubelet's records, their health from the servers (the allocator intersects):
             # the allocatable reading may predate this agent's registration (right after a restart the kubelet
-            # has none of a disconnected plugin's devices as healthy until its successor's first ListAndWatch)
-            held = {physical(i) for resource in self._resources(kind) for i in latest.held(resource)}
-            return frozenset(physical(i) for p in self._pools() if p.kind == kind.value for i in p.ids) - held
+            # has none of a disconnected plugin's devices as healthy until its successor's first ListAndWatch).
+            # In the servers' own IDs, as the allocator's estimate: a time-sliced GPU's replicas, not its UUID
+            held = {i for resource in self._resources(kind) for i in latest.held(resource)}
+            return frozenset(i for p in served for i in p.ids) - held
         free: set[str] = set()
         for resource in self._resources(kind):
             of_resource = latest.free(resource)

@@ -9,9 +9,11 @@ ListAndWatch message). For that it only decodes, calls the policy, counts and en
 choice and the reason live in `agent.placement`. The policy is pluggable: a standalone servicer uses
 `simple_policy`; the manager plugs in the PCIe-aware `placement.joint.JointAllocator`, shared by all its
 resources, and its Allocate hook. With a `partner_lookup` (the kubelet's PodResources facts,
-`agent.ownership`), each preference call first asks which devices of the other kind this container holds; the
-lookup bounds itself with a short deadline and answers None when it cannot tell in time, and then the policy
-guesses as before.
+`agent.ownership`), each preference call first asks what the kubelet's records say of this container's devices
+of the other kind (a `placement.policy.Partner` value, handed to the policy with the request); the lookup bounds
+itself with a short deadline and says when it cannot tell in time, and then the policy guesses as before. What
+the policy decided (`Preference.decision`) is kept until this resource's next Allocate, which hands it back to
+the hook; the hook checks that it is still that container's (see `placement.joint`).
 
 A big offer (time-sliced replicas: up to 28,672 IDs) is chosen in a worker thread, so that no preference call
 holds the event loop (every plugin, health, DRA, remediation) for more than a few ms; a small one, the common
@@ -33,7 +35,15 @@ from agent.deviceplugin.metrics import POLICY_ERROR, AllocationMetrics
 from agent.deviceplugin.payload import AllocateOptions, Contributor, build_container_payload
 from agent.deviceplugin.pools import ResourcePool
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from agent.placement.policy import AllocationLevel, ContainerRequest, Preference, Reason, simple_preference
+from agent.placement.policy import (
+    AllocationLevel,
+    ContainerRequest,
+    Decision,
+    Partner,
+    Preference,
+    Reason,
+    simple_preference,
+)
 from agent.signals import DeviceHealth, DeviceHealthEvent
 
 log = logging.getLogger(__name__)
@@ -43,10 +53,11 @@ UNHEALTHY = "Unhealthy"
 
 # (pool, one container request) -> the preference and its reason
 PreferencePolicy = Callable[[ResourcePool, ContainerRequest], Preference]
-# (pool, device IDs) after each successful Allocate of one container request -> allocations to count by level
-AllocationHook = Callable[[ResourcePool, Sequence[str]], Iterable[AllocationLevel]]
-# (pool) during a preference call -> the other kind's devices the container under admission holds; None: unknown
-PartnerLookup = Callable[[ResourcePool], Awaitable[frozenset[str] | None]]
+# (pool, device IDs, the decision of this resource's last preference call) after each successful Allocate of one
+# container request -> allocations to count by level
+AllocationHook = Callable[[ResourcePool, Sequence[str], Decision | None], Iterable[AllocationLevel]]
+# (pool) during a preference call -> the kubelet's facts about the container under admission; None: none to give
+PartnerLookup = Callable[[ResourcePool], Awaitable[Partner | None]]
 
 # IDs in one container request above which the policy runs in a worker thread: 2,048 offered replicas are chosen
 # inline in ~3 ms; 28,672 (1024 replicas of 28 MIG devices) take ~60 ms, too long to hold the event loop
@@ -89,6 +100,7 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
         self._policy = policy or simple_policy
         self._contributors = contributors
         self._on_allocate = on_allocate
+        self._decision: Decision | None = None  # the last preference's, for the next Allocate's hook
         self._metrics = metrics
         self._changed = asyncio.Event()
         self._epoch = 0  # bumped by end_streams(); streams of an older epoch return
@@ -219,6 +231,8 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
                 self._failed(POLICY_ERROR)
                 return api_pb2.PreferredAllocationResponse()
             self._count(preference.levels)
+            if preference.decision is not None:
+                self._decision = preference.decision
             if preference.reason is not Reason.OK:
                 log.warning("%s: GetPreferredAllocation: %s: %s", self.resource_name, preference.reason.value,
                             preference.detail)
@@ -255,7 +269,7 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
         chosen.add_done_callback(done)
         return await asyncio.shield(chosen)
 
-    async def _partner(self) -> frozenset[str] | None:
+    async def _partner(self) -> Partner | None:
         """The kubelet's fact for this call, or None (no lookup, or it failed: never fail the preference)."""
         if self.partner_lookup is None:
             return None
@@ -296,10 +310,11 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, f"{self.resource_name}: {exc}")
             response.container_responses.append(payload.to_proto())
             log.info("%s: allocated %s", self.resource_name, echo_ids(ids))
+            decision, self._decision = self._decision, None  # one Allocate takes it, whoever it is for
             if self._on_allocate is not None:
                 try:
                     async with self._policy_lock:  # never beside a preference chosen in a worker thread
-                        self._count(self._on_allocate(self._pool, ids))
+                        self._count(self._on_allocate(self._pool, ids, decision))
                 except Exception:  # bookkeeping must never fail an Allocate
                     log.exception("%s: allocation hook failed", self.resource_name)
         return response

@@ -2,11 +2,14 @@
 remapped rows).
 
 `nvmlEventSetWait` blocks, so the event watch runs in its own thread with a bounded wait (the config's event
-timeout) and hands each event to the event loop with `loop.call_soon_threadsafe`; the thread checks a stop flag
-between waits, so stopping takes at most one timeout. The event set is created, waited on and freed by that one
-thread; only a GPU reset frees it from elsewhere, with no wait running (`agent.host.nvml.gate`), and the next wait
-opens it again. Polls run one NVML call batch per GPU in a worker thread, since a lost GPU can make
-NVML calls slow. Without NVML both report "unavailable" and return; the other producers are unaffected.
+timeout) and hands each event to the event loop with `loop.call_soon_threadsafe`. A stop interrupts the wait (the
+simulated port wakes at once, the real one within one 0.5 s slice of the C wait), so stopping does not wait for the
+timeout. The event set is created, waited on and freed by that one thread; only a GPU reset frees it from
+elsewhere, with no wait running (`agent.host.nvml.gate`), and the next wait opens it again. The thread is a daemon
+and the stop waits for it only `_STOP_GRACE_S`: a C call that hangs (a GPU falling off the bus can do that) cannot
+hold the process at exit, and nothing calls nvmlShutdown at exit, so no wait is ever left on a closed session.
+Polls run one NVML call batch per GPU in a worker thread, since a lost GPU can make NVML calls slow.
+Without NVML both report "unavailable" and return; the other producers are unaffected.
 """
 
 from __future__ import annotations
@@ -16,14 +19,15 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from agent import aio
 from agent.health.assess import HealthAssessor
 from agent.health.checks import Checks, CheckState
-from agent.host.nvml import GpuLostError, NvmlError, NvmlEvent, NvmlHealth, NvmlUnavailableError
+from agent.host.nvml import GpuLostError, NvmlError, NvmlEvent, NvmlEventSet, NvmlHealth, NvmlUnavailableError
 
 log = logging.getLogger(__name__)
+
+_STOP_GRACE_S = 2.0  # how long a stop waits for the event thread (an interrupted wait returns within 0.5 s)
 
 
 class NvmlEventWatcher:
@@ -46,16 +50,41 @@ class NvmlEventWatcher:
         loop = asyncio.get_running_loop()
         halt = threading.Event()
         deliver = self._deliverer(loop)
-        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml-events")  # not the shared pool
-        worker = loop.run_in_executor(thread, self._watch, halt, deliver)
+        waiting: list[NvmlEventSet] = []  # the set the thread waits on, for the stop to interrupt
+        worker: asyncio.Future[None] = loop.create_future()
+        threading.Thread(target=self._thread, args=(halt, deliver, waiting, worker, loop), name="nvml-events",
+                         daemon=True).start()
         try:
             await aio.wait_any(stop, asyncio.shield(worker))  # stop must not cancel the thread's future
         finally:
             halt.set()
-            try:
-                await asyncio.shield(worker)  # the thread notices `halt` within one timeout
-            finally:
-                thread.shutdown(wait=False)
+            for events in list(waiting):
+                events.interrupt()
+            await aio.wait_any(asyncio.shield(worker), timeout=_STOP_GRACE_S)
+            if worker.done():
+                worker.result()  # an NvmlError ends the producer; the supervisor restarts it
+            else:
+                worker.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody reads it now
+                log.warning("NVML event wait still running %.0f s after the stop; not waiting for it", _STOP_GRACE_S)
+
+    def _thread(self, halt: threading.Event, deliver: Callable[[Callable[[], None]], None],
+                waiting: list[NvmlEventSet], worker: asyncio.Future[None], loop: asyncio.AbstractEventLoop) -> None:
+        """The thread's body: `_watch`, its outcome handed to `worker` on the loop."""
+        def settle(outcome: BaseException | None) -> None:
+            if worker.done():
+                return
+            if outcome is None:
+                worker.set_result(None)
+            else:
+                worker.set_exception(outcome)
+        try:
+            self._watch(halt, deliver, waiting)
+        except BaseException as exc:  # handed to the awaiting coroutine, like run_in_executor does
+            outcome: BaseException | None = exc
+        else:
+            outcome = None
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is exiting
+            loop.call_soon_threadsafe(settle, outcome)
 
     def _deliverer(self, loop: asyncio.AbstractEventLoop) -> Callable[[Callable[[], None]], None]:
         def deliver(call: Callable[[], None]) -> None:
@@ -67,11 +96,13 @@ class NvmlEventWatcher:
         self.checks.set("nvml_events", CheckState.OK)
         self.first_pass.set()
 
-    def _watch(self, halt: threading.Event, deliver: Callable[[Callable[[], None]], None]) -> None:
+    def _watch(self, halt: threading.Event, deliver: Callable[[Callable[[], None]], None],
+               waiting: list[NvmlEventSet]) -> None:
         """The blocking loop (worker thread): open, wait, hand over, re-open when the GPU set changes."""
         while not halt.is_set():
             uuids = self.assessor.names.uuids()
             events = self.nvml.open_events(uuids)  # NvmlError ends the producer; the supervisor restarts it
+            waiting[:] = [events]  # published before `halt` is read again: a stop sees it or the loop sees `halt`
             deliver(self._opened)
             failing = False
             try:
@@ -88,6 +119,7 @@ class NvmlEventWatcher:
                     for event in found:
                         deliver(_bind(self.assessor.on_nvml_event, event))
             finally:
+                waiting.clear()
                 events.close()
 
 

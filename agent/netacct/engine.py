@@ -50,8 +50,8 @@ from agent.netacct.counters import CounterBook, Counts, PodKey
 from agent.netacct.iptables_table import IptablesLayout
 from agent.netacct.layout import Desired, Layout, PodMembers, SyncError, choose, readiness
 from agent.netacct.nft_table import NftLayout
-from agent.netacct.pods import Pod
 from agent.netacct.repair import Repairs
+from agent.pods.model import Pod
 
 __all__ = ["Netacct", "Reading", "SyncError"]
 

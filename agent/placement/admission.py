@@ -7,6 +7,8 @@ after an Allocate of the other, that Allocate was for the same container. The se
 Allocate here (`record_allocation`) and, at the start of each preference call, asks for the other kind's
 record (`begin_preference`); the policy then aligns with those devices. Records are the devices the kubelet
 actually allocated, not our preference, so a kubelet that ignored or filled in our answer is still right.
+Whether a preference took a record is the caller's to hand back with that container's Allocate (`completes`,
+carried in the joint allocator's `Decision`): the context keeps only the last Allocate's record, no decision.
 
 A record is dropped when it is consumed; when a preference call for its own kind starts (that container had
 no other resource served here); when an Allocate of the other kind arrives without a preference call (the
@@ -54,24 +56,22 @@ class AdmissionContext:
         self._ttl_s = ttl_s
         self._clock = clock
         self._pending: _Record | None = None
-        self._completing: DeviceKind | None = None  # kind whose preference consumed a record
 
     def begin_preference(self, kind: DeviceKind) -> frozenset[str]:
-        """A preference call for `kind` starts: the other kind's devices just allocated, or empty."""
+        """A preference call for `kind` starts: the other kind's devices just allocated (the record is taken), or
+        empty."""
         record, self._pending = self._fresh(), None
         if record is None or record.kind == kind:
-            self._completing = None
             return frozenset()
-        self._completing = kind
         return record.device_ids
 
-    def record_allocation(self, kind: DeviceKind, device_ids: Iterable[str]) -> None:
-        """Allocate for `kind` succeeded with `device_ids`."""
+    def record_allocation(self, kind: DeviceKind, device_ids: Iterable[str], *, completes: bool = False) -> None:
+        """Allocate for `kind` succeeded with `device_ids`. `completes`: this container's preference call took
+        the other kind's record (`begin_preference` returned devices), so this is its second resource."""
         pending = self._fresh()
-        if self._completing == kind or (pending is not None and pending.kind != kind):
-            self._pending, self._completing = None, None  # the second resource of a container
+        if completes or (pending is not None and pending.kind != kind):
+            self._pending = None  # the second resource of a container
             return
-        self._completing = None
         self._pending = _Record(kind, frozenset(device_ids), self._clock())
 
     def _fresh(self) -> _Record | None:

@@ -1,45 +1,38 @@
 """The PCIe-aware preference policy as the servers use it: one `JointAllocator` per manager, shared by all of
 its resources, so that a GPU call and a NIC call of one container can see each other.
 
-Each GetPreferredAllocation is validated (`policy.check_request`), takes the other kind's devices just allocated
-to this container from the shared `AdmissionContext` (see its docstring for why that is the same container,
-and when it is not), then asks the pure policy (`policy.preferred_allocation`) with them and with an estimate
-of the other kind's free devices. Each successful Allocate is recorded there. Both return the level of each
-container whose pairing became known (`AllocationLevel`), which the servicer counts in
-`gpu_node_agent_allocations_total`. Everything is in memory, O(devices) per call, no I/O, no await.
-This module knows the servers only through two protocols (`ServedPool`, `ServedResource`).
+Values in, values out. A preference call (`prefer`) gets the kubelet's request and, as a value, what the
+kubelet's records say about the container (`policy.Partner`: its devices of the other kind known, or the
+candidates, or unknown and why, and the other kind's free devices); it answers the devices and what it decided
+about the container (`policy.Decision`). The servicer keeps that decision and hands it back with the Allocate of
+the same resource (`allocated`), which takes it only where it still holds (its resource, no call in between,
+within `ttl_s`, devices from its offer); a stale decision is ignored, as if the kubelet had skipped the
+preference call. What stays here between calls is allocation history, never a decision: the admission context's
+last Allocate (`AdmissionContext`), the container whose other resource may still come, and which devices are
+believed taken. Both calls return the level of each container whose pairing became known (`AllocationLevel`),
+which the servicer counts in `gpu_node_agent_allocations_total`. In memory, O(devices) per call, no I/O, no
+await; the servers know this module through two protocols (`ServedPool`, `ServedResource`).
+
+The container's devices of the other kind: the kubelet's fact when `Partner.held` is known (the other kind's
+devices mapped to the topology: a replica `<id>::<n>` is its GPU, a MIG UUID its MIG device; an unknown ID is
+logged once and ignored), else the admission context's guess (the devices of the other kind allocated just
+before: see its docstring for when that is the same container).
 
 The other kind's free devices (`other_free`): the healthy devices of the other kind's pools, less the ones
-believed taken. Believed taken, per resource: those the kubelet left out of its last GetPreferredAllocation
-offer for that resource (its `available` is healthy minus allocated, so these are allocated, or Unhealthy in
-the kubelet's view) plus its `must_include`, plus every device allocated here since, less the devices of
-containers seen to have ended. The kubelet never tells a plugin when a pod ends, but it frees all of a pod's
-devices at once: when a device allocated here shows up in an offer again, its container has ended, so the
-devices it was paired with (other resource) are free too. Limits:
-- devices of an ended container count as taken until one of them is offered again; so does a lone device of
-  a NIC-only or GPU-only container until its own resource's next preference call (the policy may then spare
-  a switch that has free partners; it never picks a taken device: `available` is the kubelet's own list);
-- the pairing is the admission context's guess (same container); where it is wrong, the release of one
-  container frees the other's devices in the estimate too early;
-- a device that was Unhealthy in the kubelet's view at the last offer and has recovered since looks taken
-  until that resource's next preference call (one added by a rescan since is believed free);
-- before the first preference call of a resource, only what was allocated since the agent started is taken
-  (the kubelet's checkpoint of older allocations is unknown), and a restart of the agent forgets pairings;
-- the kubelet re-runs Allocate for a container that has no recorded devices at start (node-reboot race):
-  that is recorded as a fresh allocation.
-Facts replace both guesses where the kubelet's PodResources API gives them (`agent.ownership`): a request's
-`partner` (the other kind's devices this container holds; the servicer looks it up with a short deadline) is
-used instead of the admission context, and pairs exactly for the metric too; `known_free` (the kubelet's free
-devices from the last poll) is intersected with the estimate, so after an agent restart nothing the kubelet
-holds looks free, and nothing allocated since the poll does either. When the other kind is not served here at
-all (GPUs served by NVIDIA's plugin: NIC-only), the partner GPUs are NVIDIA's device IDs (UUIDs, MIG UUIDs,
-`::N` replicas of shared GPUs): they are mapped to the topology's GPUs and MIG devices (an unknown one is logged
-once and ignored), and without
-a partner `other_free` is the kubelet's free GPUs, else None and the policy assumes every GPU free, which spreads
-VFs over PFs. Several NIC pools (say RDMA VFs and an Ethernet pool) all
-count as the NIC kind, and share the one admission-context slot for it. A time-sliced GPU pool (replica IDs
-`<id>::<n>`) is chosen as NVIDIA's plugin chooses replicas (`replicas`, `replica_policy`), nearest to the
-container's NICs first; everywhere else a replica is its GPU.
+believed taken, intersected with the kubelet's free devices (`Partner.free`) when given, so after an agent
+restart nothing the kubelet holds looks free, nor does anything allocated since its reading. Believed taken, per
+resource: what the kubelet left out of its last offer (its `available` is healthy minus allocated) plus its
+`must_include`, plus every device allocated here since, less the devices of containers seen to have ended (a
+device allocated here offered again: the kubelet frees a pod's devices at once, so its partners are free too).
+Until then an ended container's devices look taken, as do a single-resource container's until its resource's
+next preference call, and a device Unhealthy at the last offer that has recovered since; the pairing behind a
+release is the same guess, unless a fact gave it. Before a resource's first preference call only what was
+allocated since the agent started is taken, and a restart forgets pairings (the kubelet's facts cover both); an
+Allocate the kubelet re-runs at its start (node-reboot race) is a fresh allocation. When the other kind is not
+served here (NIC-only: GPUs are NVIDIA's plugin's), it is the candidates' devices after an ambiguous lookup, else
+the kubelet's free devices, else None: every GPU is assumed free, which spreads VFs over PFs. Several NIC pools
+count as the NIC kind. A time-sliced GPU pool is chosen as NVIDIA's plugin chooses replicas (`replicas`), nearest
+to the container's NICs first; elsewhere a replica is its GPU.
 """
 
 from __future__ import annotations
@@ -55,7 +48,9 @@ from agent.placement.policy import (
     AllocationLevel,
     AllocationRequest,
     ContainerRequest,
+    Decision,
     DeviceKind,
+    Partner,
     Preference,
     achieved_levels,
     check_request,
@@ -110,10 +105,6 @@ class ServedResource(Protocol):
         """IDs of the pool's devices not marked Unhealthy."""
 
 
-# The other kind's free devices when known exactly (None: not known, estimate them)
-KnownFree = Callable[[DeviceKind], frozenset[str] | None]
-
-
 @dataclass(eq=False)
 class _Container:
     """One container's devices allocated here, per resource, as far as the agent can tell."""
@@ -136,63 +127,71 @@ class JointAllocator:
     Call `prefer` and `allocated` one at a time: the state is not locked here. The servers call them from their
     event loop, and a preference over a big offer from a worker thread, while the servers' shared policy lock
     keeps every other call out (`deviceplugin.server`); no call awaits. `peers` returns the servers of the
-    manager as they are now (pools change on rescans). `known_free`, when given, supplies the other kind's free
-    devices exactly (ownership facts) instead of the estimate.
+    manager as they are now (pools change on rescans).
     """
 
     def __init__(self, peers: Callable[[], Iterable[ServedResource]], *, ttl_s: float = DEFAULT_TTL_S,
-                 clock: Callable[[], float] = time.monotonic, known_free: KnownFree | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._peers = peers
         self._ttl_s = ttl_s
         self._clock = clock
-        self.known_free = known_free
         self.admission = AdmissionContext(ttl_s=ttl_s, clock=clock)
         self._taken: dict[str, frozenset[str]] = {}  # resource -> devices believed allocated
         self._holder: dict[str, _Container] = {}  # device ID -> the container believed to hold it
-        self._open: _Container | None = None  # its other resource may still come
-        self._exact: tuple[DeviceKind, frozenset[str]] | None = None  # the last preference's partner fact
-        self._pix_possible: DeviceKind | None = None  # the last preference (of this kind) could have been PIX
+        self._open: _Container | None = None  # the last Allocate's container: its other resource may still come
+        self._calls = 0  # preference and Allocate calls that touched the state: a decision's stamp
         self._unmapped: set[str] = set()  # partner IDs not in the topology, logged once
         self.replica_policy = DISTRIBUTED  # NVIDIA's sharedDevicesAllocationPolicy for time-sliced replicas
 
     def prefer(self, pool: ServedPool, request: ContainerRequest) -> Preference:
-        """The PCIe-aware preference for one container request of `pool`'s resource, and why."""
+        """The PCIe-aware preference for one container request of `pool`'s resource, why, and the decision its
+        Allocate takes back (`allocated`)."""
         checked = check_request(request)
         if not checked.proceed:
             return checked.answered(())
-        kind = DeviceKind(pool.kind)
+        kind, resource = DeviceKind(pool.kind), pool.resource_name
         must_include = request.must_include
         context = self.admission.begin_preference(kind)
-        self._exact = None
-        if request.partner is not None:  # the kubelet's fact replaces the guess
-            context = self._mapped(pool.topology, kind, request.partner)
-            self._exact = (kind, context)
-        self._offered(pool.resource_name, request.served, checked.offered, must_include)
+        completes = bool(context)  # it took the record: its Allocate completes that container's pair
+        partner: frozenset[str] | None = None
+        if request.partner is not None and request.partner.held is not None:  # the kubelet's fact: no guess
+            partner = context = self._mapped(pool.topology, kind, request.partner.held)
+        elif request.partner is not None:
+            log.debug("%s: partner not known (%s)", resource, request.partner.reason or "unknown")
+        offer = frozenset(request.available) | frozenset(must_include)
+        self._offered(resource, request.served, offer, must_include)
         levels = self._preference_started(kind, context)
-        self._pix_possible = kind if self._pix_offered(pool.topology, kind, context, checked.offered,
-                                                        checked.size) else None
+        self._calls += 1
+        decision = Decision(resource=resource, kind=kind, offered=offer, partner=partner,
+                            completes=completes, stamp=self._calls, at=self._clock(),
+                            pix_possible=self._pix_offered(pool.topology, kind, context, checked.offered,
+                                                           checked.size))
         if kind is DeviceKind.GPU and any("::" in device_id for device_id in checked.offered):
             rank = self._nic_rank(pool.topology, context)
             return checked.answered(preferred_replicas(request.served, checked.offered, must_include, checked.size,
-                                                       policy=self.replica_policy, rank=rank), levels)
+                                                       policy=self.replica_policy, rank=rank), levels, decision)
         if pool.topology is None:  # a pool built by hand, not from a scan: nothing to align with
             return checked.answered(in_served_order(request.served, checked.offered, must_include, checked.size),
-                                    levels)
+                                    levels, decision)
         return checked.answered(preferred_allocation(AllocationRequest(
             topology=pool.topology, kind=kind, available=frozenset(checked.offered), size=checked.size,
-            must_include=frozenset(must_include), context=context, other_free=self.other_free(kind))), levels)
+            must_include=frozenset(must_include), context=context,
+            other_free=self.other_free(kind, request.partner))), levels, decision)
 
-    def allocated(self, pool: ServedPool, device_ids: Sequence[str]) -> list[AllocationLevel]:
-        """Allocate of `pool`'s resource succeeded with `device_ids`: record it; the levels now known."""
+    def allocated(self, pool: ServedPool, device_ids: Sequence[str],
+                  decision: Decision | None = None) -> list[AllocationLevel]:
+        """Allocate of `pool`'s resource succeeded with `device_ids`: record it; the levels now known. `decision`:
+        what this resource's last preference call decided (`Preference.decision`), None when there was none."""
         kind = DeviceKind(pool.kind)
         resource = pool.resource_name
         ids = frozenset(device_ids)
-        self.admission.record_allocation(kind, ids)
+        decision = self._holding(decision, resource, ids)
+        self._calls += 1
+        self.admission.record_allocation(kind, ids, completes=decision is not None and decision.completes)
         self._taken[resource] = self._taken.get(resource, frozenset()) | ids
         levels: list[AllocationLevel] = []
-        possible, self._pix_possible = self._pix_possible is kind, None
-        exact, self._exact = self._exact, None
-        partner = exact[1] if exact is not None and exact[0] is kind else None
+        possible = decision is not None and decision.pix_possible
+        partner = decision.partner if decision is not None else None
         container = self._open
         paired = container is not None and container.kind != kind and not self._stale(container)
         if partner:  # a fact: this container holds `partner`
@@ -226,6 +225,21 @@ class JointAllocator:
             levels += [(r, PIX_MISSED) for r, label in levels if label not in (Level.PIX.name.lower(), NO_PAIR)]
         return levels
 
+    def _holding(self, decision: Decision | None, resource: str, ids: frozenset[str]) -> Decision | None:
+        """`decision` when it is this Allocate's: its resource's, the last call before this one, within the
+        admission time-out, every device from its offer; None (logged) when it is stale."""
+        if decision is None:
+            return None
+        stale = ("it is another resource's" if decision.resource != resource else
+                 "other calls came between" if decision.stamp != self._calls else
+                 "it timed out" if self._clock() - decision.at > self._ttl_s else
+                 "devices outside its offer were allocated" if not ids <= decision.offered else "")
+        if stale:
+            log.info("%s: the last preference's decision is not this Allocate's (%s); allocated as without one",
+                     resource, stale)
+            return None
+        return decision
+
     @staticmethod
     def _nic_rank(topology: Topology | None, nics: frozenset[str]) -> Callable[[str], int] | None:
         """A GPU's level to the nearest of the container's NICs (lower is nearer); None when none are known."""
@@ -248,17 +262,20 @@ class JointAllocator:
             return False
         return bool(best) and best[-1] is Level.PIX
 
-    def other_free(self, kind: DeviceKind) -> frozenset[str] | None:
-        """Healthy devices of the other kind believed free; None when no pool of the other kind is served."""
+    def other_free(self, kind: DeviceKind, facts: Partner | None = None) -> frozenset[str] | None:
+        """Healthy devices of the other kind believed free, where the kubelet's `facts` agree; None when no pool of
+        the other kind is served here and the facts name none."""
         wanted = other_kind(kind)
-        known = self.known_free(wanted) if self.known_free is not None else None
         free: set[str] = set()
         served = False
         for peer in self._peers():
             if peer.pool.kind == wanted.value:
                 served = True
                 free |= peer.healthy_ids() - self._taken.get(peer.pool.resource_name, frozenset())
+        known = facts.free if facts is not None else None
         if not served:
+            if facts is not None and facts.candidates:  # the containers that may be this one hold these
+                return frozenset(physical(i) for i in facts.candidates)
             return known
         # free only where both agree: the kubelet's last reading and what was allocated here since
         return frozenset(free) if known is None else frozenset(free) & known
@@ -284,15 +301,16 @@ class JointAllocator:
         """Whether any server of `kind` runs in this manager."""
         return any(peer.pool.kind == kind.value for peer in self._peers())
 
-    def _offered(self, resource: str, served: Sequence[str], available: Sequence[str],
+    def _offered(self, resource: str, served: Sequence[str], offer: frozenset[str],
                  must_include: Sequence[str]) -> None:
-        """The kubelet's offer: what it left out is taken; a device of ours in it ended its container."""
+        """The kubelet's offer (available and must_include): what it left out is taken; a device of ours in it,
+        not a must_include, ended its container."""
         must = frozenset(must_include)
-        for device_id in available:
+        for device_id in offer:
             container = self._holder.get(device_id)
             if container is not None and device_id not in must:
                 self._release(container)
-        self._taken[resource] = (frozenset(served) - frozenset(available)) | must
+        self._taken[resource] = (frozenset(served) - offer) | must
 
     def _release(self, container: _Container) -> None:
         for resource, held in container.held.items():

@@ -85,13 +85,30 @@ class Reason(enum.StrEnum):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Partner:
+    """What the kubelet's records (`agent.ownership`) say about the container under admission and the other kind.
+
+    `held`: the other kind's devices it holds, a fact (empty: none yet); None when not known, and then `reason`
+    says why (a `gpu_node_agent_preference_fallbacks_total` reason). `candidates`: the devices of the containers
+    that may be it (several new holders under different switches; empty when none). `free`: the other
+    kind's free devices at the kubelet's last reading, in the IDs its servers use (a time-sliced GPU's replicas);
+    None when never read, or too old to beat the allocator's own estimate.
+    """
+
+    held: frozenset[str] | None = None
+    reason: str = ""
+    candidates: frozenset[str] = frozenset()
+    free: frozenset[str] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class ContainerRequest:
     """One GetPreferredAllocation container request as the kubelet sent it, with what the servicer knows.
 
     `served`: the resource's device IDs in pool order; `unhealthy`: those marked Unhealthy here (the kubelet's
-    view may lag by one ListAndWatch message, so it can still offer them). `partner`: the other kind's devices
-    this container holds, as the kubelet reports them (`agent.ownership`): a fact, empty when it holds none yet;
-    None when unknown, and then the admission context guesses.
+    view may lag by one ListAndWatch message, so it can still offer them). `partner`: the kubelet's facts about
+    this container's devices of the other kind; None when there are none to ask (then the admission context
+    guesses, and the other kind's free devices are the allocator's estimate).
     """
 
     served: Sequence[str]
@@ -99,11 +116,33 @@ class ContainerRequest:
     size: int
     must_include: Sequence[str] = ()
     unhealthy: Set[str] = frozenset()
-    partner: frozenset[str] | None = None
+    partner: Partner | None = None
 
 
 # (resource, level label): one Allocate of `resource` whose container's GPU-NIC level is now known (`joint`)
 AllocationLevel = tuple[str, str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """What one preference call decided about its container, for the Allocate that follows it: the servicer
+    keeps it and hands it back to `joint.JointAllocator.allocated`, which takes it only where it still holds
+    (its own resource, nothing allocated or preferred in between, within the admission time-out, every device
+    allocated from this offer): a stale one is ignored, never applied to another container.
+
+    `partner`: the other kind's devices this container holds, as the topology names them (None: not known);
+    `completes`: the preference took the admission context's record of the other kind (the guess: this is that
+    container's second resource); `pix_possible`: the offer held a device at PIX to the container's other kind.
+    """
+
+    resource: str
+    kind: DeviceKind
+    offered: frozenset[str]  # the kubelet's offer (available and must_include): the Allocate takes from it
+    partner: frozenset[str] | None
+    completes: bool
+    pix_possible: bool
+    stamp: int  # the allocator's call count after this preference: only the very next call may take it
+    at: float
 
 
 @dataclass(frozen=True)
@@ -111,13 +150,15 @@ class Preference:
     """The answer to one container request: the devices (empty: no preference), why, and for the log, detail.
 
     `levels`: allocations whose container level became known while answering (see `joint`), for the
-    servicer's allocation counter.
+    servicer's allocation counter. `decision`: what the joint allocator decided, for this container's Allocate
+    (None from a policy without one, or an invalid request).
     """
 
     devices: tuple[str, ...]
     reason: Reason = Reason.OK
     detail: str = ""
     levels: tuple[AllocationLevel, ...] = ()
+    decision: Decision | None = None
 
 
 @dataclass(frozen=True)
@@ -134,11 +175,12 @@ class Checked:
         """Whether there is anything to choose (a valid request with a healthy device offered)."""
         return self.size > 0
 
-    def answered(self, devices: Sequence[str], levels: Iterable[AllocationLevel] = ()) -> Preference:
+    def answered(self, devices: Sequence[str], levels: Iterable[AllocationLevel] = (),
+                 decision: Decision | None = None) -> Preference:
         """The preference for the `devices` chosen; `empty` when none were although the request was whole."""
         if not devices and self.reason is Reason.OK:
-            return Preference((), Reason.EMPTY, "the policy found no valid answer", tuple(levels))
-        return Preference(tuple(devices), self.reason, self.detail, tuple(levels))
+            return Preference((), Reason.EMPTY, "the policy found no valid answer", tuple(levels), decision)
+        return Preference(tuple(devices), self.reason, self.detail, tuple(levels), decision)
 
 
 def check_request(request: ContainerRequest) -> Checked:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -43,6 +44,15 @@ class AgentProcess:
         with entered(self.netns), \
                 urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as response:
             return response.read().decode()
+
+    def ready(self) -> bool:
+        """Whether /readyz answers 200 (blocking, like `metrics`); False while the endpoint is not up."""
+        try:
+            with entered(self.netns), \
+                    urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=5) as response:
+                return bool(response.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
 
     def dry_run_decisions(self) -> list[str]:
         """What remediation decided in dry-run (against the simulated node), from the JSON log."""

@@ -44,9 +44,7 @@ async def test_big_replica_offers_answer_at_once_and_sigterm_ends_the_agent_duri
     nvidia = directory / "nvidia-dp.yaml"
     nvidia.write_text("version: v1\nflags:\n  migStrategy: mixed\nsharing:\n  timeSlicing:\n    resources:\n"
                       "    - name: mig-1g.10gb\n      replicas: 1024\n")
-    # NVML's event wait (5 s by default) bounds every stop by itself: 1 s here, so the time measured is the call's
-    agent = AgentProcess(directory, "--nvidia-dp-config", str(nvidia), "--nvml-event-timeout", "1",
-                         profile="dgx-h100-mig")
+    agent = AgentProcess(directory, "--nvidia-dp-config", str(nvidia), profile="dgx-h100-mig")
     channels: list[grpc.aio.Channel] = []
     try:
         await until(lambda: all((directory / socket_name(r)).exists() for r in (MIG, RDMA))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +22,7 @@ from agent.deviceplugin.pools import ResourcePool, build_pools
 from agent.deviceplugin.server import DevicePlugin
 from agent.deviceplugin.v1beta1 import api_pb2
 from agent.placement.joint import JointAllocator
-from agent.placement.policy import ContainerRequest, DeviceKind, achieved_levels
+from agent.placement.policy import ContainerRequest, Decision, DeviceKind, Partner, achieved_levels
 from agent.signals import DeviceHealthEvent
 from agent.simulate.kubelet import AdmissionError, LocalKubelet
 from agent.simulate.node import simulated_topology
@@ -233,13 +233,16 @@ def test_pairing_and_believed_free_follow_the_admission_context(pairs: Topology)
     def count(resource: str, level: str) -> float:
         return counted(registry, resource, level)
 
+    decisions: dict[str, Decision | None] = {}  # the servicer keeps a preference's decision for its Allocate
+
     def allocated(pool: ResourcePool, ids: list[str]) -> None:  # the servicer counts what the hook returns
-        for resource, level in allocator.allocated(pool, ids):
+        for resource, level in allocator.allocated(pool, ids, decisions.pop(pool.resource_name, None)):
             metrics.allocated(resource, level)
 
     def prefer(pool: ResourcePool, available: list[str], size: int) -> tuple[str, ...]:
         preference = allocator.prefer(pool, ContainerRequest(served=pool.ids, available=tuple(available),
                                                              size=size))
+        decisions[pool.resource_name] = preference.decision
         for resource, level in preference.levels:
             metrics.allocated(resource, level)
         return preference.devices
@@ -283,9 +286,9 @@ def test_an_allocation_worse_than_an_offered_pix_is_counted_as_missed(pairs: Top
 
     def admit(vf: str) -> None:  # the kubelet knows the container's GPU; it may ignore the preference
         preference = allocator.prefer(vfs, ContainerRequest(served=vfs.ids, available=vfs.ids, size=1,
-                                                            partner=frozenset([gpu0.uuid or ""])))
+                                                            partner=Partner(held=frozenset([gpu0.uuid or ""]))))
         assert preference.devices == (near,)
-        for resource, level in (*preference.levels, *allocator.allocated(vfs, [vf])):
+        for resource, level in (*preference.levels, *allocator.allocated(vfs, [vf], preference.decision)):
             metrics.allocated(resource, level)
 
     admit(near)
@@ -293,3 +296,38 @@ def test_an_allocation_worse_than_an_offered_pix_is_counted_as_missed(pairs: Top
     missed = registry.get_sample_value("gpu_node_agent_allocations_pix_missed_total", {"resource": RDMA})
     assert counted(registry, RDMA, "pix") == 1 and counted(registry, RDMA, "sys") == 1 and missed == 1
     assert gpus.kind == "gpu"
+
+
+def test_a_stale_preference_decision_is_never_applied(pairs: Topology) -> None:
+    """The decision a preference returns holds only for the very next call, its own resource's Allocate, within
+    the admission time-out and from its offer: otherwise the Allocate counts as one without a preference."""
+    now = [0.0]
+    registry = CollectorRegistry()
+    metrics = AllocationMetrics(registry)
+    vfs = build_pools(pairs, dp_config("/unused")).by_name()[RDMA]
+    allocator = JointAllocator(lambda: [DevicePlugin(vfs)], ttl_s=5.0, clock=lambda: now[0])  # NIC-only
+    gpu0 = pairs.gpus[0]
+    near = [d.id for d in vfs.devices if d.pf.location == gpu0.location]
+
+    def prefer(available: Sequence[str]) -> Decision | None:  # the kubelet says the container holds GPU 0
+        return allocator.prefer(vfs, ContainerRequest(served=vfs.ids, available=tuple(available), size=1,
+                                                      partner=Partner(held=frozenset([gpu0.uuid or ""])))).decision
+
+    def allocate(vf: str, decision: Decision | None) -> None:
+        for resource, level in allocator.allocated(vfs, [vf], decision):
+            metrics.allocated(resource, level)
+
+    allocate(near[0], prefer(vfs.ids))  # the decision holds: paired with GPU 0 by the fact
+    assert counted(registry, RDMA, "pix") == 1
+    first = prefer(vfs.ids)
+    prefer(vfs.ids)  # another preference came between
+    allocate(near[1], first)
+    decision = prefer(vfs.ids)
+    now[0] += 6.0  # past the admission time-out
+    allocate(near[2], decision)
+    allocate(near[3], prefer([d for d in vfs.ids if d != near[3]]))  # a device outside the offer
+    assert counted(registry, RDMA, "pix") == 1 and counted(registry, RDMA, "none") == 3
+    wrong = allocator.prefer(build_pools(pairs, dp_config("/unused")).by_name()[GPU], ContainerRequest(
+        served=(gpu0.uuid or "",), available=(gpu0.uuid or "",), size=1)).decision
+    allocate(near[0], wrong)  # another resource's decision
+    assert counted(registry, RDMA, "none") == 4

@@ -1,7 +1,7 @@
 """MIG devices as DRA devices (issue 30 item 4), end to end on `dgx-h100-mig` (GPUs 0-3 in MIG mode with seven
 1g.10gb each, 4-7 whole): the slices the service publishes through lightkube into the API double, claims
 prepared and unprepared by the stand-in kubelet over the DRA unix socket, CDI specs on disk (capability minors
-from a file in the driver's `mig-minors` format, `tests.fakes.nvidia_caps`).
+from the driver's `mig-minors` file as a simulated node carries it, `agent.simulate.nvidia_caps`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from agent.dra.devices import device_name, placement_attributes
 from agent.dra.health.v1alpha1 import api_pb2 as health_pb2
 from agent.kube.cluster import LightkubeCluster
 from agent.signals import NodeVerdict, Severity
+from agent.simulate import nvidia_caps
 from agent.topology.model import Gpu, Level, MigDevice, Topology
 from tests.dra.conftest import DRIVER, NODE, device_classes, profile_topology
 from tests.dra.test_plugin import UID_A, UID_B, Node, spec_file, started
 from tests.fakes.apiserver import ApiServerDouble
 from tests.fakes.dra_allocator import allocate
 from tests.fakes.kubelet_dra import DraKubelet
-from tests.fakes.nvidia_caps import write_mig_minors
 from tests.fakes.polling import until
 
 MIG_CLAIM = "mig-1g-vf-one-switch"
@@ -42,9 +42,9 @@ async def node(short_root: Path, api: ApiServerDouble, port: LightkubeCluster,
     dev_root = short_root / "host"
     (dev_root / "dev").mkdir(parents=True)
     (dev_root / "dev" / "nvidiactl").touch()  # the only control node this host has
-    write_mig_minors(short_root / "mig-minors", 8)
+    minors_file = nvidia_caps.write_mig_minors(short_root / "proc", range(8))
     here = Node(short_root, cfg, api, port, profile_topology("dgx-h100-mig", tmp_path_factory),
-                options={"dev_root": str(dev_root), "mig_minors": str(short_root / "mig-minors")})
+                options={"dev_root": str(dev_root), "mig_minors": str(minors_file)})
     yield here
     await here.halt()
 
@@ -132,7 +132,8 @@ async def test_a_mig_claim_gets_its_mig_uuid_and_capability_nodes_and_survives_a
     env = dict(e.split("=", 1) for e in spec["containerEdits"]["env"])
     assert env["NVIDIA_VISIBLE_DEVICES"] == mig.uuid
     (edits,) = [d["containerEdits"] for d in spec["devices"] if d["name"] == f"{UID_A}-{results['mig']}"]
-    minors = write_mig_minors(node.root / "expected-minors", 8)
+    minors = nvidia_caps.mig_minors(range(8))
+    assert minors["gpu0/gi1/access"] == 12 and minors["gpu0/gi1/ci0/access"] == 13  # NVIDIA's MIG guide's example
     host = node.options["dev_root"]
     assert edits["deviceNodes"] == [
         {"path": "/dev/nvidiactl", "hostPath": f"{host}/dev/nvidiactl", "permissions": "rw"},

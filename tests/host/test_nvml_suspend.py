@@ -121,3 +121,40 @@ def test_gate_lets_a_waiting_suspension_in_before_new_calls() -> None:
     for thread in (first, late):
         thread.join(5)
     assert order == ["first call", "shutdown", "late call"] and gate.generation == 1
+
+
+def test_a_long_event_wait_is_interrupted_within_a_slice_and_lets_a_reset_in_without_losing_events() -> None:
+    """The C wait cannot be woken: the port waits in slices of at most 0.5 s, so a stop (`interrupt`) and a GPU
+    reset's suspension each wait for one slice, not for the caller's whole timeout (5 s by default), and an Xid
+    arriving mid-timeout is delivered at once."""
+    library = StandInLibNvml([StandInGpu("GPU-0")])
+    with library.install():
+        nvml = RealNvml(pynvml)
+        events = nvml.open_events(["GPU-0"])
+        waits: list[tuple[float, list[NvmlEvent]]] = []
+
+        def wait() -> None:
+            started = time.monotonic()
+            found = events.wait(5.0)
+            waits.append((time.monotonic() - started, found))
+
+        first = threading.Thread(target=wait)
+        first.start()
+        time.sleep(0.8)  # past the first slice
+        library.inject_xid("GPU-0", 79)
+        first.join(5)
+        assert [e.xid for e in waits[0][1]] == [79] and waits[0][0] < 1.0
+        second = threading.Thread(target=wait)
+        second.start()
+        time.sleep(0.1)
+        started = time.monotonic()
+        assert nvml.suspend(5.0)
+        assert time.monotonic() - started < 0.7  # one slice, not the rest of 5 s
+        nvml.resume()
+        time.sleep(0.1)
+        events.interrupt()
+        second.join(5)
+        assert waits[1][1] == [] and waits[1][0] < 1.5, waits
+        started = time.monotonic()
+        assert events.wait(5.0) == [] and time.monotonic() - started < 0.1  # later waits return at once
+        events.close()

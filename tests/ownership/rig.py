@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent.deviceplugin.facts import OwnershipFacts
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.host.podresources import Reachability
 from agent.host.podresources.client import KubeletPodResources
@@ -87,6 +86,7 @@ class Node:
     watched: PodSpecs | None = None  # pod specs from a real own-node pod watch instead of `specs`
     pod_lookup: PodLookupApi | None = None
     fetch_late_s: float = 30.0  # a fetch's own bound: generous, the tests hold answers on purpose
+    config_changes: dict[str, object] = field(default_factory=dict)  # device-plugin settings (time-slicing...)
 
     def __post_init__(self) -> None:
         self.kubelet = LocalKubelet(self.directory / "dp", rng=random.Random(7),  # noqa: S311
@@ -113,11 +113,10 @@ class Node:
                                                                       late_s=self.fetch_late_s)
         self.service = OwnershipService(client, pod_specs=specs, registry=registry,
                                         lookup_timeout=self.lookup_timeout, spec_fetcher=fetcher)
-        config = dp_config(str(self.directory / "dp"), serve_gpus=self.serve_gpus)
+        config = dp_config(str(self.directory / "dp"), serve_gpus=self.serve_gpus, **self.config_changes)
         self.manager = DevicePluginManager(config, self.topology, registry=registry, **FAST,
                                            plugin_registry_dir=str(self.directory / "reg"),
-                                           cdi_spec_dir=str(self.directory / "cdi"))
-        self.manager.use_ownership(OwnershipFacts(self.service, self.manager.pools, GPU))
+                                           cdi_spec_dir=str(self.directory / "cdi"), ownership=self.service)
         ours = (GPU, NIC) if self.serve_gpus else (NIC,)
         before = {r: self.kubelet.plugins.get(r) for r in ours}  # a restart: wait for the new registrations
         if poll_first:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from agent.placement.joint import JointAllocator
-from agent.placement.policy import ContainerRequest, DeviceKind, achieved_levels
+from agent.placement.policy import ContainerRequest, DeviceKind, Partner, achieved_levels
 from agent.topology.model import Level, Topology
 from tests.fakes.nodes import gpu_ids, nic_ids
 
@@ -53,8 +53,8 @@ class SimulatedAdmission:
     pools: dict[DeviceKind, Pool] = field(init=False)
     free: dict[DeviceKind, set[str]] = field(default_factory=dict)
     preferences: list[tuple[DeviceKind, list[str]]] = field(default_factory=list)
-    # The servicer knows the other kind's free devices exactly (PodResources, through the allocator's
-    # `known_free`), rather than estimating them from what it saw offered and allocated.
+    # The servicer knows the other kind's free devices exactly (PodResources, handed in with each request as
+    # `Partner.free`), rather than estimating them from what it saw offered and allocated.
     exact_free: bool = False
 
     def __post_init__(self) -> None:
@@ -62,11 +62,14 @@ class SimulatedAdmission:
         self.pools = {kind: Pool(f"test/{kind.value}", kind.value, tuple(sorted(self.free[kind])), self.topology)
                       for kind in (GPU, NIC)}
         servers = [Server(self.pools[kind]) for kind in (GPU, NIC) if kind in self.serves]
-        self.allocator = JointAllocator(lambda: servers, clock=lambda: self.now,
-                                        known_free=self._exact_free if self.exact_free else None)
+        self.allocator = JointAllocator(lambda: servers, clock=lambda: self.now)
 
-    def _exact_free(self, kind: DeviceKind) -> frozenset[str] | None:
-        return frozenset(self.free[kind]) if kind in self.serves else None
+    def _facts(self, kind: DeviceKind) -> Partner | None:
+        """The other kind's free devices as the kubelet knows them; None when not `exact_free`."""
+        other = NIC if kind is GPU else GPU
+        if not self.exact_free:
+            return None
+        return Partner(free=frozenset(self.free[other]) if other in self.serves else None)
 
     def admit(self, sizes: dict[DeviceKind, int], order: Sequence[DeviceKind]) -> dict[DeviceKind, list[str]]:
         """Allocate one container's resources in `order`; returns the devices it got per kind."""
@@ -79,15 +82,17 @@ class SimulatedAdmission:
             assert len(free) >= size, "the test asked for more than the node has"
             pool = self.pools[kind]
             preferred: list[str] = []
+            decision = None
             if kind in self.serves:
-                preferred = list(self.allocator.prefer(pool, ContainerRequest(
-                    served=pool.ids, available=tuple(sorted(free)), size=size)).devices)
+                preference = self.allocator.prefer(pool, ContainerRequest(
+                    served=pool.ids, available=tuple(sorted(free)), size=size, partner=self._facts(kind)))
+                preferred, decision = list(preference.devices), preference.decision
                 self.preferences.append((kind, preferred))
             chosen = [device for device in preferred if device in free][:size]
             chosen += sorted(free - set(chosen))[: size - len(chosen)]  # the kubelet's own fallback
             free -= set(chosen)
             if kind in self.serves:
-                self.allocator.allocated(pool, chosen)
+                self.allocator.allocated(pool, chosen, decision)
             got[kind] = chosen
         return got
 

@@ -22,7 +22,7 @@ def test_each_order_hands_the_first_resource_to_the_second_once() -> None:
         assert context.begin_preference(first) == frozenset()
         context.record_allocation(first, ["a", "b"])
         assert context.begin_preference(second) == {"a", "b"}
-        context.record_allocation(second, ["x", "y"])
+        context.record_allocation(second, ["x", "y"], completes=True)  # the preference took the record
         # The next container starts clean, whichever resource comes first.
         assert context.begin_preference(first) == frozenset()
         context.record_allocation(first, ["c"])
@@ -33,8 +33,8 @@ def test_completing_allocate_is_not_handed_on() -> None:
     context = AdmissionContext(clock=Clock())
     context.begin_preference(GPU)
     context.record_allocation(GPU, ["g0"])
-    context.begin_preference(NIC)
-    context.record_allocation(NIC, ["v0"])
+    completes = bool(context.begin_preference(NIC))  # the caller hands back whether it took the record
+    context.record_allocation(NIC, ["v0"], completes=completes)
     assert context.begin_preference(GPU) == frozenset()  # v0 belonged to the previous container
 
 

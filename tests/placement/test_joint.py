@@ -7,7 +7,7 @@ assertions now hold for the estimate the allocator actually hands the policy (`o
 from __future__ import annotations
 
 from agent.placement.joint import JointAllocator
-from agent.placement.policy import ContainerRequest, DeviceKind, Reason
+from agent.placement.policy import ContainerRequest, DeviceKind, Partner, Reason
 from tests.placement.admission_sim import Pool
 
 GPU, NIC = DeviceKind.GPU, DeviceKind.NIC
@@ -31,7 +31,7 @@ def test_believed_free_follows_offers_and_allocations() -> None:
                                                          must_include=("g2",), size=2))
     assert preference.reason is Reason.OK and set(preference.devices) == {"g0", "g2"}
     assert allocator.other_free(NIC) == {"g0", "g1"}  # g3 left out of the offer, g2 must be included
-    assert allocator.allocated(GPUS, ["g0", "g2"]) == [("test/gpu", "none")]  # no NICs served: alone
+    assert allocator.allocated(GPUS, ["g0", "g2"], preference.decision) == [("test/gpu", "none")]  # alone
     assert allocator.other_free(NIC) == {"g1"}
     assert allocator.other_free(GPU) is None  # no NIC pool served here: unknown
 
@@ -39,9 +39,9 @@ def test_believed_free_follows_offers_and_allocations() -> None:
 def test_unhealthy_devices_are_never_believed_free_and_known_facts_win() -> None:
     servers = [Server(GPUS, unhealthy=frozenset({"g1"})), Server(VFS)]
     assert JointAllocator(lambda: servers).other_free(NIC) == {"g0", "g2", "g3"}
-    known = JointAllocator(lambda: servers, known_free=lambda kind: frozenset({"g3"}) if kind is GPU else None)
-    assert known.other_free(NIC) == {"g3"}
-    assert known.other_free(GPU) == set(VFS.ids)  # no fact about NICs: the estimate
+    known = JointAllocator(lambda: servers)
+    assert known.other_free(NIC, Partner(free=frozenset({"g3"}))) == {"g3"}
+    assert known.other_free(GPU, Partner()) == set(VFS.ids)  # no fact about NICs: the estimate
 
 
 def test_invalid_request_leaves_the_allocator_untouched() -> None:

@@ -175,10 +175,15 @@ class Nvml(Protocol):
 
 
 class NvmlEventSet(Protocol):
-    """Registered Xid/ECC events of some GPUs. `wait` and `close` belong to one (blocking) thread."""
+    """Registered Xid/ECC events of some GPUs. `wait` and `close` belong to one (blocking) thread; `interrupt`
+    may come from any thread."""
 
     def wait(self, timeout_s: float) -> list[NvmlEvent]:
-        """Events that arrived, or [] after the timeout. GpuLostError is reported as "lost" events."""
+        """Events that arrived, or [] after the timeout or once interrupted. GpuLostError is reported as "lost"
+        events."""
+
+    def interrupt(self) -> None:
+        """Make the running wait, and every later one, return within ~0.5 s (the agent is stopping)."""
 
     def close(self) -> None:
         """Free the event set."""

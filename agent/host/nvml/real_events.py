@@ -10,6 +10,8 @@ session is closed are not delivered: the kernel log still reports the Xids.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Any, Protocol
@@ -30,6 +32,8 @@ from agent.host.nvml.api import (
 )
 
 log = logging.getLogger(__name__)
+
+WAIT_SLICE_S = 0.5  # the longest single nvmlEventSetWait: how long an interrupt or a GPU reset waits for a wait
 
 
 class SessionOwner(Protocol):
@@ -60,6 +64,7 @@ class RealEventSet:
         self._pending: list[NvmlEvent] = []
         self._lost: set[str] = set()
         self._closed = False
+        self._interrupted = threading.Event()
 
     def open(self) -> None:
         """Create the set and register the GPUs (with the session held); NvmlError when no set can be made."""
@@ -89,16 +94,29 @@ class RealEventSet:
         self._free()
 
     def wait(self, timeout_s: float) -> list[NvmlEvent]:
-        """Events that arrived, or [] after the timeout; a released set is opened again first."""
-        with self._owner.session_call():
-            if self._closed:
-                return []
-            if self._set is None:
-                self.open()
-            if self._pending:
-                found, self._pending = self._pending, []
+        """Events that arrived, or [] after the timeout or once interrupted; a released set is opened again first.
+
+        The C wait cannot be woken, so it runs in slices of at most `WAIT_SLICE_S`, each with the session held
+        only for that slice: `interrupt` takes effect within one slice, and a GPU reset's suspension waits for
+        one slice, not for the whole timeout. An event ends the slice it arrives in, so slicing delays none."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            with self._owner.session_call():
+                if self._closed or self._interrupted.is_set():
+                    return []
+                if self._set is None:
+                    self.open()
+                if self._pending:
+                    found, self._pending = self._pending, []
+                    return found
+                found = self._wait(min(max(left, 0.0), WAIT_SLICE_S))
+            if found or left <= WAIT_SLICE_S:
                 return found
-            return self._wait(timeout_s)
+
+    def interrupt(self) -> None:
+        """The running wait returns after its current slice, later ones at once (any thread)."""
+        self._interrupted.set()
 
     def _wait(self, timeout_s: float) -> list[NvmlEvent]:
         nvml = self._nvml

@@ -78,7 +78,7 @@ class SimulatedNvml:
         self._gpus = {u: _SimGpu(MemoryHealth(u, **_ZERO), nvlinks=dict.fromkeys(range(nvlinks), True),
                                  fabric=GpuFabric(FABRIC_COMPLETED) if fabric else None)
                       for u in self._uuids.values()}
-        self._listeners: list[tuple[frozenset[str], queue.SimpleQueue[NvmlEvent]]] = []
+        self._listeners: list[tuple[frozenset[str], queue.SimpleQueue[NvmlEvent | None]]] = []
         self._gate = SessionGate()
         self.suspensions = 0  # sessions closed for a GPU reset
 
@@ -142,14 +142,14 @@ class SimulatedNvml:
             raise NvmlUnavailableError(self._reason)
         with self._lock:
             watched = frozenset(u for u in uuids if u in self._gpus and "events" not in self._gpus[u].unsupported)
-            events: queue.SimpleQueue[NvmlEvent] = queue.SimpleQueue()
+            events: queue.SimpleQueue[NvmlEvent | None] = queue.SimpleQueue()
             for uuid in sorted(watched):
                 if self._gpus[uuid].lost:
                     events.put(NvmlEvent("lost", uuid))
             self._listeners.append((watched, events))
         return _SimEventSet(events, lambda: self._drop(events))
 
-    def _drop(self, events: queue.SimpleQueue[NvmlEvent]) -> None:
+    def _drop(self, events: queue.SimpleQueue[NvmlEvent | None]) -> None:
         with self._lock:
             self._listeners = [(w, q) for w, q in self._listeners if q is not events]
 
@@ -312,19 +312,27 @@ class SimulatedNvml:
 
 
 class _SimEventSet:
-    def __init__(self, events: queue.SimpleQueue[NvmlEvent], on_close: Any) -> None:
+    """Events fed by the inject_* methods. `interrupt` puts a None in the queue, which wakes a blocked wait at once;
+    from then on waits only collect what is queued."""
+
+    def __init__(self, events: queue.SimpleQueue[NvmlEvent | None], on_close: Any) -> None:
         self._events, self._on_close = events, on_close
+        self._interrupted = False
 
     def wait(self, timeout_s: float) -> list[NvmlEvent]:
-        try:
-            found = [self._events.get(timeout=timeout_s)]
-        except queue.Empty:
-            return []
+        found: list[NvmlEvent] = []
         while True:
+            block = not (found or self._interrupted)
             try:
-                found.append(self._events.get_nowait())
+                item = self._events.get(timeout=timeout_s) if block else self._events.get_nowait()
             except queue.Empty:
                 return found
+            if item is not None:
+                found.append(item)
+
+    def interrupt(self) -> None:
+        self._interrupted = True
+        self._events.put(None)
 
     def close(self) -> None:
         self._on_close()

@@ -44,16 +44,36 @@ def _importers(prefix: str) -> set[str]:
     ("pynvml", {"agent.host.nvml.real"}),
     ("lightkube", {"agent.kube.cluster"}),
     ("pyroute2", {"agent.host.tc_netlink"}),
-    ("subprocess", {"agent.netacct.backend"}),
 ])
 def test_only_the_port_imports_its_library(library, allowed):
     assert _importers(library) <= allowed
 
 
-def test_subprocesses_run_only_in_the_host_ports_and_the_iptables_port():
-    runners = {module for module, path in ((m, AGENT.parent / (m.replace(".", "/") + ".py")) for m in MODULES)
-               if "create_subprocess_exec" in path.read_text() or "subprocess.run" in path.read_text()}
-    assert runners <= {"agent.netacct.backend", "agent.host.command"}
+def _source(module: str) -> str:
+    path = AGENT.parent / (module.replace(".", "/") + ".py")
+    return path.read_text() if path.exists() else (path.with_suffix("") / "__init__.py").read_text()
+
+
+#: how a module starts a process: the subprocess module, asyncio's process API, os.exec*/spawn*/system/popen
+STARTS_A_PROCESS = ("create_subprocess_", "os.system", "os.popen", "os.exec", "os.spawn", "os.posix_spawn")
+
+
+def test_only_the_host_ports_start_processes():
+    """Every command the agent runs (iptables, nft, ipset, the GPU reset) goes through a port in agent.host: no
+    module elsewhere imports subprocess or starts a process through asyncio or os."""
+    outside = {module for module in MODULES if not module.startswith("agent.host.")}
+    importers = {module for module in outside if any(name == "subprocess" or name.startswith("subprocess.")
+                                                     for name in MODULES[module])}
+    assert not importers, f"subprocess imported outside agent.host: {sorted(importers)}"
+    starters = {module for module in outside if any(call in _source(module) for call in STARTS_A_PROCESS)}
+    assert not starters, f"processes started outside agent.host: {sorted(starters)}"
+
+
+def test_the_process_check_sees_each_way_to_start_one():
+    """The check above can fail: each spelling it looks for is one a module could use."""
+    spellings = ("await asyncio.create_subprocess_exec(*argv)", "asyncio.create_subprocess_shell(line)",
+                 "os.system(line)", "os.execv(path, argv)", "os.posix_spawn(path, argv, env)")
+    assert all(any(call in text for call in STARTS_A_PROCESS) for text in spellings)
 
 
 SOURCES = ("agent.topology", "agent.host", "agent.simulate.profiles", "agent.simulate.sysfs_writer",
@@ -352,3 +372,31 @@ def test_the_package_check_finds_a_cycle_the_module_graph_does_not_have():
                "agent.host.nvml": set()}
     assert _cycles(modules) == []
     assert _cycles(_package_graph(_package_edges(modules))) == [["agent.host", "agent.simulate"]]
+
+
+LAYOUT_NAMES = {"nft", "iptables"}  # netacct's layouts, as the config and the `layout` label name them
+
+
+def _layout_switches(tree: ast.AST) -> list[int]:
+    """Lines comparing a value with a layout name (`layout == "nft"`, `layout in ("auto", "nft")`)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            values = [elt for op in operands for elt in (op.elts if isinstance(op, ast.Tuple | ast.List | ast.Set)
+                                                         else [op])]
+            if any(isinstance(v, ast.Constant) and v.value in LAYOUT_NAMES for v in values):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_nothing_switches_on_the_netacct_layout_name():
+    """Each layout is one implementation of agent.netacct.layout.Layout, chosen once by name: the engine, the
+    service and the doctor call the chosen one and never ask which it is (the seam a further layout plugs into)."""
+    found = {module: lines for module, path in PATHS.items() if module.startswith("agent.")
+             and (lines := _layout_switches(ast.parse(path.read_text(), str(path))))}
+    assert not found, f"layout-name switches: {found}"
+
+
+def test_the_layout_switch_check_finds_one():
+    assert _layout_switches(ast.parse('if layout == "nft":\n    pass\nok = mode in ("auto", "iptables")\n')) == [1, 3]

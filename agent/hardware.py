@@ -43,6 +43,7 @@ class Hardware:
     simulated: SimulatedNode | None = None
     counters: NicSysfs | None = None  # IB port counters, PCIe widths, AER: read by health's NIC/PCIe pass
     proc_root: str = PROC_ROOT  # where the driver's /proc files are (a simulated node carries its own)
+    data_direct_vfs: bool = True  # `topology.dataDirectVfs`
 
     def __post_init__(self) -> None:
         if self.counters is None:
@@ -52,7 +53,7 @@ class Hardware:
         """Read the sources again (blocking: call from a thread); the new value replaces `topology`."""
         self.topology = load_topology(self.sysfs_root, self.nvml.gpu_uuids(), self.topology_file,
                                       gpu_minors=self.nvml.gpu_minors(), mig_gpus=self.nvml.mig_gpus(),
-                                      mig_devices=self.nvml.mig_devices())
+                                      mig_devices=self.nvml.mig_devices(), data_direct_vfs=self.data_direct_vfs)
         return self.topology
 
     @property
@@ -93,5 +94,6 @@ def open_hardware(cfg: TopologyConfig, scratch: Path, clock: Clock = SYSTEM_CLOC
         hardware = Hardware(nvml=RealNvml(clock=clock), sysfs_root=Path(cfg.sysfs_root),
                             topology_file=Path(cfg.topology_file) if cfg.topology_file else None,
                             topology=Topology(), links=NetlinkLinkPort(cfg.sysfs_root))
+    hardware.data_direct_vfs = cfg.data_direct_vfs
     hardware.rescan()
     return hardware

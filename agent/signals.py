@@ -262,6 +262,7 @@ class DeviceHealth:
 
     def __init__(self) -> None:
         self._unhealthy: dict[str, str] = {}
+        self._unknown: frozenset[str] = frozenset()
         self._log: deque[tuple[int, DeviceHealthEvent]] = deque(maxlen=self.HISTORY)
         self._version = 0
         self._changed = asyncio.Event()
@@ -296,8 +297,16 @@ class DeviceHealth:
         self._record(event)
         return True
 
-    def replace(self, unhealthy: Mapping[str, str]) -> list[DeviceHealthEvent]:
-        """Make exactly these devices Unhealthy (with these reasons); the flips, in order."""
+    def unknown(self) -> frozenset[str]:
+        """Unhealthy devices whose health is only unknown (a check that covers them could not look), as the
+        last `replace` said: node labels keep such a device's last known health instead of counting it."""
+        return self._unknown & self._unhealthy.keys()
+
+    def replace(self, unhealthy: Mapping[str, str], *, unknown: frozenset[str] = frozenset()
+                ) -> list[DeviceHealthEvent]:
+        """Make exactly these devices Unhealthy (with these reasons; `unknown`: those of them whose health is
+        only unknown); the flips, in order."""
+        self._unknown = frozenset(unknown)
         flips = [DeviceHealthEvent(d, True) for d in sorted(self._unhealthy.keys() - unhealthy.keys())]
         flips += [DeviceHealthEvent(d, False, r) for d, r in sorted(unhealthy.items()) if d not in self._unhealthy]
         self._unhealthy = dict(unhealthy)

@@ -347,6 +347,34 @@ def shaping(cfg: AgentConfig, registry: CollectorRegistry, cluster: ClusterPort,
                           events=events, owns_source=netacct is None)
 
 
+def node_labels(node: Node, registry: CollectorRegistry, *, cluster: ClusterPort, device_health: DeviceHealth,
+                health_ready: asyncio.Event) -> Subsystem | None:
+    """Node labels (GFD-compatible keys and the agent's own) on an NFD NodeFeature or the Node; None without a
+    cluster to publish on (logged)."""
+    from agent.host.nic_sysfs import NicSysfs
+    from agent.kube.errors import ClusterConfigError
+    from agent.labels import NodeLabels
+    from agent.labels.facts import ExpectedGpus, FactReader, GfdPresence, GfdSettings
+    from agent.labels.service import NodeLabelService, Settings
+
+    cfg, hardware = node.serving, node.hardware
+    lc, rc = cfg.node_labels, cfg.remediation
+    try:
+        api = cluster.get()
+    except ClusterConfigError as exc:
+        log.info("node labels off: %s", exc)
+        return None
+    namespace = rc.pod_namespace or ("default" if cluster.in_memory else "")
+    presence = GfdPresence(lc.gfd, api, [namespace, *lc.gfd_namespaces] if namespace else lc.gfd_namespaces,
+                           interval=max(300.0, 10 * lc.interval_seconds))
+    reader = FactReader(hardware.nvml, lambda: hardware.topology, NicSysfs(hardware.sysfs_root), hardware.sysfs_root,
+                        gfd=GfdSettings(cfg.device_plugin.mig_strategy, cfg.device_plugin.time_slicing),
+                        presence=presence, expected=ExpectedGpus(lc.expected_gpus, node.paths.state_dir))
+    service = NodeLabelService(reader, device_health, registry, settings=Settings(lc.interval_seconds),
+                               health_ready=health_ready)
+    return Subsystem("node-labels", NodeLabels(lc.mode, api, service, namespace=namespace, pod_name=rc.pod_name).run)
+
+
 @dataclass
 class Wiring:
     """Every enabled subsystem, and the shared client the process closes after they stop."""
@@ -405,6 +433,11 @@ def build(node: Node, registry: CollectorRegistry, *, readiness: Readiness, resc
                                  pods_of=owners.service.pods_holding_now if owners is not None else None,
                                  reset_listener=health_service)
         subsystems.append(Subsystem("remediation", remediates.run))
+    if cfg.node_labels.mode != "off":
+        labels = node_labels(node, registry, cluster=port, device_health=device_health,
+                             health_ready=health_service.first_pass_done)
+        if labels is not None:
+            subsystems.append(labels)
     accounts = None
     if cfg.netacct.enabled:
         accounts = netacct(cfg, registry, port)

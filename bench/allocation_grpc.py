@@ -9,7 +9,10 @@ timed at the kubelet's stub: protobuf, the unix socket, the grpc.aio servicer, t
 policy. The policy requests the servicer built are captured and replayed in-process (`preferred_allocation`
 alone) for the left-hand columns. Client and server share one event loop and thread, as in the tests.
 
-    python bench/allocation_grpc.py [--containers N] [--seed S]
+    python bench/allocation_grpc.py [--containers N] [--seed S] [--profile NAME ...]
+
+`--profile` picks other simulated nodes (e.g. gb300-cx8, gb200-cx7, hgx-b300-cx8); a container never asks for
+more GPUs or VFs than the node has.
 """
 
 from __future__ import annotations
@@ -82,11 +85,13 @@ def capture(timings: Timings, resource_of: dict[str, str]) -> None:
     preference_module.preferred_allocation = recorded
 
 
-def random_container(rng: random.Random, single_share: float) -> dict[str, int]:
+def random_container(rng: random.Random, single_share: float, sizes: dict[str, int] | None = None) -> dict[str, int]:
     gpus = rng.choice([1, 1, 1, 2, 2, 4, 8])
     if rng.random() < single_share:  # one resource only: NIC-only or GPU-only
-        return {RDMA: rng.randint(1, 4)} if rng.random() < 0.5 else {GPU: gpus}
-    return {GPU: gpus, RDMA: gpus if rng.random() < 0.8 else rng.randint(1, 2 * gpus)}
+        request = {RDMA: rng.randint(1, 4)} if rng.random() < 0.5 else {GPU: gpus}
+    else:
+        request = {GPU: gpus, RDMA: gpus if rng.random() < 0.8 else rng.randint(1, 2 * gpus)}
+    return {name: min(count, (sizes or {}).get(name, count)) for name, count in request.items()}
 
 
 async def drive(profile: str, containers: int, seed: int, single_share: float) -> Timings:
@@ -115,7 +120,7 @@ async def drive(profile: str, containers: int, seed: int, single_share: float) -
             running: list[dict[str, list[str]]] = []
             for index in range(containers + WARM_UP):
                 timings.recording = index >= WARM_UP
-                request = random_container(rng, single_share)
+                request = random_container(rng, single_share, sizes)
                 while any(len(kubelet.plugins[n].healthy() - kubelet.allocated.get(n, set())) < size
                           for n, size in request.items()) or (running and rng.random() < 0.3):
                     kubelet.release(running.pop(rng.randrange(len(running))))
@@ -148,6 +153,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--containers", type=int, default=1500, help="timed containers per profile")
     parser.add_argument("--seed", type=int, default=4)
+    parser.add_argument("--profile", action="append", dest="profiles", metavar="NAME",
+                        help=f"simulated node (repeatable; default: {', '.join(PROFILES)})")
     parser.add_argument("--single-share", type=float, default=0.1,
                         help="share of containers asking for one resource only (GPU-only or NIC-only)")
     args = parser.parse_args()
@@ -157,7 +164,7 @@ def main() -> None:
               f"{'gRPC p50 us':>11} {'p99 us':>7} {'max us':>7}")
     print(header)
     print("-" * len(header))
-    for profile in PROFILES:
+    for profile in args.profiles or PROFILES:
         timings = asyncio.run(drive(profile, args.containers, args.seed, args.single_share))
         everything_local: list[float] = []
         everything_grpc: list[float] = []

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent.config.netacct import NetacctConfig
-from agent.netacct.backend import Host
+from agent.host.netfilter import Host
 from agent.netacct.engine import Netacct
 from agent.pods.model import Pod, make_pod
 from tests.netacct import netns

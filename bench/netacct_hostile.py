@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from prometheus_client import CollectorRegistry
 
 from agent.config.netacct import NetacctConfig
-from agent.netacct import backend
-from agent.netacct.backend import Host
+from agent.host import netfilter
+from agent.host.netfilter import Host
 from agent.netacct.engine import Netacct, SyncError
 from agent.netacct.service import NetacctService
 from agent.pods.model import make_pod
@@ -51,7 +51,7 @@ class Killed(Host):
     def run(self, argv: Sequence[str], stdin: str | None = None, timeout: float | None = None) -> str:
         """Fail once dead."""
         if self.left is not None and self.ran >= self.left:
-            raise backend.CommandError("killed")
+            raise netfilter.CommandError("killed")
         self.ran += 1
         return super().run(argv, stdin, timeout)
 

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from prometheus_client import CollectorRegistry, generate_latest
 
 from agent.config.netacct import NetacctConfig
+from agent.host.netfilter import Host
 from agent.netacct import ipsets, nft_layout
-from agent.netacct.backend import Host
 from agent.netacct.collector import NetacctCollector
 from agent.netacct.engine import Netacct
 from agent.pods.model import Pod, make_pod

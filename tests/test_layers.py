@@ -44,22 +44,42 @@ def _importers(prefix: str) -> set[str]:
     ("pynvml", {"agent.host.nvml.real"}),
     ("lightkube", {"agent.kube.cluster"}),
     ("pyroute2", {"agent.host.tc_netlink"}),
-    ("subprocess", {"agent.netacct.backend"}),
 ])
 def test_only_the_port_imports_its_library(library, allowed):
     assert _importers(library) <= allowed
 
 
-def test_subprocesses_run_only_in_the_host_ports_and_the_iptables_port():
-    runners = {module for module, path in ((m, AGENT.parent / (m.replace(".", "/") + ".py")) for m in MODULES)
-               if "create_subprocess_exec" in path.read_text() or "subprocess.run" in path.read_text()}
-    assert runners <= {"agent.netacct.backend", "agent.host.command"}
+def _source(module: str) -> str:
+    path = AGENT.parent / (module.replace(".", "/") + ".py")
+    return path.read_text() if path.exists() else (path.with_suffix("") / "__init__.py").read_text()
+
+
+#: how a module starts a process: the subprocess module, asyncio's process API, os.exec*/spawn*/system/popen
+STARTS_A_PROCESS = ("create_subprocess_", "os.system", "os.popen", "os.exec", "os.spawn", "os.posix_spawn")
+
+
+def test_only_the_host_ports_start_processes():
+    """Every command the agent runs (iptables, nft, ipset, the GPU reset) goes through a port in agent.host: no
+    module elsewhere imports subprocess or starts a process through asyncio or os."""
+    outside = {module for module in MODULES if not module.startswith("agent.host.")}
+    importers = {module for module in outside if any(name == "subprocess" or name.startswith("subprocess.")
+                                                     for name in MODULES[module])}
+    assert not importers, f"subprocess imported outside agent.host: {sorted(importers)}"
+    starters = {module for module in outside if any(call in _source(module) for call in STARTS_A_PROCESS)}
+    assert not starters, f"processes started outside agent.host: {sorted(starters)}"
+
+
+def test_the_process_check_sees_each_way_to_start_one():
+    """The check above can fail: each spelling it looks for is one a module could use."""
+    spellings = ("await asyncio.create_subprocess_exec(*argv)", "asyncio.create_subprocess_shell(line)",
+                 "os.system(line)", "os.execv(path, argv)", "os.posix_spawn(path, argv, env)")
+    assert all(any(call in text for call in STARTS_A_PROCESS) for text in spellings)
 
 
 SOURCES = ("agent.topology", "agent.host", "agent.simulate.profiles", "agent.simulate.sysfs_writer",
            "agent.simulate.sysfs_tree", "agent.config", "agent.signals", "agent.placement")
 CONSUMERS = ("agent.deviceplugin", "agent.dra", "agent.health", "agent.remediation", "agent.netacct", "agent.shaping",
-             "agent.kube", "agent.app", "agent.wiring", "agent.doctor", "agent.cli")
+             "agent.labels", "agent.kube", "agent.app", "agent.wiring", "agent.doctor", "agent.cli")
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -87,6 +107,9 @@ def test_sources_never_import_consumers(source):
                     "agent.dra")),
     # health publishes device health and verdicts (agent.signals); it never reaches into the subsystems acting on them
     ("agent.health", ("agent.deviceplugin", "agent.remediation", "agent.netacct", "agent.kube")),
+    # node labels read the model, the ports and device health (agent.signals); they act through agent.kube only
+    ("agent.labels", ("agent.deviceplugin", "agent.dra", "agent.remediation", "agent.netacct", "agent.shaping",
+                      "agent.health", "agent.ownership")),
 ])
 def test_consumers_stay_apart(package, forbidden):
     for module, imports in MODULES.items():
@@ -211,7 +234,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # decisions over the model
     ("agent.placement", "agent.ownership", "agent.health"),
     # consumers that act
-    ("agent.deviceplugin", "agent.dra", "agent.remediation", "agent.netacct", "agent.shaping"),
+    ("agent.deviceplugin", "agent.dra", "agent.remediation", "agent.netacct", "agent.shaping", "agent.labels"),
     # the composition root, the choice between real and simulated hardware it makes, the one opened node every
     # command works from (`agent.node`: mode defaults, hardware, node paths), and the node self-check (`doctor`)
     # that opens the same node and runs the readers below once; the simulated node's sample admissions, a client
@@ -349,3 +372,31 @@ def test_the_package_check_finds_a_cycle_the_module_graph_does_not_have():
                "agent.host.nvml": set()}
     assert _cycles(modules) == []
     assert _cycles(_package_graph(_package_edges(modules))) == [["agent.host", "agent.simulate"]]
+
+
+LAYOUT_NAMES = {"nft", "iptables"}  # netacct's layouts, as the config and the `layout` label name them
+
+
+def _layout_switches(tree: ast.AST) -> list[int]:
+    """Lines comparing a value with a layout name (`layout == "nft"`, `layout in ("auto", "nft")`)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            values = [elt for op in operands for elt in (op.elts if isinstance(op, ast.Tuple | ast.List | ast.Set)
+                                                         else [op])]
+            if any(isinstance(v, ast.Constant) and v.value in LAYOUT_NAMES for v in values):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_nothing_switches_on_the_netacct_layout_name():
+    """Each layout is one implementation of agent.netacct.layout.Layout, chosen once by name: the engine, the
+    service and the doctor call the chosen one and never ask which it is (the seam a further layout plugs into)."""
+    found = {module: lines for module, path in PATHS.items() if module.startswith("agent.")
+             and (lines := _layout_switches(ast.parse(path.read_text(), str(path))))}
+    assert not found, f"layout-name switches: {found}"
+
+
+def test_the_layout_switch_check_finds_one():
+    assert _layout_switches(ast.parse('if layout == "nft":\n    pass\nok = mode in ("auto", "iptables")\n')) == [1, 3]

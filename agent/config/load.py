@@ -115,6 +115,15 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported setting type {hint!r}")  # a bug in model.py, not user input
 
 
+def _yaml_switch(value: Any, f: dataclasses.Field) -> Any:
+    """YAML 1.1 reads a bare `on`/`off` (and yes/no, true/false) as a boolean: for a setting whose choices are
+    `on`/`off`, take the boolean as the word the operator wrote (`nodeLabels.mode: off`, `nodeLabels.gfd: on`)."""
+    choices = f.metadata.get("choices") or ()
+    if isinstance(value, bool) and ("on" if value else "off") in choices:
+        return "on" if value else "off"
+    return value
+
+
 def _check_choices(f: dataclasses.Field, value: Any, where: str) -> None:
     choices = f.metadata.get("choices")
     if choices and value is not None and value not in choices:
@@ -139,7 +148,7 @@ def from_mapping(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
         if name not in fields:
             known = ", ".join(camel_case(n) for n in fields)
             raise ConfigError(f"{path}: unknown setting (known here: {known})")
-        values[name] = _convert(raw, hints[name], path)
+        values[name] = _convert(_yaml_switch(raw, fields[name]), hints[name], path)
         _check_choices(fields[name], values[name], path)
         values[name] = floored(fields[name], values[name], path)
     instance = cls(**values)

@@ -14,6 +14,7 @@ from agent.config.address import parse_address
 from agent.config.fields import PROJECT_DOMAIN, setting
 from agent.config.files import check_dirs, check_files
 from agent.config.health import HealthConfig
+from agent.config.labels import NodeLabelsConfig
 from agent.config.names import check_node_name
 from agent.config.netacct import NetacctConfig
 from agent.config.remediation import RemediationConfig, check_sentinel_path
@@ -44,6 +45,10 @@ class TopologyConfig:
     rescan_interval_seconds: float = setting(
         300.0, flag="--rescan-interval", env="GPU_NODE_AGENT_RESCAN_INTERVAL",
         floor=RESCAN_FLOOR_S, help="seconds between hardware rescans (SIGHUP rescans at once, at most once a second)")
+    data_direct_vfs: bool = setting(
+        True, flag="--data-direct-vfs", env="GPU_NODE_AGENT_DATA_DIRECT_VFS",
+        help="place the VFs of a ConnectX-8 Data Direct NIC at its DMA function, like the PF (false: by the VF's "
+             "own path; set false unless Data Direct was enabled per VF in firmware)")
 
 
 @dataclass
@@ -333,6 +338,8 @@ class AgentConfig:
     remediation: RemediationConfig = setting(factory=RemediationConfig, help="actions on this node's API objects")
     netacct: NetacctConfig = setting(factory=NetacctConfig, help="network traffic accounting")
     shaping: ShapingConfig = setting(factory=ShapingConfig, help="per-pod internet bandwidth shaping")
+    node_labels: NodeLabelsConfig = setting(factory=NodeLabelsConfig,
+                                            help="node labels for schedulers (NFD NodeFeature or the Node)")
 
 
     def check(self) -> None:

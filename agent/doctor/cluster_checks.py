@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 
@@ -17,7 +18,7 @@ from agent.health.dcgm import MalformedScrapeError, keep_line, parse_scrape
 from agent.host.dcgm_exporter import DcgmScrapeError, HttpDcgmExporter
 from agent.kube.access import ClusterPort
 from agent.kube.errors import ApiError, ClusterConfigError
-from agent.kube.port import AccessApi
+from agent.kube.port import AccessApi, NodeFeatureApi
 
 # (API group, resource, subresource, verb) each subsystem needs; deploy/rbac.yaml grants them
 Need = tuple[str, str, str, str]
@@ -76,6 +77,7 @@ async def api(ctx: Context, *, has_credentials: bool) -> list[Check]:
         took = (time.monotonic() - started) * 1000
         checks = [ok("api", f"{port.describe()}: node {node.name} read in {took:.0f} ms")]
         checks.append(await _rbac(ctx, cluster, _enabled(ctx)))
+        checks.append(await node_labels(ctx, cluster))
         return checks
     finally:
         await port.aclose()
@@ -104,6 +106,49 @@ async def _rbac(ctx: Context, cluster: AccessApi, subsystems: Sequence[str]) -> 
         return fail("api.rbac", f"denied: {'; '.join(denied)}",
                     "apply deploy/rbac.yaml (and deploy/dra/rbac.yaml for --dra) to the agent's service account")
     return ok("api.rbac", f"{asked} verbs allowed for {', '.join(subsystems)}")
+
+
+class _LabelApi(AccessApi, NodeFeatureApi, Protocol):
+    """What the node-labels check asks: access reviews and whether NodeFeatures are served."""
+
+
+_NFD = "nfd.k8s-sigs.io"
+
+
+async def node_labels(ctx: Context, cluster: _LabelApi) -> Check:
+    """The node-labels mode in force (auto: NodeFeature where served, else the Node) and its permissions; GFD's
+    namespaces the agent cannot look into (then only the Node's GFD timestamp label tells GFD is there)."""
+    lc, namespace = ctx.cfg.node_labels, ctx.cfg.remediation.pod_namespace
+    if lc.mode == "off":
+        return skip("api.node-labels", "off (--node-labels off)")
+    try:
+        served = await cluster.node_features_served()
+        if lc.mode == "nodefeature" and not served:
+            return fail("api.node-labels", "--node-labels nodefeature, but the API server does not serve NFD's "
+                                           "NodeFeature (nfd.k8s-sigs.io/v1alpha1)",
+                        "install node-feature-discovery, or use --node-labels auto (the Node when NFD is absent)")
+        on_node = lc.mode == "node" or not served
+        if not on_node and not namespace:
+            return fail("api.node-labels", "a NodeFeature lives in the agent's namespace, and none is known",
+                        "set POD_NAMESPACE from the downward API (metadata.namespace), or --pod-namespace")
+        wanted = [("", "nodes", "get", ""), ("", "nodes", "patch", "")] if on_node else \
+            [(_NFD, "nodefeatures", verb, namespace) for verb in ("get", "create", "update")]
+        denied = [f"{verb} {resource}{'.' + group if group else ''}{' in ' + ns if ns else ''}"
+                  for group, resource, verb, ns in wanted
+                  if not (await cluster.review_access(verb, resource, group=group, namespace=ns))[0]]
+        hidden = [ns for ns in lc.gfd_namespaces if lc.gfd == "auto" and not (
+            await cluster.review_access("get", "nodefeatures", group=_NFD, namespace=ns))[0]]
+    except ApiError as exc:
+        return warn("api.node-labels", f"cannot check: {exc}", "the API server must serve authorization.k8s.io/v1")
+    where = "the Node (patch nodes)" if on_node else f"the NodeFeature gpu-node-agent-<node> in {namespace}"
+    if denied:
+        return fail("api.node-labels", f"labels go to {where}; denied: {'; '.join(denied)}",
+                    "apply deploy/rbac.yaml (the Role gpu-node-agent-node-labels) to the agent's service account")
+    if hidden:
+        return warn("api.node-labels", f"labels go to {where}; GPU Feature Discovery's NodeFeature cannot be read "
+                                       f"in {', '.join(hidden)} (only GFD's label on the Node shows it there)",
+                    "apply deploy/gfd-read/ in each namespace of nodeLabels.gfdNamespaces, or remove the namespace")
+    return ok("api.node-labels", f"labels go to {where}; {len(wanted)} verbs allowed")
 
 
 async def dcgm_exporter(ctx: Context) -> Check:

@@ -101,7 +101,26 @@ def sysfs(ctx: Context) -> list[Check]:
     checks.append(_counters(ctx))
     checks.append(_pcie(ctx))
     checks.append(_iommu(ctx))
+    checks.append(_locality(ctx))
     return checks
+
+
+def _locality(ctx: Context) -> Check:
+    """The GPU-NIC shapes found (docs/locality.md), and whatever kept a Data Direct NIC from its DMA function."""
+    topology = ctx.hardware.topology
+    if not topology.gpus or not topology.rdma_nics:
+        return skip("sysfs.locality", "no GPU and RDMA NIC to pair")
+    paths = Counter(g.gpu_direct_path or "none" for g in topology.gpus)
+    detail = "GPUs by GPUDirect path: " + ", ".join(f"{p} {n}" for p, n in sorted(paths.items()))
+    data_direct = [n for n in topology.rdma_nics if n.data_direct_function]
+    if data_direct:
+        detail += "; Data Direct: " + _listed([f"{n.bus_id}->{n.data_direct_function}" for n in data_direct])
+    if topology.locality_problems:
+        return warn("sysfs.locality", f"{detail}; {_listed(list(topology.locality_problems))}",
+                    "the NIC is placed by its own PCIe position (its socket, not its GPU's switch): the agent reads "
+                    "`vpd` as root (file mode 0600); check `lspci -vv -s <bus id>` for its VPD (V3), update the NIC "
+                    "firmware if it has none, and see rdma_topo (rdma-core) for the node's complexes")
+    return ok("sysfs.locality", detail)
 
 
 def _ports(ports: tuple[RdmaPort, ...]) -> str:

@@ -154,38 +154,17 @@ def netacct(ctx: Context) -> Check:
     (a throw-away table) is the agent's own start-up step, not the doctor's."""
     if not ctx.cfg.netacct.enabled:
         return skip("netacct", "network accounting off")
-    from agent.netacct.backend import CommandError, Host
-    from agent.netacct.nft_layout import TABLE
-    from agent.netacct.nft_netlink import NftReader
+    from agent.host.netfilter import Host
+    from agent.netacct.engine import Netacct
+    from agent.netacct.layout import NotReady
 
-    layout = ctx.cfg.netacct.layout
-    host = Host(timeout=3.0)
+    engine = Netacct(ctx.cfg.netacct, Host(timeout=3.0))
     try:
-        why_not_nft = host.nft_usable() if layout in ("auto", "nft") else "layout: iptables"
-        if why_not_nft is None:
-            reader = NftReader(TABLE, timeout=3.0)
-            try:
-                present = reader.sets() is not None
-            except OSError as exc:
-                return fail("netacct", f"nf_tables cannot be read: {exc}", "run with NET_ADMIN in the host network "
-                                                                         "namespace")
-            finally:
-                reader.close()
-            table = f"table inet {TABLE} {'present' if present else 'not created yet'}"
-            return ok("netacct", f"native nftables layout: nft answers, {table}" +
-                      ("; auto confirms it with one probe packet at start" if layout == "auto" else ""))
-        if layout == "nft":
-            return fail("netacct", f"layout nft, but {why_not_nft}", "install nftables in the image, or set "
-                                                                     "netacct.layout: auto")
-        mode = host.detect_mode()
-        names = host.ipset_names()
-    except CommandError as exc:
-        return fail("netacct", str(exc), "install iptables and ipset (or nftables) in the image and run with "
-                                         "NET_ADMIN in the host network namespace")
+        return ok("netacct", engine.readiness())
+    except NotReady as exc:
+        return fail("netacct", exc.why, exc.fix)
     finally:
-        host.close()
-    fallback = f" (nft: {why_not_nft})" if layout == "auto" else ""
-    return ok("netacct", f"iptables layout{fallback}: iptables {mode} backend, ipset answers ({len(names)} sets)")
+        engine.close()
 
 
 _TC_MODULES = ("sch_htb", "ifb", "sch_ingress", "cls_u32", "act_mirred")

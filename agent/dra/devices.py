@@ -14,6 +14,12 @@ compute instance ids after it), so they survive restarts and rescans. Attributes
   they sit under one switch (PIX). `gpunodeagent.io/pcieSwitchGroup`: the top switch below the root; equal for
   devices that meet in a switch below the root (PXB or closer). Devices directly on a root port carry neither,
   so a `matchAttribute` on them never pairs a device across the host bridge;
+- `gpunodeagent.io/gpuDirectPath` (`pcie-switch`, `data-direct`, `c2c`) and `gpunodeagent.io/gpuDirectGroup`
+  (`sw:<bus id>`, `numa:<n>`) on GPUs, MIG devices and RDMA functions that have a GPU nearby
+  (`agent.topology.locality`): one `matchAttribute` on the group pairs a GPU with its NIC on every shape; RDMA
+  functions of a ConnectX-8 Data Direct NIC also carry `gpunodeagent.io/dataDirectFunction` (the DMA function's
+  bus id), and their switch attributes name the DMA function's switches, where their GPU traffic enters PCIe
+  (`pciBusID` and `pcieRoot` stay their own);
 - GPU `uuid` and `product`; a MIG device carries its parent's placement attributes and product (it sits where
   its parent sits, so GPU-NIC `matchAttribute` constraints work for it), its own MIG `uuid`, `parentUUID` and
   `migProfile` (`1g.10gb`); RDMA `rdmaDevice`, `pfName`, `linkType`; and Multus' `k8s.cni.cncf.io/deviceID`
@@ -27,6 +33,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from agent.topology.locality import PATH_DATA_DIRECT
 from agent.topology.model import Gpu, Location, MigDevice, Nic, Topology, Vf
 
 STANDARD = "resource.kubernetes.io"
@@ -113,18 +120,26 @@ def pcie_root(location: Location) -> str | None:
     return root if _PCIE_ROOT.match(root) else None
 
 
-def placement_attributes(bus_id: str, location: Location) -> dict[str, Attribute]:
-    """Bus id, root, NUMA node and switch attributes shared by GPUs and NICs."""
+def placement_attributes(bus_id: str, location: Location, data_path: Location | None = None, *,
+                         gpu_direct: tuple[str, str] = ("", "")) -> dict[str, Attribute]:
+    """Bus id, root, NUMA node, switch and GPUDirect attributes shared by GPUs and NICs. `data_path`: where the
+    device's GPU traffic enters PCIe when that is not its own place (a Data Direct NIC's DMA function); the switch
+    attributes follow it. `gpu_direct`: (path, group), "" when no GPU is near."""
     attributes: dict[str, Attribute] = {f"{STANDARD}/pciBusID": {"string": bus_id}}
     if (root := pcie_root(location)) is not None:
         attributes[f"{STANDARD}/pcieRoot"] = {"string": root}
     if location.numa is not None and location.numa >= 0:
         attributes[f"{STANDARD}/numaNode"] = {"int": location.numa}
-    if location.switches:
+    switches = (data_path or location).switches
+    if switches:
         # a switch name is unique in the node (an upstream port's bus id, or `<cpu>/<busid>` from the XML) and
         # a switch has one parent, so the nearest switch alone identifies the whole chain
-        attributes[f"{DOMAIN}/pcieSwitch"] = _string(location.switches[-1])
-        attributes[f"{DOMAIN}/pcieSwitchGroup"] = _string(location.switches[0])
+        attributes[f"{DOMAIN}/pcieSwitch"] = _string(switches[-1])
+        attributes[f"{DOMAIN}/pcieSwitchGroup"] = _string(switches[0])
+    path, group = gpu_direct
+    if group:
+        attributes[f"{DOMAIN}/gpuDirectPath"] = _string(path)
+        attributes[f"{DOMAIN}/gpuDirectGroup"] = _string(group)
     return attributes
 
 
@@ -134,7 +149,8 @@ def _product(gpu: Gpu) -> Attribute:
 
 def gpu_device(gpu: Gpu) -> DraDevice:
     """A whole GPU."""
-    attributes = {f"{DOMAIN}/type": {"string": "gpu"}, **placement_attributes(gpu.bus_id, gpu.location)}
+    attributes = {f"{DOMAIN}/type": {"string": "gpu"}, **placement_attributes(
+        gpu.bus_id, gpu.location, gpu_direct=(gpu.gpu_direct_path, gpu.gpu_direct_group))}
     if gpu.uuid:
         attributes[f"{DOMAIN}/uuid"] = _string(gpu.uuid)
     attributes[f"{DOMAIN}/product"] = _product(gpu)
@@ -143,7 +159,8 @@ def gpu_device(gpu: Gpu) -> DraDevice:
 
 def mig_device(gpu: Gpu, mig: MigDevice) -> DraDevice:
     """A MIG device of `gpu`, placed where its parent is (its bus id is the parent's)."""
-    attributes = {f"{DOMAIN}/type": {"string": "mig"}, **placement_attributes(gpu.bus_id, gpu.location),
+    attributes = {f"{DOMAIN}/type": {"string": "mig"}, **placement_attributes(
+                      gpu.bus_id, gpu.location, gpu_direct=(gpu.gpu_direct_path, gpu.gpu_direct_group)),
                   f"{DOMAIN}/uuid": _string(mig.uuid), f"{DOMAIN}/migProfile": _string(mig.profile)}
     if gpu.uuid:
         attributes[f"{DOMAIN}/parentUUID"] = _string(gpu.uuid)
@@ -160,8 +177,13 @@ def gpu_devices(gpu: Gpu) -> list[DraDevice]:
 
 
 def rdma_device(function: Vf | Nic, pf: Nic, resource_name: str) -> DraDevice:
-    """An RDMA function; it takes its PF's place in the PCIe tree."""
-    attributes = {f"{DOMAIN}/type": {"string": "rdma"}, **placement_attributes(function.bus_id, pf.location)}
+    """An RDMA function; it takes its PF's place in the PCIe tree (its data path: see the module docstring)."""
+    data_direct = function.gpu_direct_path == PATH_DATA_DIRECT and pf.data_path is not None
+    attributes = {f"{DOMAIN}/type": {"string": "rdma"}, **placement_attributes(
+        function.bus_id, pf.location, pf.data_path if data_direct else None,
+        gpu_direct=(function.gpu_direct_path, function.gpu_direct_group))}
+    if data_direct:
+        attributes[f"{DOMAIN}/dataDirectFunction"] = {"string": pf.data_direct_function}
     if function.rdma:
         attributes[f"{DOMAIN}/rdmaDevice"] = _string(function.rdma)
     if pf.netdevs:

@@ -38,6 +38,11 @@ class GpuRef:
         return f"GPU {self.uuid or self.bus_id or '?'}"
 
 
+# Codes of findings that say a check could not look (its source failed), not that a device is faulty: node labels
+# keep a device's last known health while only these name it
+UNKNOWN_CODES = frozenset({"GpuHealthUnknown", "NicHealthUnknown"})
+
+
 @dataclass(frozen=True)
 class Finding:
     """One active problem. `key` identifies it (raising it again is a repeat, not a new problem)."""

@@ -38,7 +38,11 @@ class HealthPublisher:
             if gpu.uuid in unhealthy:
                 for mig in gpu.mig_devices:
                     unhealthy.setdefault(mig.uuid, unhealthy[gpu.uuid])
-        self.device_health.replace(unhealthy)
+        unknown = book.unknown_devices()
+        for gpu in topology.gpus if topology is not None else ():
+            if gpu.uuid in unknown:
+                unknown |= {mig.uuid for mig in gpu.mig_devices if mig.uuid in unhealthy}
+        self.device_health.replace(unhealthy, unknown=unknown)
         verdict = book.verdict()
         if verdict == self.current:
             return

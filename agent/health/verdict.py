@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from agent.health.findings import Clears, Finding
+from agent.health.findings import UNKNOWN_CODES, Clears, Finding
 from agent.signals import HEALTHY, GpuRecoveryAction, NodeVerdict, RecoveryRequest, Severity
 
 RESET_RECOVERY = frozenset({GpuRecoveryAction.GPU_RESET, GpuRecoveryAction.DRAIN_AND_RESET})
@@ -86,6 +86,14 @@ class VerdictBook:
             for device in finding.devices:
                 reasons.setdefault(device, []).append(finding.reason)
         return {device: "; ".join(texts) for device, texts in sorted(reasons.items())}
+
+    def unknown_devices(self) -> frozenset[str]:
+        """Devices every active finding about which says only that a check could not look (`UNKNOWN_CODES`)."""
+        named: dict[str, bool] = {}
+        for finding in self.findings():
+            for device in finding.devices:
+                named[device] = named.get(device, True) and finding.code in UNKNOWN_CODES
+        return frozenset(device for device, unknown in named.items() if unknown)
 
     def reset_advised(self) -> tuple[str, ...]:
         """GPUs with an advisory that a reset applies (a pending row remap): findings that make nothing

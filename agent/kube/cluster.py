@@ -27,6 +27,7 @@ from lightkube import AsyncClient, KubeConfig
 from lightkube.config.client_adapter import verify_cluster
 from lightkube.core.exceptions import ApiError as LightkubeApiError
 from lightkube.core.exceptions import ConfigError as LightkubeConfigError
+from lightkube.generic_resource import create_namespaced_resource
 from lightkube.models.authorization_v1 import ResourceAttributes, SelfSubjectAccessReviewSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.authorization_v1 import SelfSubjectAccessReview
@@ -59,6 +60,8 @@ FIELD_MANAGER = "gpu-node-agent"
 COMPONENT = "gpu-node-agent"
 ALL_NAMESPACES = "*"
 T = TypeVar("T")
+NFD_GROUP, NFD_VERSION = "nfd.k8s-sigs.io", "v1alpha1"
+NodeFeature = create_namespaced_resource(NFD_GROUP, NFD_VERSION, "NodeFeature", "nodefeatures")
 
 
 def _retry_after(response: httpx2.Response | None) -> float | None:
@@ -351,6 +354,41 @@ class LightkubeCluster:
         claim = await self._do(lambda: self._client.get(ResourceClaim, url_segment(name),
                                                         namespace=url_segment(namespace, namespace=True)))
         return dict(claim.to_dict())
+
+    async def node_features_served(self) -> bool:
+        """GET the group version's discovery document (readable by every authenticated identity) and look for
+        `nodefeatures`; 404 means NFD's CRD is not installed."""
+        async def call() -> bool:
+            response = await self._client._client._client.get(f"/apis/{NFD_GROUP}/{NFD_VERSION}")
+            if response.status_code == 404:
+                return False
+            response.raise_for_status()
+            resources = (response.json() or {}).get("resources") or []
+            return any(isinstance(r, dict) and r.get("name") == "nodefeatures" for r in resources)
+        return await self._do(call)
+
+    async def get_node_feature(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """GET a NodeFeature; None for 404."""
+        try:
+            found = await self._do(lambda: self._client.get(NodeFeature, url_segment(name),
+                                                            namespace=url_segment(namespace, namespace=True)))
+        except errors.ApiNotFound:
+            return None
+        return dict(found.to_dict())
+
+    async def create_node_feature(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST a NodeFeature."""
+        path_ns = url_segment(namespace, namespace=True)
+        created = await self._do(lambda: self._client.create(NodeFeature.from_dict(body), namespace=path_ns))  # type: ignore[call-overload]
+        return dict(created.to_dict())
+
+    async def replace_node_feature(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        """PUT a NodeFeature (its resourceVersion is the precondition)."""
+        name = str((body.get("metadata") or {}).get("name") or "")
+        path_ns = url_segment(namespace, namespace=True)
+        written = await self._do(lambda: self._client.replace(NodeFeature.from_dict(body), url_segment(name),
+                                                              namespace=path_ns))
+        return dict(written.to_dict())
 
     async def review_access(self, verb: str, resource: str, *, group: str = "", subresource: str = "",
                             namespace: str = "") -> tuple[bool, str]:

@@ -90,6 +90,7 @@ class NodeView:
     taints: tuple[Taint, ...] = ()
     annotations: Mapping[str, str] = field(default_factory=dict)
     conditions: Mapping[str, Condition] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> NodeView:
@@ -105,7 +106,8 @@ class NodeView:
                       for c in status.get("conditions") or () if c.get("type")}
         return cls(name=meta.get("name", ""), resource_version=str(meta.get("resourceVersion") or ""),
                    unschedulable=bool(spec.get("unschedulable")), taints=taints,
-                   annotations=dict(meta.get("annotations") or {}), conditions=conditions)
+                   annotations=dict(meta.get("annotations") or {}), conditions=conditions,
+                   labels=dict(_string_pairs(meta.get("labels"))))
 
     def taint(self, key: str) -> Taint | None:
         """The first taint with this key, if any."""
@@ -145,6 +147,31 @@ def _positive(quantity: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class OwnerRef:
+    """One entry of metadata.ownerReferences (what node labels need to own their NodeFeature by the agent's Pod
+    and DaemonSet)."""
+
+    api_version: str
+    kind: str
+    name: str
+    uid: str
+    controller: bool = False
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OwnerRef:
+        """Parse one ownerReferences entry."""
+        return cls(str(data.get("apiVersion") or ""), str(data.get("kind") or ""), str(data.get("name") or ""),
+                   str(data.get("uid") or ""), bool(data.get("controller")))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (blockOwnerDeletion left unset: the agent has no finalizer rights on its owners)."""
+        out: dict[str, Any] = {"apiVersion": self.api_version, "kind": self.kind, "name": self.name, "uid": self.uid}
+        if self.controller:
+            out["controller"] = True
+        return out
+
+
+@dataclass(frozen=True)
 class PodView:
     """What drain, network accounting and device ownership need of a Pod."""
 
@@ -161,6 +188,7 @@ class PodView:
     annotations: tuple[tuple[str, str], ...] = ()  # sorted (key, value) pairs
     containers: tuple[ContainerSpec, ...] = ()  # init containers first, then app containers, in spec order
     labels: tuple[tuple[str, str], ...] = ()  # metadata.labels, sorted (a tuple keeps the view hashable)
+    owners: tuple[OwnerRef, ...] = ()  # metadata.ownerReferences in order
 
     def label(self, key: str) -> str | None:
         """One metadata.labels value, or None."""
@@ -193,7 +221,9 @@ class PodView:
                    annotations=tuple(sorted((str(k), str(v)) for k, v in (meta.get("annotations") or {}).items())),
                    containers=tuple([ContainerSpec.from_dict(c, init=True) for c in spec.get("initContainers") or ()]
                                     + [ContainerSpec.from_dict(c) for c in spec.get("containers") or ()]),
-                   labels=_string_pairs(meta.get("labels")))
+                   labels=_string_pairs(meta.get("labels")),
+                   owners=tuple(OwnerRef.from_dict(o) for o in meta.get("ownerReferences") or ()
+                                if isinstance(o, Mapping)))
 
 
 def _string_pairs(data: Any) -> tuple[tuple[str, str], ...]:
@@ -309,7 +339,13 @@ def apply_patch(node: NodeView, patch: Mapping[str, Any]) -> NodeView:
             annotations.pop(key, None)
         else:
             annotations[key] = value
-    changes: dict[str, Any] = {"annotations": annotations}
+    labels = dict(node.labels)
+    for key, value in (meta.get("labels") or {}).items():
+        if value is None:
+            labels.pop(key, None)
+        else:
+            labels[key] = value
+    changes: dict[str, Any] = {"annotations": annotations, "labels": labels}
     if "unschedulable" in spec:
         changes["unschedulable"] = bool(spec["unschedulable"])
     if "taints" in spec:

@@ -6,7 +6,8 @@ gets `PodWatchApi`), which documents and limits what it can do. The whole list i
 watch with `spec.nodeName`; one pod by name is a namespaced LIST with `metadata.name` and `spec.nodeName`, since
 RBAC cannot bound a GET to the own node), evictions, Events, Leases in one namespace, and for the DRA driver its own
 ResourceSlices (by `spec.nodeName` and `spec.driver`; a ValidatingAdmissionPolicy binds writes to the node) and
-ResourceClaims by name. Nothing lists or watches cluster-wide. Every method raises only
+ResourceClaims by name, and for node labels NFD NodeFeatures in the agent's namespace (read only in GPU Feature
+Discovery's). Nothing lists or watches cluster-wide. Every method raises only
 `agent.kube.errors.Api*` errors. DRA objects cross the port as their JSON (dicts): the driver owns their meaning.
 """
 
@@ -116,6 +117,25 @@ class ResourceClaimApi(Protocol):
         """GET the claim (ApiNotFound when it is gone)."""
 
 
+class NodeFeatureApi(Protocol):
+    """NFD's `nfd.k8s-sigs.io/v1alpha1` NodeFeatures in named namespaces (node labels): the agent's own object in
+    its namespace, and reads of GPU Feature Discovery's. Bodies cross the port as JSON (dicts)."""
+
+    node_name: str
+
+    async def node_features_served(self) -> bool:
+        """Whether the API server serves the NodeFeature resource (API discovery of the group version)."""
+
+    async def get_node_feature(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """GET one NodeFeature; None when there is none."""
+
+    async def create_node_feature(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST a NodeFeature (409 ApiConflict when the name is taken)."""
+
+    async def replace_node_feature(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        """PUT a NodeFeature guarded by its metadata.resourceVersion (409 ApiConflict when it changed)."""
+
+
 class AccessApi(Protocol):
     """What RBAC lets the agent's own identity do (SelfSubjectAccessReview; `gpu-node-agent doctor`)."""
 
@@ -125,7 +145,7 @@ class AccessApi(Protocol):
 
 
 class Cluster(NodeApi, PodApi, PodWatchApi, PodLookupApi, EventApi, LeaseApi, ResourceSliceApi, ResourceClaimApi,
-              AccessApi, Protocol):
+              NodeFeatureApi, AccessApi, Protocol):
     """Everything the agent does on the API server; one client shared by remediation and network accounting."""
 
     async def aclose(self) -> None:

@@ -50,6 +50,7 @@ class InMemoryCluster:
         self.resource_slices: dict[str, dict[str, Any]] = {}
         self.resource_claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.events: list[EventRecord] = []
+        self.node_features: dict[tuple[str, str], dict[str, Any]] = {}  # NFD NodeFeatures, served in memory
         self._changed = asyncio.Condition()
         self._pod_log: list[tuple[int, str, PodView]] = []
         self._pods_changed = asyncio.Event()
@@ -229,6 +230,43 @@ class InMemoryCluster:
         """Remove a slice."""
         if self.resource_slices.pop(name, None) is None:
             raise ApiNotFound(404, f'resourceslices "{name}" not found')
+
+    # --- NFD NodeFeatures (node labels) ---------------------------------------------------------------------------
+
+    async def node_features_served(self) -> bool:
+        """The in-memory cluster serves NodeFeatures (the demo shows the object the agent would publish)."""
+        return True
+
+    async def get_node_feature(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A stored NodeFeature."""
+        found = self.node_features.get((namespace, name))
+        return copy.deepcopy(found) if found is not None else None
+
+    async def create_node_feature(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Store a new NodeFeature (409 when the name is taken)."""
+        key = (namespace, body["metadata"]["name"])
+        if key in self.node_features:
+            raise ApiConflict(409, f'nodefeatures "{key[1]}" already exists')
+        return self._store_feature(key, body)
+
+    async def replace_node_feature(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Replace a NodeFeature with the resourceVersion precondition."""
+        key = (namespace, body["metadata"]["name"])
+        current = self.node_features.get(key)
+        if current is None:
+            raise ApiNotFound(404, f'nodefeatures "{key[1]}" not found')
+        if body["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]:
+            raise ApiConflict(409, "the object has been modified")
+        return self._store_feature(key, body)
+
+    def _store_feature(self, key: tuple[str, str], body: dict[str, Any]) -> dict[str, Any]:
+        stored = copy.deepcopy(body)
+        stored["metadata"]["resourceVersion"] = self._next()
+        stored["metadata"]["namespace"] = key[0]
+        self.node_features[key] = stored
+        log.info("simulated cluster: NodeFeature %s/%s has %d labels", key[0], key[1],
+                 len((stored.get("spec") or {}).get("labels") or {}))
+        return copy.deepcopy(stored)
 
     def add_resource_claim(self, claim: dict[str, Any]) -> None:
         """Create or replace a claim (what the scheduler's allocation writes)."""

@@ -29,6 +29,13 @@ from agent.netacct.counters import CounterBook, Counts, PodKey
 SetId = tuple[str, int]  # counted-set role (rx-inet, ...), IP family
 
 
+def rule_keys() -> list[str]:
+    """Every node series as a layout-neutral key, e.g. `traffic=cluster-in scope=host` (each layout counts each
+    key once per family)."""
+    return [f"traffic={cls}-{way} scope={scope}" for cls in ("cluster", "internet") for way in ("in", "out")
+            for scope in ("host", "pod")]
+
+
 @dataclass
 class Carry:
     """Initial values for the new layout's counters: per family and rule key, per set and member."""

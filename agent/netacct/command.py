@@ -11,7 +11,7 @@ import logging
 from typing import TextIO
 
 from agent.config.netacct import NetacctConfig
-from agent.netacct.backend import CommandError, Host
+from agent.host.netfilter import CommandError, Host
 from agent.netacct.engine import Netacct
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from agent.netacct.ipset_netlink import FLAG_WITH_COUNTERS, SetDump
+from agent.host.ipset_netlink import FLAG_WITH_COUNTERS, SetDump
 
 PREFIX = "gna-"
 INTERNAL = "internal"

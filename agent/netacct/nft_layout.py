@@ -36,9 +36,9 @@ import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from agent.host.nft_netlink import SET_INTERVAL, ChainInfo, Counts, Elements, Range, SetInfo, merge
 from agent.netacct import ipsets
-from agent.netacct.carry import Carry
-from agent.netacct.nft_netlink import SET_INTERVAL, ChainInfo, Counts, Elements, Range, SetInfo, merge
+from agent.netacct.carry import Carry, rule_keys
 
 TABLE = "gpu_node_agent_netacct"
 PRIORITY = -300
@@ -67,9 +67,7 @@ def counter_name(key: str, family: int) -> str:
 
 def counter_keys(families: Iterable[int]) -> dict[str, tuple[int, str]]:
     """Every named counter: name -> (family, rule key as the iptables layout spells it)."""
-    keys = [f"traffic={cls}-{way} scope={scope}" for cls in ("cluster", "internet") for way in ("in", "out")
-            for scope in ("host", "pod")]
-    return {counter_name(key, family): (family, key) for family in families for key in keys}
+    return {counter_name(key, family): (family, key) for family in families for key in rule_keys()}
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import contextlib
 import socket
 
+from agent.host.netfilter import CommandError, Host
 from agent.host.netns import entered
-from agent.netacct.backend import CommandError, Host
+from agent.host.nft_netlink import NftReader
 from agent.netacct.nft_layout import PRIORITY
-from agent.netacct.nft_netlink import NftReader
 
 PROBE_TABLE = "gpu_node_agent_netacct_probe"
 

@@ -18,10 +18,10 @@ import logging
 import threading
 from collections.abc import Iterable, Mapping
 
+from agent.host.ipset_netlink import SetDump
+from agent.host.netfilter import Host
 from agent.netacct import ipsets, rules
-from agent.netacct.backend import Host
 from agent.netacct.counters import CounterBook, Counts, Source
-from agent.netacct.ipset_netlink import SetDump
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from agent import aio
 from agent.clock import SYSTEM_CLOCK, Clock
 from agent.config.netacct import NetacctConfig
-from agent.netacct.backend import Host
+from agent.host.netfilter import Host
 from agent.netacct.collector import NetacctCollector
 from agent.netacct.engine import Netacct, SyncError
 from agent.pods.choice import open_pod_source

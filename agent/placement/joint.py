@@ -282,14 +282,18 @@ class JointAllocator:
 
     def _mapped(self, topology: Topology | None, kind: DeviceKind, partner: frozenset[str]) -> frozenset[str]:
         """The partner's device IDs as the topology names them: a shared GPU's replica (`<uuid>::<n>`) is the GPU;
-        a MIG UUID is its MIG device (placed at its parent GPU); an ID the topology does not know (a GPU without
-        a UUID) is dropped."""
+        a MIG UUID is its MIG device (placed at its parent GPU); a GPU named by its PCI bus id (another plugin, or
+        a node without NVML) is that GPU; an ID the topology does not know is dropped."""
         if topology is None:
             return partner
         ids = {g.uuid for g in topology.gpus if g.uuid} | {m.uuid for g in topology.gpus for m in g.mig_devices} \
             if kind is DeviceKind.NIC else {v.bus_id for n in topology.nics for v in n.vfs} | \
             {n.bus_id for n in topology.nics}
         mapped = {physical(i) for i in partner}
+        if kind is DeviceKind.NIC:
+            by_bus_id = {i: topology.gpu_of(i) for i in mapped - ids}
+            mapped = {gpu.bus_id if (gpu := by_bus_id.get(i)) is not None else i for i in mapped}
+            ids = ids | {gpu.bus_id for gpu in by_bus_id.values() if gpu is not None}
         unknown = mapped - ids - self._unmapped
         if unknown:
             self._unmapped |= unknown

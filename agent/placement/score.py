@@ -6,11 +6,11 @@ is what lets the search find the exact optimum by dynamic programming over count
 
 Terms, for the chosen set S of the requested kind ("units" are NIC VFs, or VF-less PFs):
 
-- alignment[L] (L = PIX..SYS): GPU-NIC pairs at level <= L in a best one-to-one matching of S with its
-  partners. Partners are the devices of the other kind just allocated to this container (the admission
-  context) or, when there are none, the free devices of the other kind (all of them when unknown). Compared
-  from PIX up, so this is the per-GPU level histogram: most PIX first, then most PXB, and so on.
-- locality[L] (L = NODE, PHB, PXB, PIX): pairs within S at level <= L. Compared from NODE down, which is
+- alignment[L] (L = PIX..SYS; P2C between PXB and PHB): GPU-NIC pairs at level <= L in a best one-to-one
+  matching of S with its partners. Partners are the devices of the other kind just allocated to this container
+  (the admission context) or, when there are none, the free devices of the other kind (all of them when
+  unknown). Compared from PIX up, so this is the per-GPU level histogram: most PIX first, then most PXB, and so on.
+- locality[L] (L = NODE, PHB, P2C, PXB, PIX): pairs within S at level <= L. Compared from NODE down, which is
   "fewest SYS pairs, then fewest NODE pairs, ...": the worst pairwise level first.
 - spread: pairs of units of S on different PFs. Largest when S uses as many PFs as it can, as evenly as
   it can: one VF per PF up to the number of PFs, then two, and so on.
@@ -69,9 +69,10 @@ class Term(enum.Enum):
 
 Field = tuple[Term, Level | None]
 
-_UP = (Level.PIX, Level.PXB, Level.PHB, Level.NODE, Level.SYS)
+_UP = (Level.PIX, Level.PXB, Level.P2C, Level.PHB, Level.NODE, Level.SYS)  # P2C: Grace/Vera C2C nodes
 _ALIGNMENT: list[Field] = [(Term.ALIGNMENT, level) for level in _UP]
-_LOCALITY: list[Field] = [(Term.LOCALITY, level) for level in (Level.NODE, Level.PHB, Level.PXB, Level.PIX)]
+_LOCALITY: list[Field] = [(Term.LOCALITY, level) for level in (Level.NODE, Level.PHB, Level.P2C, Level.PXB,
+                                                                Level.PIX)]
 _PROXIMITY: list[Field] = [(Term.PROXIMITY, level) for level in _UP]
 _CLUSTERING: list[Field] = [(Term.FREE_CLUSTERING, level) for level in _UP[:-1]]
 _SPREAD: list[Field] = [(Term.SPREAD, None)]
@@ -134,12 +135,20 @@ def _node_weights(mode: Mode, tree: PcieTree) -> NodeWeights:
     spread = weight.get((Term.SPREAD, None), 0)
     result: list[_NodeWeights | None] = []
     for index, node in enumerate(tree.nodes):
-        level = node.level if node.maximal else None
+        # a maximal group is the "within L" class for every L from its own level up to its parent's (exclusive):
+        # a top switch under a root complex is the class for PXB and P2C, a Grace socket's C2C group for P2C and
+        # PHB. Every count is linear in its weight, so the group's weight is the sum over those levels.
+        covered = [] if not node.maximal else [level for level in Level if node.level <= level and (
+            node.parent < 0 or level < tree.nodes[node.parent].level)]
+
+        def of(term: Term, covered: list[Level] = covered) -> int:
+            return sum(weight.get((term, level), 0) for level in covered)
+
         weights = _NodeWeights(
-            alignment=weight.get((Term.ALIGNMENT, level), 0),
-            locality=weight.get((Term.LOCALITY, level), 0),
-            proximity=weight.get((Term.PROXIMITY, level), 0),
-            clustering=weight.get((Term.FREE_CLUSTERING, level), 0),
+            alignment=of(Term.ALIGNMENT),
+            locality=of(Term.LOCALITY),
+            proximity=of(Term.PROXIMITY),
+            clustering=of(Term.FREE_CLUSTERING),
             spread=spread if index == 0 else -spread if node.pf != NO_PF else 0,
             pix_left=weight[(Term.PIX_PAIRS_LEFT, None)] if node.under_switch else 0,
         )

@@ -3,8 +3,11 @@
 Why a tree: every level that `Location.level_to` reports is the lowest group two devices share, in the nesting
 NUMA node > root complex > top switch > the device's own switch (> its PF, for VFs):
 
-    global (SYS) > NUMA node (NODE) > root complex (PHB) > top switch (PXB) > location (PIX, or PHB
-    for devices straight on a root port) > PF (the VFs of one PF sit at the PF's location)
+    global (SYS) > NUMA node (NODE) > [Grace/Vera root ports of that node (P2C)] > root complex (PHB; P2C on
+    Grace/Vera) > top switch (PXB) > location (PIX, or PHB/P2C for devices straight on a root port) > PF (the VFs
+    of one PF sit at the PF's location)
+
+A NIC sits where its data path is (`Topology.unit_location`): a Data Direct NIC at its DMA function.
 
 So "how many pairs sit at level <= L" depends only on how many chosen devices fall in each group, never on
 which ones. That lets the policy reason over counts per group (VFs of one PF, and GPUs at one location, are
@@ -138,9 +141,11 @@ def build_tree(topology: Topology) -> PcieTree:
     """Group the GPUs and NIC PFs of `topology` into the PCIe tree."""
     gpus = topology.gpus
     pfs = tuple(sorted(topology.nics, key=lambda nic: nic.bus_id))
-    groups = _Groups(fold_numa=_mixed_numa([gpu.location for gpu in gpus] + [nic.location for nic in pfs]))
+    places = [topology.unit_location(nic) for nic in pfs]
+    groups = _Groups(fold_numa=_mixed_numa([gpu.location for gpu in gpus] + places))
     gpu_keys = [groups.add(gpu.location, gpu.bus_id) for gpu in gpus]
-    pf_keys = [groups.add(nic.location, nic.bus_id, pf=index) for index, nic in enumerate(pfs)]
+    pf_keys = [groups.add(where, nic.bus_id, pf=index) for index, (nic, where) in enumerate(zip(pfs, places,
+                                                                                                  strict=True))]
     order = groups.breadth_first()
     index_of = {key: i for i, key in enumerate(order)}
     nodes = tuple(TreeNode(
@@ -196,7 +201,7 @@ def _mixed_numa(locations: list[Location]) -> bool:
 # A group: its kind (sys, numa, root, top, loc, pf) then what tells it apart (NUMA node, root, switches, PF)
 _Key = tuple[str | int | tuple[str, ...] | None, ...]
 _ROOT_KEY: _Key = ("sys",)
-_GROUP_LEVEL = {"sys": Level.SYS, "numa": Level.NODE, "root": Level.PHB, "top": Level.PXB}
+_GROUP_LEVEL = {"sys": Level.SYS, "numa": Level.NODE, "c2c": Level.P2C, "root": Level.PHB, "top": Level.PXB}
 
 
 @dataclass
@@ -212,7 +217,11 @@ class _Groups:
     def add(self, location: Location, bus_id: str, pf: int | None = None) -> _Key:
         """Register a device's groups; returns the key of its own node (location, or PF)."""
         numa = None if self.fold_numa else location.numa
-        chain: list[_Key] = [_ROOT_KEY, ("numa", numa), ("root", numa, location.root)]
+        c2c = location.c2c and numa is not None  # `level_to` makes such pairs of one node P2C, even across roots
+        chain: list[_Key] = [_ROOT_KEY, ("numa", numa)]
+        if c2c:
+            chain.append(("c2c", numa))
+        chain.append(("root", numa, location.root))
         if location.switches:
             chain.append(("top", numa, location.root, location.switches[0]))
         chain.append(("loc", numa, location.root, location.switches))
@@ -221,7 +230,8 @@ class _Groups:
         own_level = location.level_to(location)  # PIX under a switch, PHB straight on a root port
         for parent, child in itertools.pairwise(chain):
             self.parents[child] = parent
-            self.levels[child] = _GROUP_LEVEL.get(str(child[0]), own_level)
+            level = _GROUP_LEVEL.get(str(child[0]), own_level)
+            self.levels[child] = min(level, Level.P2C) if c2c else level
         for key in chain:  # siblings are ordered by the lowest bus id below them
             if bus_id < self.lowest_bus.get(key, "~"):
                 self.lowest_bus[key] = bus_id

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from agent.host.driver_files import PROC_ROOT
 from agent.host.nvml import MigInfo, SimulatedNvml, mig_profile_name
+from agent.host.nvml.simulated import SimDriver, SimGpuModel, SimMigProfile
 from agent.simulate import nvidia_caps, profiles, sysfs_writer
 from agent.topology.load import load_topology
 from agent.topology.model import Topology
@@ -50,9 +51,24 @@ class SimulatedNode:
 GPU_INTERCONNECT: dict[str, tuple[int, bool]] = {"0x2330": (18, True), "0x1db1": (6, False)}
 
 
-# Memory of the GPU models the profiles use (MiB, as NVML reports an H100 SXM5 80GB); MIG devices are named from it.
-GPU_MEMORY_MIB: dict[str, int] = {"0x2330": 81559}
+# What the driver reports for the GPU models the profiles use, by PCI device id: NVML name, memory.total in MiB
+# (nvidia-smi prints 81559MiB for an H100 SXM5 80GB, 16160MiB for a V100 SXM2 16GB), compute capability and
+# whether nvmlDeviceGetMigMode answers (MIG needs compute capability 8.0 or later).
+GPU_MODELS: dict[str, SimGpuModel] = {
+    "0x2330": SimGpuModel("NVIDIA H100 80GB HBM3", 81559, (9, 0), True),
+    "0x1db1": SimGpuModel("Tesla V100-SXM2-16GB", 16160, (7, 0), False),
+}
+# Memory of the GPU models the profiles use (MiB); MIG devices are named from it.
+GPU_MEMORY_MIB: dict[str, int] = {device: model.memory_mib for device, model in GPU_MODELS.items()}
 _DEFAULT_MEMORY_MIB = 81559
+# nvmlDeviceGetAttributes of H100 80GB MIG devices, as `nvidia-smi mig -lgip` prints the profiles (memory 9.75 and
+# 79.25 GiB; SMs; copy engines, NVDEC, NVENC, JPEG, OFA). Only profiles seen in independent captures are listed:
+# the simulated driver refuses to describe another rather than invent its figures.
+H100_MIG_PROFILES: dict[str, SimMigProfile] = {
+    "1g.10gb": SimMigProfile(9984, 16, 1, 1, 0, 1, 0),
+    "7g.80gb": SimMigProfile(81152, 132, 8, 7, 0, 7, 1),
+}
+DRIVER_VERSION, CUDA_DRIVER_VERSION = "550.54.15", 12040  # the pair nvidia-smi shows (CUDA 12.4); dcgm's too
 _MIG_NAMESPACE = uuid.UUID("2f0c7d4e-8d3a-4d8e-9c51-6b1f0e2a7c33")
 
 
@@ -62,7 +78,9 @@ def simulated_mig_devices(gpu_uuid: str, profile: str, count: int,
     stable `MIG-<uuid5>` UUIDs, and a memory size NVIDIA's naming turns back into `profile`."""
     slices, gb = (int(part.rstrip("gb")) for part in profile.split("."))
     total_gb = -(-memory_mib // 1024)
-    memory_mb = memory_mib * gb // total_gb - 200  # a little under the share, as a real MIG device has
+    known = H100_MIG_PROFILES.get(profile) if memory_mib == GPU_MEMORY_MIB["0x2330"] else None
+    # the real device's size where known; else a little under the share, as a real MIG device has
+    memory_mb = known.memory_mb if known is not None else memory_mib * gb // total_gb - 200
     found = [MigInfo(uuid=f"MIG-{uuid.uuid5(_MIG_NAMESPACE, f'{gpu_uuid}/{gi}/0')}", gpu_instance=gi,
                      compute_instance=0, gpu_slices=slices, compute_slices=slices, memory_mb=memory_mb,
                      profile=mig_profile_name(slices, slices, memory_mb, memory_mib << 20))
@@ -79,8 +97,12 @@ def simulated_nvml(profile: profiles.Profile, overrides_dir: Path | None = None)
     memory = GPU_MEMORY_MIB.get(min(models), _DEFAULT_MEMORY_MIB) if models else _DEFAULT_MEMORY_MIB
     mig = {bus_id: simulated_mig_devices(profile.gpu_uuids[bus_id], name, count, memory)
            for bus_id, (name, count) in profile.gpu_mig.items()}
+    devices = {dev.bdf: dev.model.device for _, _, dev in profile.walk() if dev.model.is_gpu}
+    driver = SimDriver(DRIVER_VERSION, CUDA_DRIVER_VERSION,
+                       {bus_id: GPU_MODELS[device] for bus_id, device in devices.items() if device in GPU_MODELS},
+                       H100_MIG_PROFILES)
     return SimulatedNvml(profile.gpu_uuids, nvlinks=links, fabric=fabric, overrides_dir=overrides_dir,
-                         mig=profile.gpu_mig, mig_devices=mig)
+                         mig=profile.gpu_mig, mig_devices=mig, driver=driver)
 
 
 def build_simulated_node(name: str, root: Path, nvml_overrides: Path | None = None,

@@ -32,12 +32,16 @@ Schema (unknown keys are errors, so typos fail loudly):
     DEVICE = {"bdf": "0000:10:01.0", "model": "root-port", "children": [DEVICE, ...]}  # a bridge
            | {"bdf": "0000:18:00.0", "model": "cx7-ib", "netdev": "ibp24s0", "vfs": 8, "link_up": true}
            | {"bdf": "0000:1b:00.0", "model": "h100", "uuid": "GPU-...", "mig": {"profile": "1g.10gb", "count": 7}}
+           | {"bdf": "0009:03:00.0", "model": "cx8-dma",
+              "vpd": {"name": "... -Prime", "keywords": {"PN": "...", "SN": "...", "V3": "<ASIC id>"}}}
 
 Only bridge models (class 0x0604xx) take `children`; children of a root complex sit on its bus, children of
 a bridge all on one bus above the bridge's, and the bus ranges of sibling subtrees do not overlap. `netdev`
 is required for network models; VFs are expanded from `vfs` (VF i: devfn = PF devfn + 1 + i, netdev
 `<pf netdev>v<i>`). GPUs (class 0x03xxxx) get `uuid` or a stable `GPU-<uuid5(profile/bus id)>`; `mig` puts a GPU
 in MIG mode with `count` MIG devices of one profile (NVIDIA's name, `<G>g.<GB>gb`), which the simulated NVML serves.
+`vpd` gives any function a PCI VPD (identifier string and VPD-R keywords: two characters, at most 255 ASCII bytes
+each), written as its binary `vpd` file: a ConnectX-8 PF and its Data Direct DMA function pair by equal `V3`.
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ class Device:
     netdev: str | None = None
     vfs: int = 0
     link_up: bool = True
+    vpd: tuple[str, tuple[tuple[str, str], ...]] | None = None  # (identifier string, VPD-R keywords)
 
 
 @dataclass(frozen=True)
@@ -321,7 +326,8 @@ class _Parser:
         return devs
 
     def _device(self, raw: object, where: str) -> Device:
-        d = _obj(raw, where, {"bdf", "model"}, {"children", "netdev", "vfs", "uuid", "link_up", "mig"})
+        d = _obj(raw, where, {"bdf", "model"}, {"children", "netdev", "vfs", "uuid", "link_up", "mig",
+                                                    "vpd"})
         try:
             bdf = normalize_bus_id(_typed(d["bdf"], str, f"{where}.bdf"))
         except BusIdError as exc:
@@ -361,7 +367,21 @@ class _Parser:
             self.bdfs.add(one)
         children = self._children(d.get("children", []), where, parent=bdf)
         link_up = _typed(d.get("link_up", True), bool, f"{where}.link_up")
-        return Device(bdf, model, children, netdev, vfs, link_up)
+        vpd = self._vpd(d["vpd"], f"{where}.vpd") if "vpd" in d else None
+        return Device(bdf, model, children, netdev, vfs, link_up, vpd)
+
+    @staticmethod
+    def _vpd(raw: object, where: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+        v = _obj(raw, where, {"name", "keywords"}, set())
+        name = _typed(v["name"], str, f"{where}.name")
+        keywords = _typed(v["keywords"], dict, f"{where}.keywords")
+        for key, value in keywords.items():
+            text = _typed(value, str, f"{where}.keywords.{key}")
+            if len(key) != 2 or key == "RV" or not key.isascii() or not text.isascii() or len(text) > 255:
+                raise _Invalid(f"{where}.keywords.{key}", "a two-character keyword (not RV), at most 255 ASCII bytes")
+        if not name.isascii() or len(name) > 255:
+            raise _Invalid(f"{where}.name", "at most 255 ASCII characters")
+        return name, tuple(keywords.items())
 
     def _netdevs(self, name: str, vfs: int, where: str) -> None:
         for one in [name, *(f"{name}v{i}" for i in range(vfs))]:

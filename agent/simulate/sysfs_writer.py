@@ -41,6 +41,9 @@ Layout, relative to the tree root (which plays `/sys`):
    driver, e.g. the VFs of profile `pcie-pairs-dpdk`) is opened through `/dev/vfio/<n>`; it has no netdev and no
    RDMA device, as a real vfio-bound VF.
 
+10. VPD: a device with `vpd` in its profile has the binary `vpd` file (identifier string, VPD-R keywords, the
+   checksum, the end tag), as drivers/pci/vpd.c serves it; write garbage there to see the Data Direct fallback.
+
 A function with `link_up: false` reports netdev `down`, carrier 0 and port `1: DOWN`/`3: Disabled`.
 """
 
@@ -53,6 +56,7 @@ from pathlib import Path, PurePosixPath
 from agent.host.nic_sysfs import HW_COUNTERS, PORT_COUNTERS
 from agent.simulate.profiles import Model, Profile, vf_bus_id
 from agent.simulate.sysfs_tree import SysfsTree
+from agent.topology.locality import vpd_image
 
 # AER counter files as the kernel writes them (drivers/pci/pcie/aer.c aer_stats_attrs): one "<Name> <count>"
 # line per named bit, then the TOTAL line. Correctable and uncorrectable bit names of current kernels.
@@ -88,6 +92,7 @@ class SimFunction:
     vfs: tuple[str, ...] = ()  # PFs: their VFs' bus ids, in index order
     rdma_index: int | None = None  # k of mlx5_<k>, uverbs<k>, umad<k>, issm<k>
     ifindex: int | None = None
+    vpd: bytes | None = None  # the `vpd` file's bytes
 
     @property
     def rdma(self) -> str | None:
@@ -102,8 +107,9 @@ def functions(profile: Profile) -> tuple[SimFunction, ...]:
         parent = PurePosixPath("devices", rc.name, *(d.bdf for d in chain))
         vfs = tuple(vf_bus_id(dev.bdf, i) for i in range(dev.vfs))
         secondary = dev.children[0].bdf[:7] if dev.children else None
+        vpd = vpd_image(dev.vpd[0], dict(dev.vpd[1])) if dev.vpd is not None else None
         listed.append(SimFunction(dev.bdf, dev.model, parent / dev.bdf, rc.numa_node, dev.netdev, dev.link_up,
-                                  secondary, vfs=vfs))
+                                  secondary, vfs=vfs, vpd=vpd))
         vf_model = dev.model.vf_model
         for i, vf in enumerate(vfs):
             assert vf_model is not None  # the loader only allows vfs on models with a vf_model
@@ -169,6 +175,18 @@ def profile_tree(profile: Profile) -> SysfsTree:
     return tree
 
 
+def _config_space(m: Model) -> bytes:
+    """The 256-byte PCI configuration space root reads: ids, class, and a capability list holding one power
+    management capability (no vendor-specific one: a bare-metal GPU, not a vGPU)."""
+    space = bytearray(256)
+    space[0:2], space[2:4] = int(m.vendor, 16).to_bytes(2, "little"), int(m.device, 16).to_bytes(2, "little")
+    space[6] = 0x10  # status: capability list present
+    space[9:12] = int(m.pci_class, 16).to_bytes(3, "little")  # prog-if, subclass, class
+    space[0x34] = 0x60
+    space[0x60:0x62] = bytes((0x01, 0x00))  # PM capability, end of list
+    return bytes(space)
+
+
 def _write_function(tree: SysfsTree, profile: Profile, f: SimFunction) -> None:
     base, m = f.path, f.model
     numa = "-1" if f.numa_node is None else str(f.numa_node)
@@ -179,7 +197,10 @@ def _write_function(tree: SysfsTree, profile: Profile, f: SimFunction) -> None:
         ("current_link_speed", m.current_link_speed), ("current_link_width", m.current_link_width),
     ):
         tree.add_file(base / name, f"{text}\n")
+    tree.add_file(base / "config", _config_space(m))
     tree.add_symlink_to(f"bus/pci/devices/{f.bdf}", base)
+    if f.vpd is not None:
+        tree.add_file(base / "vpd", f.vpd)
     if f.pf is None:
         for kind, lines in AER_FILES.items():
             tree.add_file(base / f"aer_dev_{kind}", "".join(f"{name} 0\n" for name in lines))

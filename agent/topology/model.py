@@ -18,16 +18,19 @@ class Level(enum.IntEnum):
     """nvidia-smi / NCCL distance between two PCIe devices; a lower value means closer.
 
     PIX: under the same nearest PCIe switch. PXB: through several switches, no host bridge.
-    PHB: through a PCIe host bridge (the CPU). NODE: between host bridges of one NUMA node.
-    SYS: across the SMP interconnect between NUMA nodes.
+    P2C: NCCL's level for a GPU on a Grace/Vera C2C link and a NIC on PCIe of the same CPU (nvidia-smi prints SYS
+    there); here any two devices under the root ports of one Grace/Vera socket. PHB: through a PCIe host bridge
+    (the CPU). NODE: between host bridges of one NUMA node. SYS: across the SMP interconnect between NUMA nodes.
+    Compare levels by order, never by number: P2C was added between PXB and PHB.
     """
 
     X = 0
     PIX = 1
     PXB = 2
-    PHB = 3
-    NODE = 4
-    SYS = 5
+    P2C = 3
+    PHB = 4
+    NODE = 5
+    SYS = 6
 
     @classmethod
     def parse(cls, text: str) -> Level:
@@ -54,18 +57,24 @@ class Location:
     # the sysfs root complex when the NCCL XML placed the device under a CPU (`root` is then `cpu0`): DRA's
     # standard pcieRoot attribute names the real PCI root; distance never reads it
     pci_root: str = field(default="", compare=False)
+    # under a Grace/Vera root port: the CPU reaches the device over its own PCIe, and a GPU there talks to the CPU
+    # over NVLink-C2C; two such devices of one NUMA node are P2C apart (NCCL), closer than any PHB/NODE pair
+    c2c: bool = False
 
     def level_to(self, other: Location) -> Level:
-        """Distance to another location, as nvidia-smi would print it."""
-        if self.root != other.root:
-            if self.numa is not None and other.numa is not None and self.numa != other.numa:
-                return Level.SYS
-            return Level.NODE
-        if self.switches and self.switches == other.switches:
-            return Level.PIX
-        if self.switches and other.switches and self.switches[0] == other.switches[0]:
-            return Level.PXB
-        return Level.PHB
+        """Distance to another location, as nvidia-smi would print it (plus NCCL's P2C on Grace/Vera)."""
+        if self.root == other.root and self.switches:
+            if self.switches == other.switches:
+                return Level.PIX
+            if other.switches and self.switches[0] == other.switches[0]:
+                return Level.PXB
+        if self.c2c and other.c2c and self.numa is not None and self.numa == other.numa:
+            return Level.P2C
+        if self.root == other.root:
+            return Level.PHB
+        if self.numa is not None and other.numa is not None and self.numa != other.numa:
+            return Level.SYS
+        return Level.NODE
 
 
 @dataclass(frozen=True)
@@ -130,6 +139,9 @@ class Gpu:
     minor: int | None = None  # N of /dev/nvidiaN, from NVML
     mig_enabled: bool = False  # MIG mode on (NVML's current mode)
     mig_devices: tuple[MigDevice, ...] = ()  # its MIG devices, in NVML's order (MIG mode only)
+    # how its data reaches its RDMA NICs (`locality`): pcie-switch | data-direct | c2c, "" when no NIC is near
+    gpu_direct_path: str = ""
+    gpu_direct_group: str = ""  # sw:<upstream port bus id> or numa:<n>; equal on a GPU and the NICs of its path
 
     def mig_device(self, gpu_instance: int) -> MigDevice | None:
         """The MIG device of this GPU instance (the first compute instance of it), or None."""
@@ -158,6 +170,8 @@ class Vf:
     link_type: str = ""  # "infiniband" or "ether"
     chardevs: RdmaCharDevices = field(default_factory=RdmaCharDevices)
     ports: tuple[RdmaPort, ...] = ()
+    gpu_direct_path: str = ""  # as its PF's, or by its own path (`Topology.data_direct_vfs` false)
+    gpu_direct_group: str = ""
 
     @property
     def bus_id(self) -> str:
@@ -178,6 +192,12 @@ class Nic:
     ports: tuple[RdmaPort, ...] = ()
     sriov_totalvfs: int = 0
     vfs: tuple[Vf, ...] = ()
+    # ConnectX-8 Data Direct: the bus id of its DMA function (15b3:2100, paired by VPD keyword V3) and that
+    # function's location, where its GPU traffic enters PCIe: every locality decision places the NIC there
+    data_direct_function: str = ""
+    data_path: Location | None = None
+    gpu_direct_path: str = ""
+    gpu_direct_group: str = ""
 
     @property
     def bus_id(self) -> str:
@@ -203,6 +223,20 @@ class Topology:
     nics: tuple[Nic, ...] = ()
     source: str = "sysfs"
     default_route_netdevs: frozenset[str] = frozenset()  # the node's uplinks: never handed to a pod
+    # `topology.dataDirectVfs`: a Data Direct PF's VFs sit at its DMA function too (false: at the PF's own place)
+    data_direct_vfs: bool = True
+    # what kept a locality fact from being read (an unreadable `vpd`), one line each, for `doctor`
+    locality_problems: tuple[str, ...] = ()
+
+    def data_path(self, nic: Nic) -> Location:
+        """Where a NIC's GPU traffic enters PCIe: its DMA function's location (Data Direct), else its own."""
+        return nic.data_path or nic.location
+
+    def unit_location(self, nic: Nic) -> Location:
+        """Where the devices a NIC serves (its VFs, or the PF when it has none) are placed."""
+        if nic.vfs and not self.data_direct_vfs:
+            return nic.location
+        return self.data_path(nic)
 
     @cached_property
     def _locations(self) -> dict[str, Location]:
@@ -210,9 +244,9 @@ class Topology:
         for gpu in self.gpus:
             locations[gpu.bus_id] = gpu.location
         for nic in self.nics:
-            locations[nic.bus_id] = nic.location
+            locations[nic.bus_id] = self.data_path(nic)
             for vf in nic.vfs:
-                locations[vf.bus_id] = nic.location
+                locations[vf.bus_id] = self.unit_location(nic)
         return locations
 
     @cached_property
@@ -259,7 +293,8 @@ class Topology:
         return gpu
 
     def location(self, bus_id: str) -> Location:
-        """Location of a GPU, NIC or VF; VFs answer with their PF's. KeyError for unknown devices."""
+        """Location of a GPU, NIC or VF for locality: a NIC's data path, VFs as `unit_location`. KeyError for
+        unknown devices."""
         return self._locations[normalize_bus_id(bus_id)]
 
     def level(self, a: str, b: str) -> Level:

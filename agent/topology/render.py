@@ -11,6 +11,7 @@ LEGEND = (
     ("SYS", "Connection traversing PCIe as well as the SMP interconnect between NUMA nodes (e.g., QPI/UPI)"),
     ("NODE", "Connection traversing PCIe as well as the interconnect between PCIe Host Bridges within a NUMA node"),
     ("PHB", "Connection traversing PCIe as well as a PCIe Host Bridge (typically the CPU)"),
+    ("P2C", "GPU over its NVLink-C2C link to the CPU, then PCIe to the NIC (Grace/Vera; nvidia-smi says SYS)"),
     ("PXB", "Connection traversing multiple PCIe bridges (without traversing the PCIe Host Bridge)"),
     ("PIX", "Connection traversing at most a single PCIe bridge"),
 )
@@ -18,6 +19,14 @@ LEGEND = (
 
 def _numa(value: int | None) -> int:
     return -1 if value is None else value
+
+
+def _locality(path: str, group: str) -> str:
+    return f" path {path} group {group}" if group else " (no GPUDirect group)"
+
+
+def _dma(function: str) -> str:
+    return f" Data Direct via {function}" if function else ""
 
 
 def to_json(topology: Topology) -> dict[str, Any]:
@@ -29,6 +38,8 @@ def to_json(topology: Topology) -> dict[str, Any]:
         if gpu.uuid:
             entry["uuid"] = gpu.uuid
         entry["pcie_root"] = gpu.location.root
+        entry["gpu_direct_path"] = gpu.gpu_direct_path or None
+        entry["gpu_direct_group"] = gpu.gpu_direct_group or None
         entry["mig_devices"] = [{"uuid": mig.uuid, "profile": mig.profile, "gpu_instance": mig.gpu_instance,
                                  "compute_instance": mig.compute_instance, "parent_uuid": gpu.uuid}
                                 for mig in gpu.mig_devices]  # NVML's order; empty unless in MIG mode
@@ -44,6 +55,9 @@ def to_json(topology: Topology) -> dict[str, Any]:
                 "numa": _numa(nic.numa),
                 "link_type": nic.link_type,
                 "pcie_root": nic.location.root,
+                "gpu_direct_path": nic.gpu_direct_path or None,
+                "gpu_direct_group": nic.gpu_direct_group or None,
+                "data_direct_function": nic.data_direct_function or None,
                 "vfs": [vf.bus_id for vf in nic.vfs],
             }
             for nic in nics
@@ -76,11 +90,14 @@ def to_matrix(topology: Topology) -> str:
     lines += [f"  {key:<4} = {text}" for key, text in LEGEND]
     if nics:
         lines += ["", "NIC Legend:", ""]
-        lines += [f"  NIC{i}: {nic.rdma} ({nic.bus_id}, {len(nic.vfs)} VFs)" for i, nic in enumerate(nics)]
+        lines += [f"  NIC{i}: {nic.rdma} ({nic.bus_id}, {len(nic.vfs)} VFs)"
+                  + _locality(nic.gpu_direct_path, nic.gpu_direct_group) + _dma(nic.data_direct_function)
+                  for i, nic in enumerate(nics)]
     if topology.gpus:
         lines += ["", "GPU Legend:", ""]
         for g in topology.gpus:
-            lines.append(f"  GPU{g.index}: {g.bus_id} {g.uuid or '(UUID unknown: NVML unavailable)'}")
+            lines.append(f"  GPU{g.index}: {g.bus_id} {g.uuid or '(UUID unknown: NVML unavailable)'}"
+                         f"{_locality(g.gpu_direct_path, g.gpu_direct_group)}")
             # a MIG device sits where its parent sits: its row in the matrix is the parent's
             lines += [f"    MIG {m.profile} GI {m.gpu_instance} CI {m.compute_instance}: {m.uuid}"
                       for m in g.mig_devices]

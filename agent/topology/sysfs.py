@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from agent.host.busid import is_bus_id, normalize_bus_id
+from agent.topology import data_direct, locality
 from agent.topology.model import (
     Gpu,
     Location,
@@ -65,6 +66,8 @@ class _Function:
     location: Location
     physfn: str | None = None
     virtfns: list[tuple[int, str]] = field(default_factory=list)
+    device_id: int = 0
+    dma: bool = False  # a ConnectX-8 Data Direct DMA function: neither a NIC nor a GPU, a NIC's data path
 
 
 MAX_ATTRIBUTE = 64 << 10  # a sysfs text attribute is at most a page; read no more than this of anything
@@ -139,31 +142,41 @@ def switch_chain(elements: list[str]) -> tuple[str, ...]:
 class SysfsReader:
     """Builds a `Topology` from the sysfs tree under `root` (the host's `/sys` by default)."""
 
-    def __init__(self, root: Path | str = Path("/sys")) -> None:
+    def __init__(self, root: Path | str = Path("/sys"), *, data_direct_vfs: bool = True) -> None:
         self.root = Path(root)
+        self.data_direct_vfs = data_direct_vfs
+        self._c2c_ports: dict[Path, bool] = {}
 
     def read(self, gpu_uuids: Mapping[str, str] | None = None) -> Topology:
         """Read the tree; `gpu_uuids` maps bus ids (any form) to NVML UUIDs when NVML knows them."""
         uuids = {normalize_bus_id(k): v for k, v in (gpu_uuids or {}).items() if is_bus_id(k)}
+        self._c2c_ports = {}
         functions = self._functions()
         gpus = [f for f in functions.values() if self._is_gpu(f)]
         gpus.sort(key=lambda f: f.pci.bus_id)
-        return Topology(
+        problems: list[str] = []
+        dma_of = data_direct.pair(
+            [f for f in functions.values() if f.dma],
+            [f for f in functions.values() if self._is_network(f) and f.physfn is None
+             and f.vendor_id == locality.MELLANOX_VENDOR], problems) if any(f.dma for f in functions.values()) else {}
+        return locality.annotate(Topology(
             gpus=tuple(
                 Gpu(index=i, pci=f.pci, location=f.location, uuid=uuids.get(f.pci.bus_id))
                 for i, f in enumerate(gpus)
             ),
-            nics=tuple(self._nics(functions)),
+            nics=tuple(self._nics(functions, dma_of)),
             source="sysfs",
-        )
+            data_direct_vfs=self.data_direct_vfs,
+            locality_problems=tuple(problems),
+        ))
 
     @staticmethod
     def _is_gpu(f: _Function) -> bool:
-        return f.vendor_id == NVIDIA_VENDOR and (f.class_code >> 8) in GPU_CLASSES
+        return f.vendor_id == NVIDIA_VENDOR and (f.class_code >> 8) in GPU_CLASSES and not f.dma
 
     @staticmethod
     def _is_network(f: _Function) -> bool:
-        return (f.class_code >> 16) == NETWORK_BASE_CLASS
+        return (f.class_code >> 16) == NETWORK_BASE_CLASS and not f.dma
 
     def _functions(self) -> dict[str, _Function]:
         devices_dir = self.root / "bus" / "pci" / "devices"
@@ -201,10 +214,18 @@ class SysfsReader:
             raise SkipDevice(f"{link}: unexpected device path {path}")
         bus_id = normalize_bus_id(elements[-1])
         class_code = _hex(path / "class")
+        dma = False
         if not (self._is_network_code(class_code) or (class_code >> 8) in GPU_CLASSES):
-            return None  # bridges, storage and the rest are not part of the model
+            # bridges, storage and the rest are not part of the model; a Data Direct DMA function is, as a NIC's
+            # data path, recognised by its ids whatever its (unpublished) class says
+            if (class_code >> 8) == 0x0604:
+                return None
+            dma = self._is_dma(path)
+            if not dma:
+                return None
         vendor_id = _hex(path / "vendor")
         device_id = _hex(path / "device")
+        dma = dma or (vendor_id, device_id) == (locality.MELLANOX_VENDOR, locality.DATA_DIRECT_DMA_DEVICE)
         numa = self._numa(path / "numa_node")
         pci = PciInfo(
             bus_id=bus_id,
@@ -216,7 +237,12 @@ class SysfsReader:
             link_width=_read_optional(path / "max_link_width") or "",
             **self._userspace(path),
         )
-        location = Location(root=elements[0].lower(), switches=switch_chain(elements), numa=numa)
+        # C2C (`Location.c2c`): only GPUs, ConnectX PFs and DMA functions under a Grace/Vera root port, as
+        # rdma_topo's NUMA complex (a BlueField there is not on a GPU's data path)
+        on_c2c = dma or (vendor_id == NVIDIA_VENDOR and (class_code >> 8) in GPU_CLASSES) or (
+            vendor_id == locality.MELLANOX_VENDOR and device_id in locality.CONNECTX_PF_DEVICES)
+        location = Location(root=elements[0].lower(), switches=switch_chain(elements), numa=numa,
+                            c2c=on_c2c and self._c2c_root_port(devices_root, elements))
         physfn = _link_name(path / "physfn")
         virtfns = []
         for entry in path.glob("virtfn*"):
@@ -226,7 +252,29 @@ class SysfsReader:
                 virtfns.append((int(suffix), normalize_bus_id(target)))
         return _Function(path=path, pci=pci, class_code=class_code, vendor_id=vendor_id, location=location,
                          physfn=normalize_bus_id(physfn) if physfn and is_bus_id(physfn) else None,
-                         virtfns=sorted(virtfns))
+                         virtfns=sorted(virtfns), device_id=device_id, dma=dma)
+
+    @staticmethod
+    def _is_dma(path: Path) -> bool:
+        try:
+            ids = (_hex(path / "vendor"), _hex(path / "device"))
+        except SkipDevice:
+            return False
+        return ids == (locality.MELLANOX_VENDOR, locality.DATA_DIRECT_DMA_DEVICE)
+
+    def _c2c_root_port(self, devices_root: Path, elements: list[str]) -> bool:
+        """Whether the device hangs below a Grace/Vera root port (its path's first bridge), read once per port."""
+        if len(elements) < 3:
+            return False
+        port = devices_root / elements[0] / elements[1]
+        known = self._c2c_ports.get(port)
+        if known is None:
+            try:
+                known = (_hex(port / "vendor"), _hex(port / "device")) in locality.C2C_ROOT_PORTS
+            except SkipDevice:
+                known = False
+            self._c2c_ports[port] = known
+        return known
 
     @staticmethod
     def _userspace(path: Path) -> dict[str, Any]:
@@ -260,7 +308,7 @@ class SysfsReader:
             return None
         return value if value >= 0 else None
 
-    def _nics(self, functions: dict[str, _Function]) -> list[Nic]:
+    def _nics(self, functions: dict[str, _Function], dma_of: Mapping[str, _Function]) -> list[Nic]:
         nics: list[Nic] = []
         for f in sorted(functions.values(), key=lambda f: f.pci.bus_id):
             if not self._is_network(f) or f.physfn is not None:
@@ -269,9 +317,12 @@ class SysfsReader:
                 rdma = self._rdma(f.path)
                 vfs = tuple(self._vfs(f, functions))
                 totalvfs = _read_optional(f.path / "sriov_totalvfs")
+                dma = dma_of.get(f.pci.bus_id)
                 nics.append(Nic(
                     pci=f.pci, location=f.location, vfs=vfs,
                     sriov_totalvfs=int(totalvfs) if totalvfs and totalvfs.isdigit() else 0,
+                    data_direct_function=dma.pci.bus_id if dma else "",
+                    data_path=dma.location if dma else None,
                     **rdma,
                 ))
             except SkipDevice as exc:

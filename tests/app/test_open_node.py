@@ -131,5 +131,6 @@ def test_topology_of_a_node_without_mig_keeps_its_schema(capsys: pytest.CaptureF
     assert cli.main(["topology", "--simulate", "dgx-h100", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) == {"source", "gpus", "nics", "links"}
-    assert set(doc["gpus"][0]) == {"index", "pci", "numa", "uuid", "pcie_root", "mig_devices"}
+    assert set(doc["gpus"][0]) == {"index", "pci", "numa", "uuid", "pcie_root", "mig_devices", "gpu_direct_path",
+                                   "gpu_direct_group"}  # the foundation's keys, MIG devices, GPUDirect locality
     assert all(gpu["mig_devices"] == [] for gpu in doc["gpus"])

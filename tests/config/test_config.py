@@ -134,3 +134,23 @@ def test_the_lookup_deadline_is_a_setting_with_a_flag_and_an_env_variable(tmp_pa
     assert config.load(_parse(["--config", str(path)]), env).pod_resources.lookup_timeout_seconds == 0.03
     flags = _parse(["--config", str(path), "--pod-resources-lookup-timeout", "0.1"])
     assert config.load(flags, env).pod_resources.lookup_timeout_seconds == 0.1
+
+
+def test_a_bare_yaml_on_or_off_is_the_word_for_an_on_off_setting(tmp_path):
+    """YAML 1.1 reads `off` as false: `nodeLabels.mode: off` and `gfd: on` mean what the operator wrote."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    path = tmp_path / "config.yaml"
+    path.write_text("nodeLabels:\n  mode: off\n  gfd: on\n")
+    done = subprocess.run([sys.executable, "-m", "agent", "config", "--config", str(path)], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    labels = yaml.safe_load(done.stdout)["nodeLabels"]
+    assert (labels["mode"], labels["gfd"]) == ("off", "on")
+    path.write_text("nodeLabels:\n  mode: on\n")  # `on` is no mode of nodeLabels: still one line, exit 2
+    done = subprocess.run([sys.executable, "-m", "agent", "config", "--config", str(path)], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "nodeLabels.mode" in done.stderr and "Traceback" not in done.stderr

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -212,8 +214,9 @@ def test_a_full_rescan_never_runs_more_than_once_a_second(tmp_path: Path) -> Non
     """`--rescan-interval 0.01` rescanned 100 times a second (46 % of a core); SIGHUPs in a burst coalesce too."""
     port = free_port()
     log = (tmp_path / "agent.log").open("w")
+    sockets = Path(tempfile.mkdtemp(prefix="gnar"))  # short: the served resources' socket paths live under it
     process = subprocess.Popen([sys.executable, "-m", "agent", "run", "--simulate", "dgx-h100",
-                                "--device-plugin-dir", str(tmp_path), "--metrics-address", f"127.0.0.1:{port}",
+                                "--device-plugin-dir", str(sockets), "--metrics-address", f"127.0.0.1:{port}",
                                 "--rescan-interval", "0.01", "--log-format", "json", "--kmsg", ""],
                                stdout=subprocess.DEVNULL, stderr=log)
     try:
@@ -233,6 +236,7 @@ def test_a_full_rescan_never_runs_more_than_once_a_second(tmp_path: Path) -> Non
         process.terminate()
         process.wait(timeout=30)
         log.close()
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def _metrics_up(port: int) -> bool:

@@ -38,7 +38,8 @@ FULL: dict[str, Any] = {
     "podLabels": {"example.com/team": "ml-infra"},
     "serviceAccount": {"create": True, "name": "agent", "annotations": {"example.com/owner": "infra"},
                        "automount": True},
-    "rbac": {"create": True}, "metrics": {"port": 10500, "service": {"enabled": True},
+    "rbac": {"create": True}, "nodeLabels": {"rbac": {"create": True}, "gfdReadNamespaces": ["gpu-operator"]},
+    "metrics": {"port": 10500, "service": {"enabled": True},
                                           "serviceMonitor": {"enabled": True}},
     "dropIn": {"enabled": True, "sriovDpConfig": {"resourceList": [{"resourceName": "ib", "selectors": {
         "isRdma": True}}]}},

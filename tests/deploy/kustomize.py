@@ -25,6 +25,7 @@ TREES: dict[str, tuple[list[str], list[str]]] = {
     "dropin": (["overlays/dropin"], []),
     "monitoring": (["deploy"], ["deploy/monitoring"]),
     "dra": (["deploy"], ["deploy/dra"]),
+    "gfd-read": (["deploy", "deploy/gfd-read"], []),
 }
 CLUSTER_SCOPED = frozenset({"Namespace", "ClusterRole", "ClusterRoleBinding", "DeviceClass",
                             "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"})

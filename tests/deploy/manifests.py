@@ -72,6 +72,7 @@ AGENT_METRICS: dict[str, str] = {
     "gpu_node_agent_remediation_actions_total": "counter {action,result}",
     "gpu_node_agent_remediation_latched": "gauge: 1 while NeedsHumanAttention",
     "gpu_node_agent_apiserver_requests_total": "counter {verb,code}",
+    "gpu_node_agent_node_label_writes_total": "counter {outcome}",
     "gpu_node_agent_apiserver_foreign_pods_total": "counter {request}: pods of other nodes skipped in a LIST answer",
     "gpu_node_agent_dra_slice_publishes_total": "counter {result}",
     "gpu_node_agent_dra_claims_total": "counter {call,result}",

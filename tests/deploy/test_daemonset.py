@@ -217,10 +217,11 @@ def test_image_tag_is_the_package_version():
 
 
 def test_the_api_token_is_mounted_only_when_a_subsystem_calls_the_api():
-    """Remediation, netacct's own-node pod watch and DRA call the API server; nothing else does."""
+    """Node labels, remediation, netacct's own-node pod watch and DRA call the API server; nothing else does."""
     config = yaml.safe_load(configmap_config_text())
     netacct = config.get("netacct") or {}
-    needs_api = bool((config.get("remediation") or {}).get("enabled")) or \
+    needs_api = (config.get("nodeLabels") or {}).get("mode", "auto") != "off" or \
+        bool((config.get("remediation") or {}).get("enabled")) or \
         (bool(netacct.get("enabled")) and not netacct.get("podsFile")) or bool((config.get("dra") or {}).get("enabled"))
     pod = one("DaemonSet")["spec"]["template"]["spec"]
     assert pod.get("automountServiceAccountToken") is needs_api

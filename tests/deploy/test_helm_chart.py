@@ -37,6 +37,7 @@ TREE_VALUES: dict[str, dict[str, Any]] = {
     "dropin": {"dropIn": {"enabled": True}},
     "monitoring": {"metrics": {"serviceMonitor": {"enabled": True}}, "prometheusRule": {"enabled": True}},
     "dra": {"dra": {"enabled": True}},
+    "gfd-read": {"nodeLabels": {"gfdReadNamespaces": ["gpu-operator"]}},
 }
 
 
@@ -164,6 +165,10 @@ def test_namespace_and_names_follow_the_release(values: dict[str, Any], namespac
     ({"extraArgs": ["--log-level", 3]}, "at '/extraArgs/1': got number, want string"),
     ({"tolerations": {"key": "x"}}, "at '/tolerations': got object, want array"),
     ({"dra": {"enabled": "yes"}}, "at '/dra/enabled': got string, want boolean"),
+    ({"nodeLabels": {"gfdReadNamespaces": "gpu-operator"}},
+     "at '/nodeLabels/gfdReadNamespaces': got string, want array"),
+    ({"nodeLabels": {"gfdReadNamespaces": ["GPU_Operator"]}}, "at '/nodeLabels/gfdReadNamespaces/0': "),
+    ({"nodeLabels": {"gfdReadNamespaces": ["gpu-operator", "gpu-operator"]}}, "at '/nodeLabels/gfdReadNamespaces': "),
 ])
 def test_the_schema_refuses(values: dict[str, Any], message: str):
     with pytest.raises(helm_python.HelmValuesError, match=message.replace("[", r"\[")):
@@ -187,6 +192,7 @@ def test_install_into_default_is_refused_naming_the_value_that_allows_it():
      "metrics.serviceMonitor.enabled=true needs metrics.service.enabled=true"),
     ({"podLabels": {"app.kubernetes.io/name": "other"}}, "podLabels.app.kubernetes.io/name: the DaemonSet's selector"),
     ({"securityContext": {"privileged": True}}, "securityContext.privileged=true needs securityContext.allowPrivil"),
+    ({"config": {"nodeLabels": {"mode": False}}}, r'config.nodeLabels.mode=false: .* Quote it: mode: "off"'),
 ])
 def test_bad_combinations_are_refused(values: dict[str, Any], message: str):
     with pytest.raises(helm_python.HelmRenderError, match=message):
@@ -210,7 +216,15 @@ CONFIG = "ConfigMap/gpu-node-agent-config.data.config.yaml"
     ({"config": {"logLevel": "debug"}}, {CONFIG, CHECKSUM}),
     ({"existingConfigMap": "site-agent-config"},
      {"ConfigMap/gpu-node-agent-config", CHECKSUM, f"{DS}.spec.volumes[config].configMap.name"}),
-], ids=["image.tag", "nodeSelector", "tolerations", "resources", "extraArgs", "config", "existingConfigMap"])
+    ({"nodeLabels": {"rbac": {"create": False}}},
+     {"Role/gpu-node-agent-node-labels", "RoleBinding/gpu-node-agent-node-labels"}),
+    ({"nodeLabels": {"gfdReadNamespaces": ["nvidia-gfd"]}},
+     {"Role/gpu-node-agent-gfd-read", "RoleBinding/gpu-node-agent-gfd-read"}),
+    ({"rbac": {"create": False}, "nodeLabels": {"gfdReadNamespaces": ["nvidia-gfd"]}},
+     {"ClusterRole/gpu-node-agent", "ClusterRoleBinding/gpu-node-agent", "Role/gpu-node-agent-slots",
+      "RoleBinding/gpu-node-agent-slots", "Role/gpu-node-agent-node-labels", "RoleBinding/gpu-node-agent-node-labels"}),
+], ids=["image.tag", "nodeSelector", "tolerations", "resources", "extraArgs", "config", "existingConfigMap",
+        "nodeLabels.rbac.create", "nodeLabels.gfdReadNamespaces", "rbac.create-covers-node-labels"])
 def test_a_value_changes_what_it_should_and_nothing_else(values: dict[str, Any], changed: set[str]):
     after = render(values)
     assert differences(render(), after) == changed
@@ -292,12 +306,32 @@ def test_the_api_token_follows_the_config():
         (daemonset,) = [d for d in render(values) if d["kind"] == "DaemonSet"]
         return daemonset["spec"]["template"]["spec"]["automountServiceAccountToken"]
 
-    assert automount({}) is False
-    assert automount({"config": {"remediation": {"enabled": True}}}) is True
-    assert automount({"config": {"netacct": {"enabled": True}}}) is True
-    assert automount({"config": {"netacct": {"enabled": True, "podsFile": "/run/pods.json"}}}) is False
-    assert automount({"dra": {"enabled": True}}) is True
-    assert automount({"serviceAccount": {"automount": True}}) is True
+    labels_off = {"nodeLabels": {"mode": "off"}}
+    assert automount({}) is True  # the default config publishes node labels
+    assert automount({"config": {"nodeLabels": {"mode": "node"}}}) is True
+    assert automount({"config": labels_off}) is False
+    assert automount({"config": {**labels_off, "remediation": {"enabled": True}}}) is True
+    assert automount({"config": {**labels_off, "netacct": {"enabled": True}}}) is True
+    assert automount({"config": {**labels_off, "netacct": {"enabled": True, "podsFile": "/run/pods.json"}}}) is False
+    assert automount({"config": labels_off, "dra": {"enabled": True}}) is True
+    assert automount({"config": labels_off, "serviceAccount": {"automount": True}}) is True
+    assert automount({"serviceAccount": {"automount": False}}) is False
+
+
+def test_gfd_read_grants_get_in_each_namespace_listed_to_the_releases_account():
+    """deploy/gfd-read once per namespace: the Role lives in GFD's namespace, its subject is the agent's."""
+    docs = render({"nodeLabels": {"gfdReadNamespaces": ["gpu-operator", "nvidia-gfd"]}}, name="rel",
+                  namespace="ns-under-test")
+    grants = [d for d in docs if d["metadata"]["name"] == "rel-gpu-node-agent-gfd-read"]
+    assert sorted((d["kind"], d["metadata"]["namespace"]) for d in grants) == [
+        ("Role", "gpu-operator"), ("Role", "nvidia-gfd"),
+        ("RoleBinding", "gpu-operator"), ("RoleBinding", "nvidia-gfd")]
+    for doc in grants:
+        if doc["kind"] == "Role":
+            assert doc["rules"] == [{"apiGroups": ["nfd.k8s-sigs.io"], "resources": ["nodefeatures"], "verbs": ["get"]}]
+        else:
+            assert doc["subjects"] == [{"kind": "ServiceAccount", "name": "rel-gpu-node-agent",
+                                        "namespace": "ns-under-test"}]
 
 
 def test_notes_say_how_to_label_the_namespace_and_check_the_agent():

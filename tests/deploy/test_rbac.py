@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import yaml
+
 from tests.deploy.manifests import DEPLOY, NAMESPACE, all_documents, one
 
 CLUSTER_RULES = {
@@ -13,6 +15,9 @@ CLUSTER_RULES = {
 }
 NAMESPACED_RULES = {
     ("coordination.k8s.io", "leases"): ["list", "create", "update"],
+}
+NODE_LABEL_RULES = {  # the agent's NodeFeature, in its own namespace only (issue 39)
+    ("nfd.k8s-sigs.io", "nodefeatures"): ["get", "create", "update"],
 }
 
 
@@ -33,9 +38,21 @@ def test_cluster_role_is_exactly_the_listed_verbs():
 
 
 def test_lease_role_is_namespaced_to_the_agent():
-    role = one("Role")
+    role = one("Role", "gpu-node-agent-slots")
     assert role["metadata"]["namespace"] == NAMESPACE
     assert _flatten(role["rules"]) == NAMESPACED_RULES
+
+
+def test_node_feature_role_is_namespaced_to_the_agent_and_gfd_read_is_get_only():
+    role = one("Role", "gpu-node-agent-node-labels")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert _flatten(role["rules"]) == NODE_LABEL_RULES
+    docs = list(yaml.safe_load_all((DEPLOY / "gfd-read" / "rbac.yaml").read_text(encoding="utf-8")))
+    (gfd,) = [d for d in docs if d["kind"] == "Role"]
+    assert gfd["metadata"]["namespace"] == "gpu-operator"
+    assert _flatten(gfd["rules"]) == {("nfd.k8s-sigs.io", "nodefeatures"): ["get"]}
+    (binding,) = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gpu-node-agent", "namespace": NAMESPACE}]
 
 
 def test_no_wildcards_and_no_secrets_anywhere():
@@ -49,13 +66,18 @@ def test_no_wildcards_and_no_secrets_anywhere():
 
 def test_bindings_give_the_roles_to_the_agent_service_account_only():
     account = one("ServiceAccount")["metadata"]
-    for kind, role_kind in (("ClusterRoleBinding", "ClusterRole"), ("RoleBinding", "Role")):
-        binding = one(kind)
+    bindings = [("ClusterRoleBinding", "ClusterRole", "gpu-node-agent")] + \
+        [("RoleBinding", "Role", name) for name in ("gpu-node-agent-slots", "gpu-node-agent-node-labels")]
+    for kind, role_kind, name in bindings:
+        binding = one(kind, name)
         assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": role_kind,
-                                      "name": one(role_kind)["metadata"]["name"]}
+                                      "name": one(role_kind, name)["metadata"]["name"]}
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["name"],
                                         "namespace": account["namespace"]}]
-    assert one("RoleBinding")["metadata"]["namespace"] == one("Role")["metadata"]["namespace"]
+        if kind == "RoleBinding":
+            assert binding["metadata"]["namespace"] == one(role_kind, name)["metadata"]["namespace"]
+    assert {doc["metadata"]["name"] for _, doc in all_documents() if doc["kind"] == "RoleBinding"} == \
+        {"gpu-node-agent-slots", "gpu-node-agent-node-labels"}
 
 
 def test_node_list_watch_limitation_is_documented():

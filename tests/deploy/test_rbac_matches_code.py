@@ -1,6 +1,7 @@
 """RBAC grants exactly what the code calls: every operation of the real cluster port is run through lightkube's
 real request builder, each HTTP request is classified the way the API server authorizes it (API group,
-resource[/subresource], verb), and the set must equal what deploy/rbac.yaml plus deploy/dra/rbac.yaml grant.
+resource[/subresource], verb), and the set must equal what deploy/rbac.yaml plus deploy/dra/rbac.yaml and
+deploy/gfd-read/rbac.yaml grant.
 A verb granted but never used fails, and so does a request that no rule grants.
 
 The transport below answers every request with a minimal valid object (it stands in for the API server only
@@ -32,6 +33,8 @@ def _classify(method: str, path: str, query: str) -> tuple[str, str, str]:
     """(API group, resource[/subresource], verb) of one request, as the API server's RBAC sees it."""
     parts = [p for p in path.split("/") if p]
     group, rest = ("", parts[2:]) if parts[0] == "api" else (parts[1], parts[3:])
+    if not rest:  # an API discovery document: a non-resource URL
+        return "", path, method.lower()
     if rest[:1] == ["namespaces"] and len(rest) > 2:
         rest = rest[2:]
     resource = rest[0] + (f"/{rest[2]}" if len(rest) > 2 else "")
@@ -49,6 +52,8 @@ class _Answering(httpx2.AsyncBaseTransport):
         self.seen.add(_classify(request.method, path, query))
         if request.method == "GET" and "watch=true" in query:
             return httpx2.Response(200, content=b"")
+        if path.startswith("/apis/") and len([p for p in path.split("/") if p]) == 3:  # discovery
+            return _json({"kind": "APIResourceList", "resources": [{"name": "nodefeatures"}]})
         parts = [p for p in path.split("/") if p]
         kind_path = parts[2:] if parts[0] == "api" else parts[3:]
         if kind_path[:1] == ["namespaces"]:
@@ -98,6 +103,11 @@ async def _exercise(port: LightkubeCluster) -> None:
         "delete_resource_slice": lambda: port.delete_resource_slice(f"{NODE}-x"),
         "get_resource_claim": lambda: port.get_resource_claim("team", "claim-0"),
         "review_access": lambda: port.review_access("patch", "nodes"),
+        "node_features_served": port.node_features_served,
+        "get_node_feature": lambda: port.get_node_feature(NS, f"gpu-node-agent-{NODE}"),
+        "create_node_feature": lambda: port.create_node_feature(NS, _feature()),
+        "replace_node_feature": lambda: port.replace_node_feature(
+            NS, {**_feature(), "metadata": {"name": f"gpu-node-agent-{NODE}", "resourceVersion": "1"}}),
     }
     public = {name for name, member in inspect.getmembers(LightkubeCluster, inspect.isfunction)
               if not name.startswith("_") and name != "aclose"}
@@ -128,13 +138,21 @@ def _slice() -> dict[str, Any]:
                      "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1}, "devices": []}}
 
 
-# Granted to every authenticated identity by the built-in ClusterRole system:basic-user (doctor's RBAC check)
-BUILT_IN = {("authorization.k8s.io", "selfsubjectaccessreviews", "create")}
+def _feature() -> dict[str, Any]:
+    return {"apiVersion": "nfd.k8s-sigs.io/v1alpha1", "kind": "NodeFeature",
+            "metadata": {"name": f"gpu-node-agent-{NODE}", "labels": {"nfd.node.kubernetes.io/node-name": NODE}},
+            "spec": {"labels": {"gpunodeagent.io/gpu.expected": "8"}}}
+
+
+# Granted to every authenticated identity by the built-in ClusterRoles system:basic-user (doctor's RBAC check)
+# and system:discovery (API discovery documents: whether NFD's NodeFeature is served)
+BUILT_IN = {("authorization.k8s.io", "selfsubjectaccessreviews", "create"),
+            ("", "/apis/nfd.k8s-sigs.io/v1alpha1", "get")}
 
 
 def _granted() -> set[tuple[str, str, str]]:
     granted: set[tuple[str, str, str]] = set()
-    for path in (DEPLOY / "rbac.yaml", DEPLOY / "dra" / "rbac.yaml"):
+    for path in (DEPLOY / "rbac.yaml", DEPLOY / "dra" / "rbac.yaml", DEPLOY / "gfd-read" / "rbac.yaml"):
         for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
             if not doc or doc.get("kind") not in ("ClusterRole", "Role"):
                 continue

@@ -24,6 +24,12 @@ def allowed(node: str, lease_namespace: str) -> list[tuple[str, str]]:
         ("PUT", rf"/apis/resource.k8s.io/v1/resourceslices/{node}-[^/]+"),
         ("DELETE", rf"/apis/resource.k8s.io/v1/resourceslices/{node}-[^/]+"),
         ("GET", r"/apis/resource.k8s.io/v1/namespaces/[^/]+/resourceclaims/[^/]+"),
+        # node labels: NFD's discovery document (system:discovery), NodeFeatures in the agent's namespace, and
+        # reads of GPU Feature Discovery's in its namespace
+        ("GET", r"/apis/nfd.k8s-sigs.io/v1alpha1"),
+        ("GET", r"/apis/nfd.k8s-sigs.io/v1alpha1/namespaces/[^/]+/nodefeatures/[^/]+"),
+        ("POST", rf"/apis/nfd.k8s-sigs.io/v1alpha1/namespaces/{lease_namespace}/nodefeatures"),
+        ("PUT", rf"/apis/nfd.k8s-sigs.io/v1alpha1/namespaces/{lease_namespace}/nodefeatures/[^/]+"),
         # doctor's RBAC check; every authenticated identity may (system:basic-user)
         ("POST", r"/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"),
     ]

@@ -6,7 +6,8 @@ type, field selectors as the API server parses them (comma-separated `=`, `==`, 
 kind supports, 400 for any other field; pods: also listed per namespace), watches of the Node and of pods with
 resourceVersion / bookmarks / timeoutSeconds / 410 after compaction, one resourceVersion counter for every
 object (as etcd has), the Eviction subresource, Events with generateName, Leases with create-409 and
-replace-409, resource.k8s.io/v1 ResourceSlices and ResourceClaims (`tests.fakes.apidra`), and
+replace-409, resource.k8s.io/v1 ResourceSlices and ResourceClaims (`tests.fakes.apidra`), NFD NodeFeatures served
+or not (`tests.fakes.apinfd`), and
 SelfSubjectAccessReviews (201 with `status.allowed`; `denied` holds the (group, resource[/subresource], verb)
 RBAC refuses, as an authorizer that says no without a reason). Everything
 else answers 404 and is recorded, so tests can assert the agent made no other request.
@@ -27,6 +28,7 @@ from typing import Any
 import yaml
 
 from tests.fakes.apidra import ResourceApi
+from tests.fakes.apinfd import NodeFeatureApi
 from tests.fakes.apistore import EventsAndLeases, merge_patch
 from tests.fakes.clock import FakeClock
 from tests.fakes.fieldselect import SelectorError, field_selector, field_value
@@ -51,7 +53,7 @@ def container_spec(name: str, limits: dict[str, int] | None = None, **extra: Any
             **extra}
 
 
-class ApiServerDouble(EventsAndLeases, ResourceApi, HttpDouble):
+class ApiServerDouble(EventsAndLeases, ResourceApi, NodeFeatureApi, HttpDouble):
 
     """One node, its pods (and pods of other nodes), Events and Leases, over HTTP."""
 
@@ -74,6 +76,8 @@ class ApiServerDouble(EventsAndLeases, ResourceApi, HttpDouble):
         self.evictions: dict[tuple[str, str], list[int]] = {}
         self.resource_slices: dict[str, dict[str, Any]] = {}  # resource.k8s.io/v1 (tests.fakes.apidra)
         self.resource_claims: dict[tuple[str, str], dict[str, Any]] = {}
+        self.node_features: dict[tuple[str, str], dict[str, Any]] = {}  # NFD (tests.fakes.apinfd)
+        self.nfd_served = True  # False: NFD's CRD is not installed
         self.open_watches = 0
         self.denied: set[tuple[str, str, str]] = set()  # (API group, resource[/subresource], verb) RBAC refuses
         # while set and not open, watches hold back pod events (a lagging watch: the list is current, the watch is not)
@@ -166,6 +170,10 @@ class ApiServerDouble(EventsAndLeases, ResourceApi, HttpDouble):
         return self.node["metadata"].get("annotations") or {}
 
     @property
+    def labels(self) -> dict[str, str]:
+        return self.node["metadata"].get("labels") or {}
+
+    @property
     def taints(self) -> list[dict[str, str]]:
         return self.node["spec"].get("taints") or []
 
@@ -219,6 +227,8 @@ class ApiServerDouble(EventsAndLeases, ResourceApi, HttpDouble):
         if r.path == "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews" and r.method == "POST":
             return self._access_review(r.body)
         if r.path.startswith("/apis/resource.k8s.io/v1/") and (answer := self._resource(r)) is not None:
+            return answer
+        if (answer := self._nfd(r)) is not None:
             return answer
         return 404, status_body(404, f"{r.method} {r.path} is not served by the double", "NotFound"), {}
 

@@ -48,6 +48,13 @@ class StandInGpu:
     mps: list[int] = field(default_factory=list)
     sleeping: set[int] = field(default_factory=set)  # links in NVML_NVLINK_STATE_SLEEP (the field tells; the call
     # nvmlDeviceGetNvLinkState is assumed to say DISABLED for them [unconfirmed])
+    bus_id: str = "00000000:1B:00.0"  # as nvmlDeviceGetPciInfo writes busId
+    name: str = "NVIDIA H100 80GB HBM3"
+    memory_total: int = 81559 << 20  # bytes
+    compute: tuple[int, int] = (9, 0)
+    mig_mode: int | None = 0  # current MIG mode; None: NOT_SUPPORTED (a GPU without MIG)
+    cluster_uuid: bytes = bytes(16)  # fabric cluster UUID (zero: not attached to a multi-node fabric)
+    clique_id: int = 0
 
 
 class StandInLibNvml:
@@ -92,7 +99,16 @@ class StandInLibNvml:
             "nvmlDeviceGetGpuFabricInfoV": proto(ctypes.c_int, _VP, ctypes.POINTER(
                 pynvml.c_nvmlGpuFabricInfo_v3_t))(self._fabric),
             "nvmlDeviceGetFieldValues": proto(ctypes.c_int, _VP, ctypes.c_int32, _VP)(self._field_values),
+            # node-label facts: CUDA version, PCI bus id, memory, compute capability, MIG mode
+            "nvmlSystemGetCudaDriverVersion": proto(ctypes.c_int, ctypes.POINTER(ctypes.c_int))(self._cuda_version),
+            "nvmlDeviceGetPciInfo_v3": proto(ctypes.c_int, _VP, ctypes.POINTER(pynvml.nvmlPciInfo_t))(self._pci),
+            "nvmlDeviceGetMemoryInfo": proto(ctypes.c_int, _VP, ctypes.POINTER(pynvml.c_nvmlMemory_t))(self._memory),
+            "nvmlDeviceGetCudaComputeCapability": proto(ctypes.c_int, _VP, ctypes.POINTER(ctypes.c_int),
+                                                        ctypes.POINTER(ctypes.c_int))(self._compute),
+            "nvmlDeviceGetMigMode": proto(ctypes.c_int, _VP, ctypes.POINTER(ctypes.c_uint),
+                                          ctypes.POINTER(ctypes.c_uint))(self._mig_mode),
         }
+        self.cuda_version = 12080
 
     # --- sessions, processes and events -------------------------------------------------------------------
 
@@ -211,11 +227,49 @@ class StandInLibNvml:
     def _name(self, handle: int | None, out: int | None, size: int) -> int:
         if self._gpu(handle) is None:
             return pynvml.NVML_ERROR_INVALID_ARGUMENT
-        ctypes.memmove(out, b"NVIDIA H100 80GB HBM3\0", 22)
+        name = self._gpu(handle).name.encode()  # type: ignore[union-attr]
+        ctypes.memmove(out, name + b"\0", len(name) + 1)
         return pynvml.NVML_SUCCESS
 
     def _driver_version(self, out: int | None, size: int) -> int:
         ctypes.memmove(out, self.driver_version.encode() + b"\0", len(self.driver_version) + 1)
+        return pynvml.NVML_SUCCESS
+
+    def _cuda_version(self, out: Any) -> int:
+        out[0] = self.cuda_version
+        return pynvml.NVML_SUCCESS
+
+    def _answering(self, handle: int | None) -> tuple[StandInGpu | None, int]:
+        gpu = self._gpu(handle)
+        if gpu is None:
+            return None, pynvml.NVML_ERROR_INVALID_ARGUMENT
+        return (None, pynvml.NVML_ERROR_GPU_IS_LOST) if gpu.lost else (gpu, pynvml.NVML_SUCCESS)
+
+    def _pci(self, handle: int | None, info: Any) -> int:
+        gpu, code = self._answering(handle)
+        if gpu is not None:
+            info.contents.busId = gpu.bus_id.encode()
+        return code
+
+    def _memory(self, handle: int | None, info: Any) -> int:
+        gpu, code = self._answering(handle)
+        if gpu is not None:
+            info.contents.total, info.contents.free, info.contents.used = gpu.memory_total, gpu.memory_total, 0
+        return code
+
+    def _compute(self, handle: int | None, major: Any, minor: Any) -> int:
+        gpu, code = self._answering(handle)
+        if gpu is not None:
+            major[0], minor[0] = gpu.compute
+        return code
+
+    def _mig_mode(self, handle: int | None, current: Any, pending: Any) -> int:
+        gpu, code = self._answering(handle)
+        if gpu is None:
+            return code
+        if gpu.mig_mode is None:
+            return pynvml.NVML_ERROR_NOT_SUPPORTED
+        current[0] = pending[0] = gpu.mig_mode
         return pynvml.NVML_SUCCESS
 
     def _gpu(self, handle: int | None) -> StandInGpu | None:
@@ -258,6 +312,8 @@ class StandInLibNvml:
         out = info.contents
         out.state, out.status = gpu.fabric_state, gpu.fabric_status
         out.healthMask, out.healthSummary = gpu.health_mask, gpu.health_summary
+        out.clusterUuid[:] = list(gpu.cluster_uuid)
+        out.cliqueId = gpu.clique_id
         return pynvml.NVML_SUCCESS
 
     def _field_values(self, handle: int | None, count: int, address: int | None) -> int:

@@ -26,15 +26,15 @@ class Slot:
     top: int | None = None
     lower: int | None = None
 
-    def location(self, numa_known: bool = True) -> Location:
-        """The model's location for this slot."""
+    def location(self, numa_known: bool = True, c2c: bool = False) -> Location:
+        """The model's location for this slot; `c2c`: below a Grace/Vera root port."""
         root = f"pci0000:{0x40 * self.socket + 0x10 * self.root:02x}"
         switches: tuple[str, ...] = ()
         if self.top is not None:
             switches = (f"{root}/top{self.top}",)
             if self.lower is not None:
                 switches += (f"{root}/top{self.top}/low{self.lower}",)
-        return Location(root=root, switches=switches, numa=self.socket if numa_known else None)
+        return Location(root=root, switches=switches, numa=self.socket if numa_known else None, c2c=c2c)
 
 
 def _key(slot: Slot) -> tuple:
@@ -42,15 +42,17 @@ def _key(slot: Slot) -> tuple:
             -1 if slot.lower is None else slot.lower)
 
 
-def build_node(gpus: Sequence[Slot], nics: Sequence[tuple[Slot, int]], numa_known: bool = True) -> Topology:
-    """A node with GPUs at `gpus` and RDMA NIC PFs at `nics` (slot, VF count; 0 = the PF is the device)."""
+def build_node(gpus: Sequence[Slot], nics: Sequence[tuple[Slot, int]], numa_known: bool = True,
+               c2c_sockets: frozenset[int] = frozenset()) -> Topology:
+    """A node with GPUs at `gpus` and RDMA NIC PFs at `nics` (slot, VF count; 0 = the PF is the device);
+    the sockets in `c2c_sockets` are Grace/Vera ones (their devices P2C apart)."""
     placed = sorted([(_key(slot), 0, slot, 0) for slot in gpus] + [(_key(s), 1, s, n) for s, n in nics],
                     key=lambda item: (item[0], item[1]))
     gpu_list: list[Gpu] = []
     nic_list: list[Nic] = []
     for bus, (_, is_nic, slot, vf_count) in enumerate(placed, start=1):
         bus_id = f"0000:{bus:02x}:00.0"
-        location = slot.location(numa_known)
+        location = slot.location(numa_known, slot.socket in c2c_sockets)
         if not is_nic:
             gpu_list.append(Gpu(index=len(gpu_list), pci=PciInfo(bus_id=bus_id, vendor="0x10de"),
                                 location=location, uuid=f"GPU-{bus:02x}000000-sim"))

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.config.netacct import NetacctConfig
-from agent.netacct.backend import Host
+from agent.host.netfilter import Host
 from agent.netacct.collector import NetacctCollector
 from agent.netacct.engine import Netacct
 from tests.netacct import netns

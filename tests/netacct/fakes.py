@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from agent.netacct.backend import CommandError, Host, Snapshot
+from agent.host.netfilter import CommandError, Host, Snapshot
 
 
 class _NoTable:

@@ -8,10 +8,10 @@ import ipaddress
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agent.host.ipset_netlink import SetDump
 from agent.netacct import carry, ipsets, nft_layout, rules
 from agent.netacct.carry import Carry, OldRaw
 from agent.netacct.counters import CounterBook
-from agent.netacct.ipset_netlink import SetDump
 from agent.netacct.nft_layout import NftState
 from tests.netacct.test_nft_layout import MEMBERS, NETWORKS, matching_state
 

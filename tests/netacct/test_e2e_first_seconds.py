@@ -12,7 +12,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from agent.config.netacct import NetacctConfig
-from agent.netacct.backend import Host
+from agent.host.netfilter import Host
 from agent.netacct.service import NetacctService
 from tests.netacct import netns
 from tests.netacct.conftest import EngineFactory

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import pytest
 
 from agent.config.netacct import NetacctConfig
-from agent.netacct import backend
+from agent.host import netfilter
 from agent.netacct.engine import Netacct, SyncError
 from tests.netacct import netns
 from tests.netacct.conftest import EngineFactory, RecordingHost
@@ -33,7 +33,7 @@ class KilledAfter(RecordingHost):
     def run(self, argv: Sequence[str], stdin: str | None = None, timeout: float | None = None) -> str:
         """Fail once dead; count the command otherwise."""
         if self.left <= 0:
-            raise backend.CommandError("the agent was killed")
+            raise netfilter.CommandError("the agent was killed")
         self.left -= 1
         return super().run(argv, stdin, timeout)
 

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 
 from agent.config.netacct import NetacctConfig
+from agent.host.netfilter import Host
 from agent.netacct import rules
-from agent.netacct.backend import Host
 from agent.netacct.command import cleanup_command
 from agent.pods.model import make_pod
 from tests.netacct import netns

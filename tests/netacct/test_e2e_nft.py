@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from agent.config.netacct import NetacctConfig
-from agent.netacct import backend, nft_layout, rules
-from agent.netacct.backend import Host
+from agent.host import netfilter
+from agent.host.netfilter import Host
+from agent.netacct import nft_layout, rules
 from agent.netacct.command import cleanup_command
 from agent.netacct.engine import Netacct, SyncError
 from agent.pods.model import Pod
@@ -66,7 +67,7 @@ def test_auto_picks_nft_here_and_iptables_without_nft(topology: netns.Topology, 
     finally:
         fallback.remove_all()  # while the tools it resolved still exist
         fallback.close()
-        backend._resolve.cache_clear()  # forget tool paths under tmp_path
+        netfilter._resolve.cache_clear()  # forget tool paths under tmp_path
 
 
 def restart(make_engine: EngineFactory, before: Series, topology: netns.Topology, **config: object) -> Series:
@@ -142,7 +143,7 @@ class DyingHost(RecordingHost):
     def run(self, argv: Sequence[str], stdin: str | None = None, timeout: float | None = None) -> str:
         """Fail once dead; die after the matching command has run."""
         if self.dead:
-            raise backend.CommandError("the agent was killed")
+            raise netfilter.CommandError("the agent was killed")
         out = super().run(argv, stdin, timeout)
         self.dead = self.after in " ".join(argv) + (stdin or "")
         return out
@@ -187,8 +188,8 @@ def test_repairs_tampering_and_rebuilds_an_incompatible_set(topology: netns.Topo
     engine.sync(pods())
     assert POD4 in netns.nft_members(node, "rx_inet4")
     listed = netns.nft_table(node) or ""
-    state = engine.native.read(full=True)
-    shape = nft_layout.classifiers(engine.native.networks, engine.native.members(state), (4, 6))
+    state = engine.nft.read(full=True)
+    shape = nft_layout.classifiers(engine.nft.networks, engine.nft.members(state), (4, 6))
     assert all(f'comment "{rule.comment}"' in listed for rules in nft_layout.desired_rules(shape).values()
                for rule in rules)
     now = series(registry)

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.config.netacct import NetacctConfig
-from agent.netacct.backend import Host
+from agent.host.netfilter import Host
 from agent.netacct.service import NetacctService
 from agent.pods.source import PodFeed
 from tests.netacct import netns

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry
 
 from agent.config.netacct import NetacctConfig
-from agent.netacct import backend, rules
+from agent.host import netfilter
+from agent.netacct import rules
 from agent.netacct.collector import NetacctCollector
 from agent.netacct.engine import Netacct
 from tests.netacct import netns
@@ -37,7 +38,7 @@ class CountersDroppedOnRestore(RecordingHost):
 
     def __init__(self, mode: str, **kwargs: object) -> None:
         super().__init__(**kwargs)
-        self.restore_argv = backend._tool(mode, 4, "restore")
+        self.restore_argv = netfilter._tool(mode, 4, "restore")
         self.stripped = 0
 
     def run(self, argv: Sequence[str], stdin: str | None = None, timeout: float | None = None) -> str:

@@ -9,8 +9,8 @@ import struct
 
 import pytest
 
+from agent.host import ipset_netlink as nl
 from agent.host.netlink import NLMSG_DONE, NLMSG_ERROR
-from agent.netacct import ipset_netlink as nl
 
 
 def attr(kind: int, payload: bytes, flags: int = 0) -> bytes:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import ipaddress
 import socket
 
+from agent.host.ipset_netlink import FLAG_WITH_COUNTERS, SetDump
 from agent.netacct import ipsets
-from agent.netacct.ipset_netlink import FLAG_WITH_COUNTERS, SetDump
 
 NETS = [ipaddress.ip_network(n) for n in ("10.0.0.0/8", "fd00::/8", "0.0.0.0/0")]
 

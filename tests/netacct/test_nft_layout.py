@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import ipaddress
 
+from agent.host.nft_netlink import SET_INTERVAL, ChainInfo, Elements, SetInfo, _ranges
 from agent.netacct import ipsets, nft_layout
 from agent.netacct.nft_layout import NftState
-from agent.netacct.nft_netlink import SET_INTERVAL, ChainInfo, Elements, SetInfo, _ranges
 
 NETWORKS = [ipaddress.ip_network(n) for n in ("10.0.0.0/8", "11.0.0.0/8", "10.1.0.0/16", "fd00::/8")]
 POD = ipaddress.ip_address("10.244.1.2").packed

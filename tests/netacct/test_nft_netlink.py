@@ -7,8 +7,8 @@ import struct
 
 import pytest
 
+from agent.host import nft_netlink as nl
 from agent.host.netlink import NetlinkTruncated
-from agent.netacct import nft_netlink as nl
 
 
 def attr(kind: int, payload: bytes) -> bytes:

@@ -87,6 +87,7 @@ class Node:
     pod_lookup: PodLookupApi | None = None
     fetch_late_s: float = 30.0  # a fetch's own bound: generous, the tests hold answers on purpose
     config_changes: dict[str, object] = field(default_factory=dict)  # device-plugin settings (time-slicing...)
+    gpus_by_bus_id: bool = False  # NVIDIA's stand-in names GPUs by PCI bus id (a plugin or node without NVML)
 
     def __post_init__(self) -> None:
         self.kubelet = LocalKubelet(self.directory / "dp", rng=random.Random(7),  # noqa: S311
@@ -137,6 +138,8 @@ class Node:
             await self.service.port.aclose()
 
     def gpu_ids(self) -> list[str]:
+        if self.gpus_by_bus_id:
+            return sorted(g.bus_id for g in self.topology.gpus)
         return sorted(g.uuid for g in self.topology.gpus if g.uuid)
 
     def free(self, resource: str) -> set[str]:

@@ -60,4 +60,5 @@ def nodes(draw: st.DrawFn, max_gpus: int = 8, max_pfs: int = 4, max_vfs: int = 8
             capped.append((slot, vfs and units))
             budget -= units
         pfs = capped
-    return build_node(gpus, pfs, numa_known=draw(st.booleans()))
+    c2c = frozenset(draw(st.sets(st.integers(0, 1))))  # Grace/Vera sockets: P2C groups in the tree
+    return build_node(gpus, pfs, numa_known=draw(st.booleans()), c2c_sockets=c2c)

@@ -16,7 +16,7 @@ from agent.placement.score import FIELDS, Mode, Term
 from agent.topology.model import Gpu, Level, Location, Nic, Topology, Vf
 from tests.fakes.nodes import gpu_ids, nic_ids
 
-LEVELS = (Level.PIX, Level.PXB, Level.PHB, Level.NODE, Level.SYS)
+LEVELS = (Level.PIX, Level.PXB, Level.P2C, Level.PHB, Level.NODE, Level.SYS)
 
 
 def _device(topology: Topology, kind: DeviceKind, device_id: str) -> tuple[Location, str] | None:

@@ -15,8 +15,8 @@ import pytest
 
 from agent.config.netacct import NetacctConfig
 from agent.config.pods import DEFAULT_INTERNAL_CIDRS
+from agent.host.netfilter import Host
 from agent.host.tc_netlink import NetlinkTc
-from agent.netacct.backend import Host
 from agent.netacct.engine import Netacct
 from agent.pods.model import Pod, make_pod
 from agent.shaping.engine import Shaper

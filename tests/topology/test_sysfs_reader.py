@@ -32,6 +32,12 @@ EXPECTED = {
                             per_gpu={Level.PIX: 1, Level.PHB: 1, Level.SYS: 2}),
     # sysfs alone: every device on its own root complex, so a VM hides its switches
     "vm-flat": dict(gpus=8, rdma=8, vfs=0, plain=0, per_gpu={Level.NODE: 4, Level.SYS: 4}),
+    # Data Direct: each GPU PXB to its NIC's DMA function, P2C to the other NIC of its Grace socket
+    "gb300-cx8": dict(gpus=4, rdma=4, vfs=16, plain=0, per_gpu={Level.PXB: 1, Level.P2C: 1, Level.SYS: 2}),
+    # C2C: P2C to the socket's two ConnectX-7, NODE to its BlueField-3
+    "gb200-cx7": dict(gpus=4, rdma=6, vfs=16, plain=0, per_gpu={Level.P2C: 2, Level.NODE: 1, Level.SYS: 3}),
+    # inline: PXB to the NIC whose switch the GPU hangs below, NODE to the socket's others
+    "hgx-b300-cx8": dict(gpus=8, rdma=8, vfs=32, plain=0, per_gpu={Level.PXB: 1, Level.NODE: 3, Level.SYS: 4}),
 }
 
 
@@ -62,10 +68,10 @@ def test_profile_reads_back_with_every_level_it_is_built_for(written, name):
     for gpu in topology.gpus:
         seen = Counter(topology.level(gpu.bus_id, nic.bus_id) for nic in topology.rdma_nics)
         assert dict(seen) == want["per_gpu"], gpu.bus_id
-    # VFs sit where their PF sits, and each has its own RDMA device and verbs node
+    # VFs sit where their PF sits (its data path), and each has its own RDMA device and verbs node
     for nic in topology.rdma_nics:
         for vf in nic.vfs:
-            assert topology.location(vf.bus_id) == nic.location
+            assert topology.location(vf.bus_id) == topology.location(nic.bus_id)
             if vf.pci.driver == "vfio-pci":
                 assert not vf.rdma and not vf.netdevs and vf.pci.iommu_group
             else:

@@ -142,6 +142,50 @@ class MigInfo:
     profile: str
 
 
+@dataclass(frozen=True)
+class MigFacts:
+    """What NVML says of one MIG device (nvmlDeviceGetAttributes): the facts a node label describes."""
+
+    uuid: str
+    profile: str  # NVIDIA's name, as go-nvlib prints it ("1g.10gb", "1c.2g.20gb")
+    memory_mb: int
+    multiprocessors: int
+    gpu_slices: int
+    compute_slices: int
+    copy_engines: int
+    decoders: int
+    encoders: int
+    jpeg_engines: int
+    ofa_engines: int
+
+
+@dataclass(frozen=True)
+class GpuFacts:
+    """What NVML says of one GPU for node labels; None where the query failed (the label is then left out, as
+    GPU Feature Discovery leaves it out). `clique`: (cluster UUID, clique id) when the GPU is attached to an
+    NVLink fabric (state completed, status success, non-zero cluster UUID), else None."""
+
+    uuid: str
+    bus_id: str
+    name: str
+    memory_mib: int | None = None
+    compute_capability: tuple[int, int] | None = None
+    mig_capable: bool = False
+    mig_enabled: bool = False
+    mig_devices: tuple[MigFacts, ...] = ()
+    clique: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class NvmlFacts:
+    """One complete reading of what node labels describe: the driver, the CUDA version it supports (NVML's
+    integer, 12040 for 12.4) and every GPU in NVML's index order."""
+
+    driver_version: str
+    cuda_driver_version: int
+    gpus: tuple[GpuFacts, ...]
+
+
 def mig_profile_name(gpu_slices: int, compute_slices: int, memory_mb: int, total_memory_bytes: int) -> str:
     """NVIDIA's MIG profile name: `<G>g.<GB>gb`, or `<C>c.<G>g.<GB>gb` when the compute instance takes fewer
     slices than its GPU instance. GB is the MIG device's share of the GPU's memory rounded up to eighths, times
@@ -222,8 +266,17 @@ class NvmlSession(Nvml, Protocol):
         """Let calls run again on a fresh session."""
 
 
-class NvmlPort(NvmlHealth, NvmlSession, Protocol):
-    """The whole port, as the hardware owner holds it: health reads and GPU-reset support."""
+class NvmlFactsSource(Protocol):
+    """What node labels ask of NVML."""
+
+    def facts(self) -> NvmlFacts:
+        """Driver, CUDA version and every GPU's name, memory, capability, MIG devices and fabric clique, all in
+        one reading. NvmlUnavailableError without NVML; NvmlError when a GPU or a driver-wide query fails (a
+        partial reading is never returned: labels keep their last values instead)."""
+
+
+class NvmlPort(NvmlHealth, NvmlSession, NvmlFactsSource, Protocol):
+    """The whole port, as the hardware owner holds it: health reads, GPU-reset support and label facts."""
 
     def inventory(self) -> NvmlInventory:
         """Versions, each GPU's basics and which calls the driver supports. NvmlUnavailableError without NVML."""

@@ -27,6 +27,7 @@ from agent.host.nvml.api import (
     MigInfo,
     NvmlError,
     NvmlEventSet,
+    NvmlFacts,
     NvmlInventory,
     NvmlUnavailableError,
     _code,
@@ -34,6 +35,7 @@ from agent.host.nvml.api import (
 )
 from agent.host.nvml.gate import SessionGate
 from agent.host.nvml.real_events import RealEventSet
+from agent.host.nvml.real_facts import read_facts
 from agent.host.nvml.real_inventory import read_inventory
 from agent.host.nvml.real_mig import read_mig_devices
 
@@ -337,6 +339,11 @@ class RealNvml:
     def inventory(self) -> NvmlInventory:
         """Versions, each GPU's basics and the calls this driver answers (agent.host.nvml.real_inventory)."""
         return read_inventory(self._lib())
+
+    @_gated
+    def facts(self) -> NvmlFacts:
+        """What node labels describe, in one reading (agent.host.nvml.real_facts)."""
+        return read_facts(self._lib())
 
     @_gated
     def open_events(self, uuids: Iterable[str]) -> NvmlEventSet:

@@ -4,7 +4,8 @@ fabric state, the driver's recovery action).
 NVLink, fabric and recovery-action faults can also be injected from outside the process (`run --simulate`): a
 JSON file `<overrides_dir>/<GPU UUID>.json` is read on every `gpu_state` call, e.g.
 `{"nvlink_inactive": [3, 7], "fabric": {"state": "in_progress"}, "recovery_action": "gpu_reset"}`; deleting it
-clears them.
+clears them. `<overrides_dir>/driver.json` with `{"unavailable": "<why>"}` makes the whole library unavailable
+(a driver unloaded, a broken install) until it is deleted.
 """
 
 from __future__ import annotations
@@ -24,14 +25,17 @@ from agent.host.nvml.api import (
     FABRIC_STATES,
     RECOVERY_ACTIONS,
     GpuFabric,
+    GpuFacts,
     GpuInfo,
     GpuLostError,
     GpuState,
     MemoryHealth,
+    MigFacts,
     MigInfo,
     NvmlError,
     NvmlEvent,
     NvmlEventSet,
+    NvmlFacts,
     NvmlInventory,
     NvmlUnavailableError,
 )
@@ -53,6 +57,40 @@ class _SimGpu:
 STATE_PARTS = ("nvlink", "fabric", "recovery_action")
 
 
+@dataclass(frozen=True)
+class SimGpuModel:
+    """What the driver reports for one GPU model (a simulated profile's GPUs report a real model's figures)."""
+
+    name: str  # nvmlDeviceGetName
+    memory_mib: int  # memory.total >> 20
+    compute_capability: tuple[int, int]
+    mig_capable: bool
+
+
+@dataclass(frozen=True)
+class SimMigProfile:
+    """nvmlDeviceGetAttributes of a MIG device of one profile on one GPU model (`nvidia-smi mig -lgip`)."""
+
+    memory_mb: int
+    multiprocessors: int
+    copy_engines: int
+    decoders: int
+    encoders: int
+    jpeg_engines: int
+    ofa_engines: int
+
+
+@dataclass(frozen=True)
+class SimDriver:
+    """The simulated driver: its version, the CUDA version it supports (NVML's integer), its GPU models by bus
+    id and MIG profile attributes by profile name."""
+
+    version: str = "550.54.15"
+    cuda_version: int = 12040
+    models: Mapping[str, SimGpuModel] = field(default_factory=dict)
+    mig_profiles: Mapping[str, SimMigProfile] = field(default_factory=dict)
+
+
 _ZERO: dict[str, Any] = {f.name: 0 for f in fields(MemoryHealth) if f.name != "uuid"} | {
     "retired_pages_pending": False, "remap_pending": False, "remap_failure": False}
 _FIELD_GROUPS = {"ecc": ("ecc_",), "retired_pages": ("retired_",), "remapped_rows": ("remap",)}
@@ -64,7 +102,8 @@ class SimulatedNvml:
     def __init__(self, uuids: Mapping[str, str], *, available: bool = True,
                  unavailable_reason: str = "NVMLError_LibraryNotFound: simulated", mig: Iterable[str] = (),
                  nvlinks: int = 0, fabric: bool = False, overrides_dir: Path | None = None,
-                 mig_devices: Mapping[str, Iterable[MigInfo]] | None = None) -> None:
+                 mig_devices: Mapping[str, Iterable[MigInfo]] | None = None, driver: SimDriver | None = None
+                 ) -> None:
         """`nvlinks` active links per GPU (0: a PCIe board); `fabric`: an NVSwitch system whose fabric probe has
         completed; `overrides_dir`: where `<uuid>.json` override files are read (module docstring); `mig`: GPUs in
         MIG mode, and `mig_devices` their MIG devices by bus id (a GPU named there is in MIG mode too)."""
@@ -81,16 +120,28 @@ class SimulatedNvml:
         self._listeners: list[tuple[frozenset[str], queue.SimpleQueue[NvmlEvent | None]]] = []
         self._gate = SessionGate()
         self.suspensions = 0  # sessions closed for a GPU reset
+        self.driver = driver or SimDriver()
+        self._facts_failure = ""
 
     @property
     def available(self) -> bool:
-        """False only when built with available=False (a node without the driver)."""
-        return self._available
+        """False when built with available=False (a node without the driver), after `set_available(False)`, or
+        while `<overrides_dir>/driver.json` says `{"unavailable": "<why>"}` (a driver unloaded from outside)."""
+        return self._available and not self._driver_down()
+
+    def _driver_down(self) -> str:
+        path = self.overrides_dir / "driver.json" if self.overrides_dir is not None else None
+        if path is None or not path.is_file():
+            return ""
+        try:
+            return str(json.loads(path.read_text(encoding="utf-8")).get("unavailable") or "")
+        except (OSError, ValueError, AttributeError) as exc:
+            return f"simulated override {path} unreadable: {exc}"
 
     @property
     def unavailable_reason(self) -> str:
         """Why NVML is unavailable."""
-        return self._reason
+        return self._reason or self._driver_down()
 
     def set_available(self, available: bool, reason: str = "NVMLError_DriverNotLoaded: simulated") -> None:
         """Make NVML fail to initialise (a driver reload, a broken library) or come back."""
@@ -99,23 +150,25 @@ class SimulatedNvml:
 
     def gpu_uuids(self) -> dict[str, str]:
         """The profile's UUIDs."""
-        return dict(self._uuids) if self._available else {}
+        return dict(self._uuids) if self.available else {}
 
     def gpu_minors(self) -> dict[str, int]:
         """Minors in bus-id order, as the driver numbers GPUs it probes in that order."""
-        return {bus_id: minor for minor, bus_id in enumerate(sorted(self._uuids))} if self._available else {}
+        return {bus_id: minor for minor, bus_id in enumerate(sorted(self._uuids))} if self.available else {}
 
     def mig_gpus(self) -> set[str]:
         """The GPUs built with MIG mode on."""
-        return set(self._mig) if self._available else set()
+        return set(self._mig) if self.available else set()
 
     def inventory(self) -> NvmlInventory:
         """A simulated driver: every GPU in bus-id order, each call supported unless marked unsupported on the
         first GPU."""
-        if not self._available:
-            raise NvmlUnavailableError(self._reason)
+        if not self.available:
+            raise NvmlUnavailableError(self.unavailable_reason)
         with self._lock:
-            gpus = tuple(GpuInfo(index, "simulated GPU", self._uuids[bus_id], bus_id, bus_id in self._mig, True, True)
+            models = self.driver.models
+            gpus = tuple(GpuInfo(index, models[bus_id].name if bus_id in models else "simulated GPU",
+                                 self._uuids[bus_id], bus_id, bus_id in self._mig, True, True)
                          for index, bus_id in enumerate(sorted(self._uuids)))
             first = self._gpus[gpus[0].uuid] if gpus else None
         off = first.unsupported if first is not None else set()
@@ -124,11 +177,44 @@ class SimulatedNvml:
                    "fabric_info": "no" if "fabric" in off else "v3",
                    "remapped_rows": "no" if "remapped_rows" in off else "yes",
                    "process_list": "v3", "event_set": "no" if "events" in off else "yes"} if first else {}
-        return NvmlInventory("simulated", "simulated", "simulated", gpus, support)
+        cuda = self.driver.cuda_version
+        return NvmlInventory(self.driver.version, "simulated", f"{cuda // 1000}.{cuda % 1000 // 10}", gpus, support)
+
+    def fail_facts(self, why: str = "NVMLError_Unknown: simulated") -> None:
+        """Make `facts` fail (a driver query erroring while NVML stays up); an empty `why` heals it."""
+        self._facts_failure = why
+
+    def facts(self) -> NvmlFacts:
+        """The driver's and each GPU's facts from `driver`; NvmlError for a GPU whose model or MIG profile the
+        simulated driver does not describe (no invented figures), or while `fail_facts` is set."""
+        if not self.available:
+            raise NvmlUnavailableError(self.unavailable_reason)
+        if self._facts_failure:
+            raise NvmlError(self._facts_failure)
+        gpus: list[GpuFacts] = []
+        with self._gate.call(), self._lock:
+            for bus_id in sorted(self._uuids):
+                uuid, model = self._uuids[bus_id], self.driver.models.get(bus_id)
+                if model is None:
+                    raise NvmlError(f"simulated driver: no GPU model for {bus_id}")
+                if self._gpus[uuid].lost:
+                    raise GpuLostError(uuid, "GPU is lost")
+                migs = tuple(self._mig_facts(m) for m in self._mig_devices.get(bus_id, ()))
+                gpus.append(GpuFacts(uuid, bus_id, model.name, model.memory_mib, model.compute_capability,
+                                     model.mig_capable, bus_id in self._mig, migs))
+        return NvmlFacts(self.driver.version, self.driver.cuda_version, tuple(gpus))
+
+    def _mig_facts(self, mig: MigInfo) -> MigFacts:
+        known = self.driver.mig_profiles.get(mig.profile)
+        if known is None:
+            raise NvmlError(f"simulated driver: no attributes for MIG profile {mig.profile}")
+        return MigFacts(mig.uuid, mig.profile, mig.memory_mb, known.multiprocessors, mig.gpu_slices,
+                        mig.compute_slices, known.copy_engines, known.decoders, known.encoders, known.jpeg_engines,
+                        known.ofa_engines)
 
     def mig_devices(self) -> dict[str, list[MigInfo]]:
         """The MIG devices the GPUs were built with."""
-        return {bus_id: list(found) for bus_id, found in self._mig_devices.items()} if self._available else {}
+        return {bus_id: list(found) for bus_id, found in self._mig_devices.items()} if self.available else {}
 
     def set_mig_devices(self, bus_id: str, devices: Iterable[MigInfo]) -> None:
         """Repartition one GPU (in MIG mode from now on): its MIG devices are these."""
@@ -138,8 +224,8 @@ class SimulatedNvml:
 
     def open_events(self, uuids: Iterable[str]) -> NvmlEventSet:
         """An event set fed by the inject_* methods."""
-        if not self._available:
-            raise NvmlUnavailableError(self._reason)
+        if not self.available:
+            raise NvmlUnavailableError(self.unavailable_reason)
         with self._lock:
             watched = frozenset(u for u in uuids if u in self._gpus and "events" not in self._gpus[u].unsupported)
             events: queue.SimpleQueue[NvmlEvent | None] = queue.SimpleQueue()
@@ -155,8 +241,8 @@ class SimulatedNvml:
 
     def _answering(self, uuid: str) -> _SimGpu:
         """The GPU a query reads, with the lock held; raises as NVML would (unavailable, no such GPU, lost)."""
-        if not self._available:
-            raise NvmlUnavailableError(self._reason)
+        if not self.available:
+            raise NvmlUnavailableError(self.unavailable_reason)
         gpu = self._gpus.get(uuid)
         if gpu is None:
             raise NvmlError(f"{uuid}: no such GPU")

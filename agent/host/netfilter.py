@@ -1,4 +1,4 @@
-"""The host port of netacct: the only code that runs iptables, ip6tables, ipset and nft.
+"""The netfilter port: the only code that runs iptables, ip6tables, ipset and nft (netacct is its user).
 
 Every command is an argv list with a timeout, never a shell; what varies in a payload (IP addresses, CIDRs) is
 validated by `ipaddress` before it gets here, and pod names never get here at all. Writes go through
@@ -23,8 +23,8 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from agent.netacct.ipset_netlink import IpsetReader, SetDump
-from agent.netacct.nft_netlink import NftReader
+from agent.host.ipset_netlink import IpsetReader, SetDump
+from agent.host.nft_netlink import NftReader
 
 log = logging.getLogger(__name__)
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
+from agent.host.ipset_netlink import NetfilterSocket
 from agent.host.netlink import (
     ATTR,
     ATTR_TYPE_MASK,
@@ -26,7 +27,6 @@ from agent.host.netlink import (
     attr,
     attrs,
 )
-from agent.netacct.ipset_netlink import NetfilterSocket
 
 NFNL_SUBSYS_NFTABLES = 10
 NFPROTO_INET = 1

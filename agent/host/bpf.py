@@ -164,13 +164,15 @@ def map_keys(fd: int, key_size: int) -> list[bytes]:
         prev = ctypes.create_string_buffer(nxt.raw, key_size)
 
 
-def map_lookup_batch(fd: int, key_size: int, value_size: int, room: int) -> list[tuple[bytes, bytes]]:
-    """Every (key, value) with as few syscalls as `room` entries per call allow (MAP_LOOKUP_BATCH, kernel 5.6).
-    `value_size` is the whole value as user space sees it (all CPUs' slots for a per-CPU map)."""
+def map_dump(fd: int, key_size: int, value_size: int, room: int) -> tuple[bytes, bytes]:
+    """Every key and value, concatenated (keys, values), with as few syscalls as `room` entries per call allow
+    (MAP_LOOKUP_BATCH, kernel 5.6). `value_size` is the whole value as user space sees it (all CPUs' slots for a
+    per-CPU map). Whole buffers, so a caller decodes thousands of entries with one struct.iter_unpack."""
     room = max(room, 1)
     keys, values = ctypes.create_string_buffer(key_size * room), ctypes.create_string_buffer(value_size * room)
     token_in, token_out = ctypes.create_string_buffer(max(key_size, 8)), ctypes.create_string_buffer(max(key_size, 8))
-    out: list[tuple[bytes, bytes]] = []
+    out_keys: list[bytes] = []
+    out_values: list[bytes] = []
     first = True
     while True:
         attr = _attr(("Q", 0, 0 if first else _addr(token_in)), ("Q", 8, _addr(token_out)), ("Q", 16, _addr(keys)),
@@ -183,13 +185,19 @@ def map_lookup_batch(fd: int, key_size: int, value_size: int, room: int) -> list
                 raise
             done = True
         count = struct.unpack_from("<I", attr, 32)[0]
-        kraw, vraw = keys.raw, values.raw
-        out += [(kraw[i * key_size:(i + 1) * key_size], vraw[i * value_size:(i + 1) * value_size])
-                for i in range(count)]
+        out_keys.append(keys.raw[:count * key_size])
+        out_values.append(values.raw[:count * value_size])
         if done:
-            return out
+            return b"".join(out_keys), b"".join(out_values)
         ctypes.memmove(token_in, token_out, len(token_out))
         first = False
+
+
+def map_lookup_batch(fd: int, key_size: int, value_size: int, room: int) -> list[tuple[bytes, bytes]]:
+    """Every (key, value), by MAP_LOOKUP_BATCH (see map_dump)."""
+    keys, values = map_dump(fd, key_size, value_size, room)
+    return [(keys[i * key_size:(i + 1) * key_size], values[i * value_size:(i + 1) * value_size])
+            for i in range(len(keys) // key_size)]
 
 
 # -- programs -----------------------------------------------------------------------------------------------------
@@ -242,14 +250,28 @@ def is_bpffs(path: str) -> bool:
     return bool(struct.unpack_from("<q", buf, 0)[0] == BPF_FS_MAGIC)
 
 
-def mount_bpffs(path: str) -> None:
-    """Create `path` and mount a bpf filesystem there (a no-op when one already is)."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    if is_bpffs(path):
-        return
+def _mount(path: str) -> None:
     if _libc.mount(b"bpf", path.encode(), b"bpf", ctypes.c_ulong(0), None) != 0:
         err = ctypes.get_errno()
         raise BpfError(err, f"mount bpffs at {path}")
+
+
+def mount_bpffs(path: str) -> None:
+    """Make `path` a directory on a bpf filesystem: create it, or mount bpffs on its parent where the parent is a
+    directory nothing can be created in (the usual /sys/fs/bpf of sysfs, where the distribution mounted none), or
+    on `path` itself when it is on another filesystem. A no-op when it is on bpffs already."""
+    if os.path.isdir(path) and is_bpffs(path):
+        return
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError:
+        parent = os.path.dirname(path.rstrip("/"))
+        if not os.path.isdir(parent) or is_bpffs(parent):
+            raise
+        _mount(parent)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    if not is_bpffs(path):
+        _mount(path)
 
 
 # -- links and queries --------------------------------------------------------------------------------------------

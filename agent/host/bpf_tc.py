@@ -7,10 +7,13 @@ on the shared clsact qdisc by its priority (`PRIO`) and name, and only those are
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
+import functools
 import ipaddress
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
@@ -23,6 +26,7 @@ PRIO = 0xC0A7  # our cls_bpf filters' priority on the clsact hooks
 PARENTS = {"ingress": "ffff:fff2", "egress": "ffff:fff3"}
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+T = TypeVar("T")
 
 
 class TcBpfError(OSError):
@@ -48,6 +52,19 @@ def _ipr(netns: str | None) -> IPRoute:
         return IPRoute()
 
 
+def _off_loop(fn: Callable[..., T]) -> Callable[..., T]:
+    """Run `fn` on a short-lived thread of its own: pyroute2's synchronous IPRoute drives an event loop of its own,
+    which it cannot start on a thread whose loop is running (the agent's services call in from theirs)."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> T:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bpf-tc") as pool:
+            return pool.submit(fn, *args, **kwargs).result()
+
+    return call
+
+
+@_off_loop
 def interfaces(netns: str | None = None) -> list[Iface]:
     """Every interface but loopback (netfilter's hooks skip `lo` too)."""
     with _ipr(netns) as ipr:
@@ -60,6 +77,7 @@ def interfaces(netns: str | None = None) -> list[Iface]:
     return sorted(out, key=lambda i: i.index)
 
 
+@_off_loop
 def addresses(netns: str | None = None) -> list[Address]:
     """The node's own addresses (every interface, loopback's included: a packet for one of them is local)."""
     with _ipr(netns) as ipr:
@@ -82,6 +100,7 @@ def _filters(ipr: Any, index: int, direction: str) -> list[Any]:
         raise
 
 
+@_off_loop
 def cls_attached(index: int, direction: str, netns: str | None = None) -> str | None:
     """The name of our cls_bpf program on this hook, or None."""
     with _ipr(netns) as ipr:
@@ -94,6 +113,7 @@ def cls_attached(index: int, direction: str, netns: str | None = None) -> str | 
     return None
 
 
+@_off_loop
 def cls_attach(index: int, direction: str, prog_fd: int, name: str, netns: str | None = None) -> None:
     """Put the program on the hook (adding clsact if missing; replacing our own filter, never anyone else's)."""
     try:
@@ -109,6 +129,7 @@ def cls_attach(index: int, direction: str, prog_fd: int, name: str, netns: str |
         raise TcBpfError(exc.code, f"cls_bpf {direction} on ifindex {index}: {exc}") from None
 
 
+@_off_loop
 def cls_detach(index: int, direction: str, netns: str | None = None) -> bool:
     """Delete our filter from the hook (the clsact qdisc stays: others may use it); False when none was there."""
     try:

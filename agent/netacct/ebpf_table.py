@@ -74,6 +74,8 @@ class EbpfLayout:
         """For `auto`: bpffs at the pin directory, both programs loaded and attached for real (the attachment is
         removed at once: an unpinned tcx link detaches when its fd closes). None, or why not (a refused program
         with the verifier's last lines)."""
+        if (why := self.host.bpf_usable()) is not None:
+            return why
         probe = Objects(self.objects.bpffs_dir, netns=self.host.netns, tcx=self.objects.tcx)
         try:
             bpf.mount_bpffs(self.objects.bpffs_dir)
@@ -97,6 +99,8 @@ class EbpfLayout:
 
     def ready(self, auto: bool) -> str:
         """Read-only, for the doctor: bpf(2) answers here and where the pins live."""
+        if (why := self.host.bpf_usable()) is not None:
+            raise NotReady(why, "set netacct.layout: nft or iptables", fallback=True)
         try:
             fd = bpf.map_create(bpf.MAP_ARRAY, 4, 8, 1, name="gna_ready")
         except OSError as exc:
@@ -114,7 +118,7 @@ class EbpfLayout:
 
     def present(self) -> bool:
         """Whether any pinned map or link of this layout exists."""
-        return self.objects.present()
+        return self.host.bpf_usable() is None and self.objects.present()
 
     def _read(self) -> Read | None:
         if not self.objects.maps and not self.objects.open_maps(create=False):
@@ -122,9 +126,10 @@ class EbpfLayout:
         read = self.objects.read(self.families)
         for family in self.families:
             self.book.observe_rules(f"ebpf{family}", read.node.get(family, {}))
+        grouped = _grouped(read)
         for family in self.families:
             for role in ipsets.COUNTED:
-                self.book.observe_set(set_name(role, family), role, _elements(read, role, family))
+                self.book.observe_set(set_name(role, family), role, grouped.get((role, family), {}))
         return read
 
     def scrape(self) -> tuple[str, ...]:
@@ -148,10 +153,7 @@ class EbpfLayout:
             return old
         old.rules = {family: dict(keys) for family, keys in read.node.items()
                      if any(v != (0, 0) for v in keys.values())}
-        for family in (4, 6):
-            for role in ipsets.COUNTED:
-                if found := _elements(read, role, family):
-                    old.elements[(role, family)] = found
+        old.elements = _grouped(read)
         return old
 
     # -- migrations ---------------------------------------------------------------------------------------------
@@ -180,7 +182,7 @@ class EbpfLayout:
     def end_carry(self) -> None:
         """The old layout is gone: drop both markers."""
         for name in (CARRYING, CARRIED):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                 os.unlink(self.objects.path(name))
 
     def holds_carry(self) -> bool:
@@ -200,6 +202,8 @@ class EbpfLayout:
         """Maps (created holding a migration's carry), pod entries, and every interface's hooks in line."""
         carry = desired.carry
         existed = self.objects.open_maps(create=True)
+        if existed:
+            self._read()  # what was counted so far goes to the owners it had (a moved address changes owner next)
         if desired.pods is not None:
             members = desired.pods.members
             self.book.set_pods(desired.pods.owners)
@@ -237,6 +241,8 @@ class EbpfLayout:
 
     def remove(self) -> list[str]:
         """Detach and unpin everything of this layout; what was removed."""
+        if self.host.bpf_usable() is not None:
+            return []
         removed = self.objects.remove()  # also without pins: cls_bpf filters hold their programs themselves
         self.end_carry()
         with contextlib.suppress(OSError):
@@ -247,7 +253,9 @@ class EbpfLayout:
         return removed
 
 
-def _elements(read: Read, role: str, family: int) -> dict[ipsets.Member, Counts]:
-    size = 4 if family == 4 else 16
-    return {(address, size * 8): value for (address, r), value in read.pods.items()
-            if r == role and len(address) == size}
+def _grouped(read: Read) -> dict[tuple[str, int], dict[ipsets.Member, Counts]]:
+    """The pods map's entries per (role, family), as the book's set members."""
+    out: dict[tuple[str, int], dict[ipsets.Member, Counts]] = {}
+    for (address, role), value in read.pods.items():
+        out.setdefault((role, 4 if len(address) == 4 else 6), {})[(address, len(address) * 8)] = value
+    return out

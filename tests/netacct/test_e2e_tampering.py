@@ -131,6 +131,9 @@ def test_tampering_is_repaired_counted_and_kept_across_restarts(
     running.append(agent)
     sent = send_all(topology)
     assert series(agent.registry) == complete(sent)
+    if accounting["layout"] == "ebpf":
+        pytest.skip("repairs of the eBPF layout's objects (an unpinned map or link, a detached program) are not "
+                    "implemented yet: issue 40")
     tampering = (_nft_tampering(topology.node) if accounting["layout"] == "nft"
                  else _iptables_tampering(topology.node, accounting["backend"]))
     took = []
@@ -185,7 +188,8 @@ def test_pods_whose_addresses_reshape_the_rules_are_no_repair(topology: netns.To
     running.append(agent)
     agent.feed.publish(pods())
     deadline = time.monotonic() + 10
-    while POD4 not in netns.layout_members(topology.node, accounting["layout"], "rx-inet", 4):
+    bpffs = accounting.get("bpffs_dir")
+    while POD4 not in netns.layout_members(topology.node, accounting["layout"], "rx-inet", 4, bpffs):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     time.sleep(1.5)

@@ -9,9 +9,7 @@ import json
 import os
 import shutil
 import time
-import uuid
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 
@@ -28,19 +26,6 @@ ROLE = {"rx-inet": ("receive", "internet"), "tx-inet": ("transmit", "internet"),
         "rx-clus": ("receive", "cluster"), "tx-clus": ("transmit", "cluster")}
 OWNERS = {POD4: ("team-a", "trainer-0"), POD6: ("team-a", "trainer-0"),
           OTHER_POD4: ("other", "pod"), OTHER_POD6: ("other", "pod")}
-
-
-@pytest.fixture
-def bpffs() -> Iterator[str]:
-    """A private bpffs (`ip netns exec` hides /sys/fs/bpf; reference §7), unmounted after the test."""
-    path = f"/tmp/gna-bpffs-{uuid.uuid4().hex[:8]}"
-    try:
-        bpf.mount_bpffs(path)
-    except OSError as exc:
-        pytest.skip(f"cannot mount bpffs: {exc}")
-    yield path
-    netns.sh("umount", path, check=False)
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _objects(topo: netns.Topology, path: str, tcx: bool | None) -> Objects:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import ipaddress
 import logging
 import os
@@ -38,14 +39,10 @@ MAX_POD_ENTRIES = 1 << 16  # 8 per pod (2 families x 4 roles): 8,192 pods; entri
 TCX_ABSENT = (errno.EINVAL, errno.EOPNOTSUPP, 524)  # 524: ENOTSUPP, the kernel-internal "not supported"
 
 
-def _sum(raw: bytes, cpus: int) -> Counts:
-    """Sum one per-CPU (packets, bytes) value over its CPU slots."""
-    packets = bytes_ = 0
-    for cpu in range(cpus):
-        p, b = struct.unpack_from("<QQ", raw, cpu * program.VALUE_SIZE)
-        packets += p
-        bytes_ += b
-    return packets, bytes_
+@functools.lru_cache(maxsize=1 << 16)
+def _parse(key: bytes) -> PodEntry:
+    """A pods map key decoded (cached: the same keys come back at every read)."""
+    return program.parse_pod_key(key)
 
 
 def _value(counts: Counts, cpus: int) -> bytes:
@@ -72,6 +69,7 @@ class Objects:
     _progs: dict[str, int] = field(default_factory=dict)
     _links: dict[tuple[int, str], tuple[int, str]] = field(default_factory=dict)  # (ifindex, dir) -> (fd, prog)
     _cpus: int = field(default_factory=bpf.possible_cpus)
+    _room: int = 1024  # pods map entries per batch call
 
     # -- paths and presence -------------------------------------------------------------------------------------
 
@@ -146,23 +144,30 @@ class Objects:
         return bpf.map_keys(self.maps["pods"], program.POD_KEY_SIZE)
 
     def read(self, families: Iterable[int]) -> Read:
-        """Both maps, summed over CPUs, with one batch lookup each."""
+        """Both maps, summed over CPUs, with one batch lookup each (decoded a whole buffer at a time: at 1,000 pods
+        the pods map is 8,000 entries)."""
         size = program.VALUE_SIZE * self._cpus
-        node_raw = self._dump(self.maps["node"], 4, size, program.NODE_SLOTS)
-        slots = {int.from_bytes(k, "little"): _sum(v, self._cpus) for k, v in node_raw}
-        pods_raw = self._dump(self.maps["pods"], program.POD_KEY_SIZE, size, 4096)
-        return Read(program.node_counts(slots, families),
-                    {program.parse_pod_key(k): _sum(v, self._cpus) for k, v in pods_raw})
+        keys, values = self._dump(self.maps["node"], 4, size, program.NODE_SLOTS)
+        slots = dict(zip((k for (k,) in struct.iter_unpack("<I", keys)), self._sums(values), strict=True))
+        keys, values = self._dump(self.maps["pods"], program.POD_KEY_SIZE, size, self._room)
+        self._room = max(self._room, len(keys) // program.POD_KEY_SIZE + 1)  # one call next time
+        entries = (_parse(keys[i:i + program.POD_KEY_SIZE]) for i in range(0, len(keys), program.POD_KEY_SIZE))
+        return Read(program.node_counts(slots, families), dict(zip(entries, self._sums(values), strict=True)))
+
+    def _sums(self, values: bytes) -> list[Counts]:
+        """(packets, bytes) of each per-CPU value in a dump, summed over the CPU slots."""
+        return [(sum(v[0::2]), sum(v[1::2])) for v in struct.iter_unpack(f"<{2 * self._cpus}Q", values)]
 
     @staticmethod
-    def _dump(fd: int, key_size: int, value_size: int, room: int) -> list[tuple[bytes, bytes]]:
+    def _dump(fd: int, key_size: int, value_size: int, room: int) -> tuple[bytes, bytes]:
         try:
-            return bpf.map_lookup_batch(fd, key_size, value_size, room)
+            return bpf.map_dump(fd, key_size, value_size, room)
         except bpf.BpfError as exc:
             if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, 524):
                 raise
-        keys = bpf.map_keys(fd, key_size)  # a kernel before 5.6: one lookup per key
-        return [(k, v) for k in keys if (v := bpf.map_lookup(fd, k, value_size)) is not None]
+        found = [(k, v) for k in bpf.map_keys(fd, key_size)  # a kernel before 5.6: one lookup per key
+                 if (v := bpf.map_lookup(fd, k, value_size)) is not None]
+        return b"".join(k for k, _ in found), b"".join(v for _, v in found)
 
     # -- programs and hooks -------------------------------------------------------------------------------------
 

@@ -15,12 +15,14 @@ preloaded, `carried` once everything is) say how far an interrupted migration go
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 from collections.abc import Mapping, Sequence
 
 from agent.host import bpf, bpf_tc
 from agent.host.netfilter import Host
+from agent.host.netns import entered
 from agent.netacct import ipsets
 from agent.netacct.carry import OldRaw
 from agent.netacct.counters import CounterBook, Counts, Source
@@ -139,11 +141,16 @@ class EbpfLayout:
         return ()
 
     def drifted(self, synced: Mapping[int, set[ipsets.Member]]) -> bool:
-        """Whether the maps are gone or the pod entries differ from what a sync for `synced` wrote."""
+        """Whether a map's pin is gone, a link of ours was detached or unpinned, or the pod entries differ from what
+        a sync for `synced` wrote (someone else changed them)."""
         if not self.objects.maps and not self.objects.open_maps(create=False):
             return True
-        return set(self.objects.pod_keys()) != {program.pod_key(m[0], role) for ms in synced.values() for m in ms
-                                                for role in ipsets.COUNTED}
+        if self.objects.unpinned_maps():
+            return True
+        with entered(self.host.netns):
+            if self.objects.broken_links():
+                return True
+        return set(self.objects.pod_keys()) != _keys(synced)
 
     def final_read(self) -> OldRaw:
         """The maps into the book a last time; the raw values read."""
@@ -201,9 +208,17 @@ class EbpfLayout:
     def sync(self, desired: Desired) -> Members:
         """Maps (created holding a migration's carry), pod entries, and every interface's hooks in line."""
         carry = desired.carry
+        repairing = desired.installed_here and carry is None
+        if repairing:
+            self.repairs.note("ebpf_map", self.objects.repin_maps())
+            with entered(self.host.netns):
+                broken = self.objects.broken_links()
+            self.objects.drop_links(broken)
+            self.repairs.note("ebpf_link", [f"ifindex {i} {d}" for i, d in broken])
         existed = self.objects.open_maps(create=True)
         if existed:
             self._read()  # what was counted so far goes to the owners it had (a moved address changes owner next)
+        _, vanished = self.book.take_vanished()
         if desired.pods is not None:
             members = desired.pods.members
             self.book.set_pods(desired.pods.owners)
@@ -212,6 +227,20 @@ class EbpfLayout:
         else:
             members = self._members()
         carried_elements: dict[PodEntry, Counts] = {}
+        if repairing:  # entries someone deleted: re-created holding the counts last read
+            have = set(self.objects.pod_keys())
+            gone: list[str] = []
+            for family, held in desired.synced.items():
+                for member in held & members.get(family, set()):
+                    for role in ipsets.COUNTED:
+                        if program.pod_key(member[0], role) in have:
+                            continue
+                        name = set_name(role, family)
+                        gone.append(f"{name} {ipaddress.ip_address(member[0])}")
+                        if (value := vanished.get(name, {}).get(member)) is not None:
+                            carried_elements[(member[0], role)] = value
+                            self.book.elements_created_with(name, {member: value})
+            self.repairs.note("ebpf_element", gone)
         if carry is not None and not existed:
             self.objects.preload_node({f: v for f, v in carry.rules.items() if f in self.families})
             for family, values in carry.rules.items():
@@ -251,6 +280,11 @@ class EbpfLayout:
         if removed:
             log.info("netacct: removed the eBPF layout's objects: %s", ", ".join(removed))
         return removed
+
+
+def _keys(synced: Mapping[int, set[ipsets.Member]]) -> set[bytes]:
+    """The pods map keys a sync for these addresses writes."""
+    return {program.pod_key(m[0], role) for members in synced.values() for m in members for role in ipsets.COUNTED}
 
 
 def _grouped(read: Read) -> dict[tuple[str, int], dict[ipsets.Member, Counts]]:

@@ -20,6 +20,7 @@ import functools
 import ipaddress
 import logging
 import os
+import socket
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -276,6 +277,39 @@ class Objects:
                 os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+    # -- someone else's changes ----------------------------------------------------------------------------------
+
+    def unpinned_maps(self) -> list[str]:
+        """Maps this process holds whose pins someone removed (the programs still count into them)."""
+        return [name for name in self.maps if not os.path.exists(self.path(name))]
+
+    def repin_maps(self) -> list[str]:
+        """Pin again the maps whose pins someone removed: not a count is lost (the programs never stopped)."""
+        names = self.unpinned_maps()
+        for name in names:
+            bpf.obj_pin(self.maps[name], self.path(name))
+        return names
+
+    def broken_links(self) -> list[tuple[int, str]]:
+        """Links this process attached that someone detached (tcx ifindex 0 while the device lives on: a device
+        that is gone is not checked here) or unpinned (the link would detach with this process)."""
+        broken = []
+        for (index, direction), (fd, _) in self._links.items():
+            pinned = os.path.exists(self.path(f"link_{index}_{SHORT[direction]}"))
+            if pinned and bpf.link_info(fd).ifindex == index:
+                continue
+            try:
+                socket.if_indextoname(index)  # in this thread's namespace: the caller entered the layout's
+            except OSError:
+                continue  # the device is gone (a pod's veth): no tampering, the next sync drops the link
+            broken.append((index, direction))
+        return broken
+
+    def drop_links(self, links: Iterable[tuple[int, str]]) -> None:
+        """Forget these links (detaching what is left of them), so that the next hook creates them again."""
+        for index, direction in links:
+            self._unpin_link(index, direction)
 
     def sync_hooks(self, families: Iterable[int], internal: Iterable[program.Network]) -> list[str]:
         """Every interface's hooks run the current programs; links of interfaces that are gone are removed."""

@@ -72,3 +72,21 @@ def test_a_new_node_address_swaps_the_programs_in_the_same_links(topology: netns
         assert series(registry) == complete(sent)  # nothing lost or counted twice across the swap
     finally:
         netns.sh("ip", "addr", "del", "198.51.100.7/32", "dev", "v-node-inet", ns=topology.node, check=False)
+
+
+def test_an_interface_that_appears_later_is_hooked_at_the_next_sync(topology: netns.Topology,
+                                                                    make_engine: EngineFactory, bpffs: str) -> None:
+    engine, _ = make_engine(layout="ebpf")
+    engine.sync(pods())
+    netns.sh("ip", "link", "add", "v-late", "type", "veth", "peer", "name", "v-late-p", ns=topology.node)
+    try:
+        index = next(i.index for i in bpf_tc.interfaces(topology.node) if i.name == "v-late")
+        assert _links(topology.node)["v-late"] == [([], []), ([], [])]  # nothing until a sync
+        engine.sync(pods())  # a new pod's veth: hooked by the sync its pod triggers
+        hooks = _links(topology.node)["v-late"]
+        assert all(len(progs) == 1 and len(links) == 1 for progs, links in hooks)
+        assert {f"link_{index}_in", f"link_{index}_eg"} <= set(os.listdir(bpffs))
+    finally:
+        netns.sh("ip", "link", "del", "v-late", ns=topology.node, check=False)
+    engine.sync(pods())  # the device is gone: its defunct links are detached and unpinned
+    assert not {f"link_{index}_in", f"link_{index}_eg"} & set(os.listdir(bpffs))

@@ -210,7 +210,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the composition root, the choice between real and simulated hardware it makes, the one opened node every
     # command works from (`agent.node`: mode defaults, hardware, node paths), and the node self-check (`doctor`)
     # that opens the same node and runs the readers below once
-    ("agent.wiring", "agent.hardware", "agent.node", "agent.doctor"),
+    ("agent.wiring", "agent.hardware", "agent.node", "agent.doctor", "agent.fleet"),
     ("agent.app",),
     ("agent.cli", "agent.__main__"),
 )

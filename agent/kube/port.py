@@ -6,8 +6,10 @@ gets `PodWatchApi`), which documents and limits what it can do. The whole list i
 watch with `spec.nodeName`; one pod by name is a namespaced LIST with `metadata.name` and `spec.nodeName`, since
 RBAC cannot bound a GET to the own node), evictions, Events, Leases in one namespace, and for the DRA driver its own
 ResourceSlices (by `spec.nodeName` and `spec.driver`; a ValidatingAdmissionPolicy binds writes to the node) and
-ResourceClaims by name. Nothing lists or watches cluster-wide. Every method raises only
-`agent.kube.errors.Api*` errors. DRA objects cross the port as their JSON (dicts): the driver owns their meaning.
+ResourceClaims by name. Nothing the agent runs lists or watches cluster-wide; only the operator's read-only
+`gpu-node-agent fleet` command pages through every Node (`NodeListApi`), with the operator's own credentials.
+Every method raises only `agent.kube.errors.Api*` errors. DRA objects cross the port as their JSON (dicts): the
+driver owns their meaning.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from agent.kube.model import Condition, EventRecord, LeaseView, NodeView, PodList, PodView, WatchEvent
+from agent.kube.nodelist import NodePage
 
 
 class NodeApi(Protocol):
@@ -122,6 +125,17 @@ class AccessApi(Protocol):
     async def review_access(self, verb: str, resource: str, *, group: str = "", subresource: str = "",
                             namespace: str = "") -> tuple[bool, str]:
         """Whether the verb on the resource is allowed, and the authorizer's reason (often empty)."""
+
+
+class NodeListApi(Protocol):
+    """Every Node of the cluster, one LIST page at a time, read-only (`gpu-node-agent fleet`)."""
+
+    async def list_nodes_page(self, label_selector: str, limit: int, continue_token: str) -> NodePage:
+        """LIST nodes with `limit`, `labelSelector` when non-empty and `continue` when non-empty (never a
+        resourceVersion); the page may hold fewer than `limit` nodes, even none, and still have a continue token."""
+
+    async def aclose(self) -> None:
+        """Release connections."""
 
 
 class Cluster(NodeApi, PodApi, PodWatchApi, PodLookupApi, EventApi, LeaseApi, ResourceSliceApi, ResourceClaimApi,

@@ -132,9 +132,12 @@ class LightkubeCluster:
         node = await self._do(lambda: self._client.patch(Node, self._node, body, patch_type=PatchType.MERGE))
         return NodeView.from_dict(node.to_dict())
 
-    async def patch_node_condition(self, condition: Condition) -> NodeView:
-        """Strategic merge on nodes/status: conditions merge by type."""
-        body = {"status": {"conditions": [condition.to_dict()]}}
+    async def patch_node_condition(self, condition: Condition,
+                                   annotations: Mapping[str, str | None] | None = None) -> NodeView:
+        """Strategic merge on nodes/status: conditions merge by type; annotations ride along (kept by nodes/status)."""
+        body: dict[str, Any] = {"status": {"conditions": [condition.to_dict()]}}
+        if annotations:
+            body["metadata"] = {"annotations": dict(annotations)}
         node = await self._do(lambda: self._client.patch(Node.Status, self._node, body,
                                                          patch_type=PatchType.STRATEGIC))
         return NodeView.from_dict(node.to_dict())

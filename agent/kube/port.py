@@ -14,7 +14,7 @@ driver owns their meaning.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 from agent.kube.model import Condition, EventRecord, LeaseView, NodeView, PodList, PodView, WatchEvent
@@ -35,8 +35,11 @@ class NodeApi(Protocol):
     async def patch_node(self, patch: dict[str, Any], resource_version: str | None = None) -> NodeView:
         """JSON merge patch of the node; with `resource_version` the server refuses (409) if the node changed."""
 
-    async def patch_node_condition(self, condition: Condition) -> NodeView:
-        """Strategic-merge patch of one condition on nodes/status (merged by type, others untouched)."""
+    async def patch_node_condition(self, condition: Condition,
+                                   annotations: Mapping[str, str | None] | None = None) -> NodeView:
+        """Strategic-merge patch of one condition on nodes/status (merged by type, others untouched); with
+        `annotations`, those ride in the same request (nodes/status resets only `spec`, so metadata is kept; None
+        removes a key)."""
 
     async def remove_node_condition(self, condition_type: str) -> NodeView:
         """Strategic-merge `$patch: delete` of the condition of this type on nodes/status (others untouched)."""

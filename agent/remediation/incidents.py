@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from agent.kube.model import format_time, parse_time
@@ -58,6 +58,14 @@ class Incidents:
         return json.dumps({"count": self.count, "last": format_time(self.last) if self.last is not None else "",
                            "lastCause": self.last_cause, "recent": [format_time(t) for t in self.recent],
                            "windowSeconds": int(self.window_seconds)}, separators=(",", ":"))
+
+
+def recorded(annotations: Mapping[str, str], prefix: str, now: float, cause: str, *, findings: int,
+             window_seconds: float) -> dict[str, str | None]:
+    """The annotation update recording `findings` new incidents over what the node's annotations hold."""
+    key = annotation_key(prefix)
+    current = parse(annotations.get(key)) or Incidents()
+    return {key: current.record(now, cause, findings, window_seconds).to_json()}
 
 
 def _number(value: object) -> float | None:

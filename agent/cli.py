@@ -67,8 +67,8 @@ def _parser() -> argparse.ArgumentParser:
 
     net = sub.add_parser("netacct", help="network accounting maintenance")
     net_sub = net.add_subparsers(dest="netacct_command", required=True, metavar="ACTION")
-    clean = net_sub.add_parser("cleanup", help="remove every chain, rule and set netacct installed and every shaper "
-                                               "shaping installed, nothing else (stop the agent first)")
+    clean = net_sub.add_parser("cleanup", help="remove every chain, rule and set netacct installed, nothing else (stop "
+                                               "the agent first; shaping's objects: `shaping cleanup`)")
     config.add_flags(clean, sections=("netacct",))
 
     shp = sub.add_parser("shaping", help="pod internet shaping maintenance")
@@ -256,9 +256,16 @@ def _action_table(cfg: config.AgentConfig) -> dict[str, object]:
 
 def _cmd_netacct(args: argparse.Namespace) -> int:
     from agent.netacct.command import cleanup_command
+    from agent.shaping.command import remaining
 
     code = cleanup_command(_load_config(args).netacct, out=sys.stdout)
-    return max(code, _cmd_shaping(args))  # shaping's objects classify by netacct's internal set: uninstall both
+    # Until this release `netacct cleanup` removed shaping's objects too: an uninstall that still runs only this
+    # command is told what it leaves behind instead of leaving shapers on the pods' interfaces silently.
+    left = remaining()
+    if left:
+        sys.stdout.write(f"shaping objects remain ({left}): netacct cleanup leaves them; remove them with "
+                         "`gpu-node-agent shaping cleanup`\n")
+    return code
 
 
 def _cmd_shaping(args: argparse.Namespace) -> int:

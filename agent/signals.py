@@ -12,6 +12,8 @@ the agent):
 - `DeviceHealthEvent`: one device going Unhealthy or back, as the device plugin reports it in ListAndWatch.
 - `DeviceHealth`: the one copy of which devices are Unhealthy and why. Health writes it, the device plugin's
   servers read it, and its change log tells the device plugin which devices flipped.
+- `GpuResetListener`: what remediation tells health about the GPU resets it runs (health implements it, and
+  is given to remediation when it is built: health first, as data flows).
 - `Latest[T]`: a typed latest-value cell (set / get / wait for a newer value). Only the latest node verdict
   matters, so a cell replaces queues, listener lists and drain-the-queue loops.
 """
@@ -24,7 +26,7 @@ import re
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -180,6 +182,31 @@ class DeviceHealthEvent:
     device_id: str
     healthy: bool
     reason: str = ""
+
+
+class GpuResetListener(Protocol):
+    """Told by remediation about each GPU reset it runs, by the GPU's UUID: an advised reset `starting` (the GPU
+    is Unhealthy while it runs), one `abandoned` before it ran (back in service), one `done` (the findings that
+    wait for a reset end)."""
+
+    def gpu_reset_starting(self, uuid: str) -> None: ...
+
+    def gpu_reset_done(self, uuid: str) -> None: ...
+
+    def gpu_reset_abandoned(self, uuid: str) -> None: ...
+
+
+class NoResetListener:
+    """Nobody to tell (remediation without health: its own tests, tools)."""
+
+    def gpu_reset_starting(self, uuid: str) -> None:
+        """Nothing to do."""
+
+    def gpu_reset_done(self, uuid: str) -> None:
+        """Nothing to do."""
+
+    def gpu_reset_abandoned(self, uuid: str) -> None:
+        """Nothing to do."""
 
 
 class Latest(Generic[T]):

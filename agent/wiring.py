@@ -4,10 +4,11 @@ The node comes opened from `agent.node` (the config with the mode's defaults res
 paths, the stand-in kubelet decision): nothing here tells a simulated node from a real one again.
 
 Each builder takes exactly what its subsystem needs as arguments and returns values (a `Subsystem` to
-supervise, the service object), so nothing depends on the order things were built in and tests build one
-subsystem alone. Data flows one way: hardware -> topology -> consumers. Startup problems (no credentials, a
-socket path over the limit) are raised as `agent.supervisor.StartupError`, which the process turns into one
-log line and exit code 2.
+supervise, the service object), so tests build one subsystem alone. `build` builds them in the order data flows
+(the stand-in kubelet -> ownership -> device plugin -> DRA -> health -> remediation -> netacct -> shaping ->
+rescans) and hands each its collaborators when it is built: nothing is set on a subsystem after its construction.
+Startup problems (no credentials, a socket path over the limit) are raised as `agent.supervisor.StartupError`,
+which the process turns into one log line and exit code 2.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from agent.hardware import Hardware
 from agent.http import Readiness
 from agent.kube.access import ClusterPort
 from agent.node import Node
-from agent.signals import DeviceHealth, DeviceHealthEvent, Latest, NodeVerdict
+from agent.signals import DeviceHealth, DeviceHealthEvent, GpuResetListener, Latest, NodeVerdict
 from agent.supervisor import RunFn, StartupError
 from agent.topology.model import Topology
 
@@ -39,8 +40,10 @@ if TYPE_CHECKING:
     from agent.health.service import HealthService
     from agent.kube.port import Cluster
     from agent.netacct.service import NetacctService
+    from agent.ownership.service import OwnershipService
     from agent.ownership.subsystem import OwnershipSubsystem
     from agent.remediation import RemediationService
+    from agent.remediation.isolate import PodsOf
     from agent.remediation.preflight import PreflightCheck
     from agent.shaping.service import ShapingService
     from agent.simulate.kubelet import LocalKubelet
@@ -101,59 +104,40 @@ def rescans(hardware: Hardware, rescan: asyncio.Event, interval: float,
     return Subsystem("rescan", run)
 
 
-async def _show_sample_allocations(kubelet: LocalKubelet, manager: DevicePluginManager,
-                                   topology: Topology) -> None:
-    """Simulate mode: admit a few containers through the stand-in kubelet and log what they got, and how close."""
-    from agent.placement.policy import achieved_levels
+def stand_in_kubelet(node: Node) -> LocalKubelet | None:
+    """On a simulated node without a kubelet, a stand-in kubelet in the directories `agent.node` chose for it
+    (the device plugin starts it and registers with it; device ownership reads its records); else None."""
+    from agent.simulate.kubelet import LocalKubelet
 
-    resources = sorted(manager.resources)
-    gpu_resources = [r for r in resources if manager.plugin(r).pool.kind == "gpu"]
-    for size in (1, 2, 4):
-        request = dict.fromkeys(resources, size)
-        try:
-            allocation = await kubelet.admit(request)
-        except Exception as exc:  # a demo must never take the agent down
-            log.warning("sample allocation of %s failed: %s", request, exc)
-            return
-        gpus = [i for r in gpu_resources for i in allocation.get(r, [])]
-        nics = [i for r in resources if r not in gpu_resources for i in allocation.get(r, [])]
-        hcas = [getattr(topology.find(i), "rdma", None) or i for i in nics]
-        if gpus:
-            indexes = [g.index for g in topology.gpus if g.uuid in gpus]
-            levels = [level.name for level in achieved_levels(topology, gpus, nics)]
-            log.info("sample allocation: %d GPU + %d NIC container got GPUs %s and HCAs %s; GPU-NIC levels %s",
-                     size, size, indexes, hcas, levels)
-        else:
-            log.info("sample allocation: %d-NIC container (GPUs served elsewhere) got HCAs %s on PFs %s", size,
-                     hcas, sorted({getattr(topology.find(i), "pf_bus_id", i) for i in nics}))
-        kubelet.release(allocation)
+    if not node.paths.stand_in or not node.serving.device_plugin.enabled:
+        return None
+    node.paths.device_plugin_dir.mkdir(parents=True, exist_ok=True)
+    return LocalKubelet(node.paths.device_plugin_dir)
 
 
 def device_plugin(node: Node, registry: CollectorRegistry, *, readiness: Readiness, device_health: DeviceHealth,
-                  clock: Clock = SYSTEM_CLOCK) -> tuple[DevicePluginManager, Subsystem, LocalKubelet | None]:
-    """Serve the device-plugin resources; on a simulated node without a kubelet bring a stand-in kubelet (returned,
-    so that device ownership reads its records), in the directories `agent.node` chose for it."""
+                  kubelet: LocalKubelet | None = None, ownership: OwnershipService | None = None,
+                  clock: Clock = SYSTEM_CLOCK) -> tuple[DevicePluginManager, Subsystem]:
+    """Serve the device-plugin resources, placing with the kubelet's facts from `ownership` when given; with the
+    stand-in `kubelet`, start it first, stop it last and admit a few sample containers through it."""
     from agent.deviceplugin.manager import DevicePluginManager
     from agent.deviceplugin.pools import PoolConfigError
     from agent.host.unixsocket import SocketPathError
-    from agent.simulate.kubelet import LocalKubelet
+    from agent.simulate.samples import show_sample_allocations
 
     dp, paths, hardware = node.device_plugin_config(), node.paths, node.hardware
-    directory = paths.device_plugin_dir
-    if paths.stand_in:
-        directory.mkdir(parents=True, exist_ok=True)
     try:
         manager = DevicePluginManager(dp, hardware.topology, device_health=device_health, registry=registry,
                                       clock=clock, plugin_registry_dir=str(paths.plugin_registry_dir),
-                                      cdi_spec_dir=str(paths.cdi_spec_dir), mig_minors=hardware.mig_minors)
+                                      cdi_spec_dir=str(paths.cdi_spec_dir), mig_minors=hardware.mig_minors,
+                                      ownership=ownership)
     except (SocketPathError, PoolConfigError) as exc:  # PoolConfigError: the SR-IOV DP config.json
         raise StartupError(f"device plugin: {exc}") from exc
     readiness.require("device-plugin registered")
-    kubelet = LocalKubelet(directory) if paths.stand_in else None
 
     async def run(stop: asyncio.Event) -> None:
         if kubelet is not None:
-            log.info("simulate mode: no kubelet at %s, starting a stand-in kubelet there", directory)
+            log.info("simulate mode: no kubelet at %s, starting a stand-in kubelet there", paths.device_plugin_dir)
             await kubelet.start()
         samples: asyncio.Task[None] | None = None
         try:
@@ -162,7 +146,7 @@ def device_plugin(node: Node, registry: CollectorRegistry, *, readiness: Readine
                 registered = manager.registered.is_set()
                 readiness.set("device-plugin registered", registered)
                 if registered and kubelet is not None and samples is None:
-                    samples = asyncio.create_task(_show_sample_allocations(kubelet, manager, hardware.topology))
+                    samples = asyncio.create_task(show_sample_allocations(kubelet, manager, hardware.topology))
                 await clock.wait(stop, 0.5)
         finally:
             readiness.set("device-plugin registered", False)
@@ -171,7 +155,7 @@ def device_plugin(node: Node, registry: CollectorRegistry, *, readiness: Readine
             if kubelet is not None:
                 await kubelet.stop()
 
-    return manager, Subsystem("device-plugin", run, manager.update_topology), kubelet
+    return manager, Subsystem("device-plugin", run, manager.update_topology)
 
 
 def dra(node: Node, registry: CollectorRegistry, *, cluster: ClusterPort,
@@ -265,9 +249,10 @@ def _gpu_bus_id(hardware: Hardware, device_id: str) -> str | None:
 
 
 def ownership(cfg: AgentConfig, registry: CollectorRegistry, cluster: ClusterPort,
-              kubelet: LocalKubelet | None) -> OwnershipSubsystem:
+              kubelet: LocalKubelet | None, hardware: Hardware | None = None) -> OwnershipSubsystem:
     """Who holds which device: the kubelet's PodResources API (the stand-in kubelet's records when the agent
-    brought one), pod specs from the own-node pod watch and pod Events when the API server is reachable."""
+    brought one), pod specs from the own-node pod watch and pod Events when the API server is reachable (naming
+    the GPU's bus id from `hardware`'s current topology)."""
     from agent.host.podresources import PodResourcesPort, Reachability
     from agent.host.podresources.simulated import InMemoryPodResources
     from agent.kube.errors import ClusterConfigError
@@ -284,8 +269,9 @@ def ownership(cfg: AgentConfig, registry: CollectorRegistry, cluster: ClusterPor
     except ClusterConfigError as exc:
         log.info("device ownership without pod specs or pod Events: %s", exc)
         api = None
+    gpu_of = None if hardware is None else lambda device_id: _gpu_bus_id(hardware, device_id)
     return OwnershipSubsystem(port, registry, cluster=api, poll_interval=pc.poll_interval_seconds,
-                              lookup_timeout=pc.lookup_timeout_seconds)
+                              lookup_timeout=pc.lookup_timeout_seconds, gpu_of=gpu_of)
 
 
 def _preflight_probes(hardware: Hardware) -> list[PreflightCheck]:
@@ -296,9 +282,11 @@ def _preflight_probes(hardware: Hardware) -> list[PreflightCheck]:
 
 
 def remediation(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistry, *,
-                verdicts: Latest[NodeVerdict], cluster: ClusterPort) -> RemediationService:
+                verdicts: Latest[NodeVerdict], cluster: ClusterPort, pods_of: PodsOf | None = None,
+                reset_listener: GpuResetListener | None = None) -> RemediationService:
     """Act on this node's API objects (`cluster`: a real API server, or the in-memory node when no credentials
-    are given); `--dry-run` only logs and records Events."""
+    are given); `--dry-run` only logs and records Events. `pods_of` (ownership) names the pods holding the
+    affected devices; `reset_listener` (health) is told about each GPU reset."""
     from agent.kube.errors import ClusterConfigError
     from agent.remediation import build_service
     from agent.remediation.preflight import build_checks
@@ -314,17 +302,19 @@ def remediation(cfg: AgentConfig, hardware: Hardware, registry: CollectorRegistr
         resetter = GpuResetter(hardware.nvml, rc.gpu_reset_command, rc.gpu_reset_timeout_seconds)
     try:
         return build_service(rc, cluster.node_name, verdicts, registry, cluster=cluster.get(),
-                             preflight_checks=checks, resetter=resetter)
+                             preflight_checks=checks, resetter=resetter, pods_of=pods_of,
+                             reset_listener=reset_listener)
     except (ValueError, ClusterConfigError) as exc:
         raise StartupError(f"remediation: {exc}") from exc
 
 
 def netacct(cfg: AgentConfig, registry: CollectorRegistry, cluster: ClusterPort) -> NetacctService:
     """Network accounting with iptables mangle rules and ipset counters (only with --netacct)."""
-    from agent.netacct.service import NetacctService, default_pod_source
+    from agent.netacct.service import NetacctService
+    from agent.pods.choice import open_pod_source
 
     # the pods file if set; else this node's pods from the API (the in-memory cluster's without credentials)
-    return NetacctService(cfg.netacct, registry, default_pod_source(cfg.netacct, cluster.get))
+    return NetacctService(cfg.netacct, registry, open_pod_source(cfg.netacct.pods_file, cluster.get))
 
 
 def _kernel_state_subsystem(name: str, service: NetacctService | ShapingService) -> Subsystem:
@@ -341,14 +331,14 @@ def _kernel_state_subsystem(name: str, service: NetacctService | ShapingService)
 
 def shaping(cfg: AgentConfig, registry: CollectorRegistry, cluster: ClusterPort,
             netacct: NetacctService | None) -> ShapingService:
-    """Per-pod internet shaping (only with --shaping): netacct's pod source when it runs (one pod watch per
-    process), else its own; invalid annotations become Events through the shared client when there is one."""
+    """Per-pod internet shaping (only with --shaping): the process's one pod source (`agent.pods`), run by netacct
+    when it runs, else by shaping; invalid annotations become Events through the shared client when there is one."""
     from agent.host.tc_netlink import NetlinkTc
     from agent.kube.errors import ClusterConfigError
-    from agent.netacct.service import default_pod_source
+    from agent.pods.choice import open_pod_source
     from agent.shaping.service import ShapingService
 
-    pods = netacct.pods if netacct is not None else default_pod_source(cfg.netacct, cluster.get)
+    pods = netacct.pods if netacct is not None else open_pod_source(cfg.netacct.pods_file, cluster.get)
     try:
         events = None if cfg.netacct.pods_file else cluster.get()
     except ClusterConfigError:
@@ -382,50 +372,48 @@ class Wiring:
 
 def build(node: Node, registry: CollectorRegistry, *, readiness: Readiness, rescan: asyncio.Event,
           cluster: ClusterPort | None = None) -> Wiring:
-    """Every enabled subsystem of the opened node, in the order data flows. Raises `StartupError` for a config that
-    cannot run."""
+    """Every enabled subsystem of the opened node, in the order data flows, each given its collaborators when it
+    is built: the stand-in kubelet -> ownership -> device plugin -> DRA -> health -> remediation -> netacct ->
+    shaping -> rescans. Raises `StartupError` for a config that cannot run."""
     cfg, hardware = node.serving, node.hardware
-    wiring = Wiring(cluster or ClusterPort(cfg, registry))
+    port = cluster or ClusterPort(cfg, registry)
+    subsystems: list[Subsystem] = []
     verdicts: Latest[NodeVerdict] = Latest()  # the node verdict, health -> remediation
     device_health = DeviceHealth()  # Unhealthy devices: health writes, the device plugin reads
-    kubelet = None
-    if cfg.device_plugin.enabled:
-        wiring.device_plugin, served, kubelet = device_plugin(node, registry, readiness=readiness,
-                                                              device_health=device_health)
-        wiring.subsystems.append(served)
-    if cfg.dra.enabled:
-        wiring.dra, driver = dra(node, registry, cluster=wiring.cluster, verdicts=verdicts)
-        wiring.subsystems.append(driver)
+    kubelet = stand_in_kubelet(node)
+    owners = None
     if cfg.pod_resources.socket:
-        wiring.ownership = ownership(cfg, registry, wiring.cluster, kubelet)
-        wiring.ownership.pod_events.gpu_of = lambda device_id: _gpu_bus_id(hardware, device_id)
-        wiring.subsystems.append(Subsystem("ownership", wiring.ownership.run))
-        if wiring.device_plugin is not None:
-            from agent.deviceplugin.facts import OwnershipFacts
-
-            manager = wiring.device_plugin
-            manager.use_ownership(OwnershipFacts(wiring.ownership.service, manager.pools,
-                                                 cfg.device_plugin.gpu_resource_name))
-    copies = [wiring.ownership.health_changes] if wiring.ownership is not None else []
-    watched, health_service = health(node, registry, readiness=readiness, manager=wiring.device_plugin,
-                                     device_health=device_health, verdicts=verdicts, dra=wiring.dra,
-                                     device_health_copies=copies)
-    wiring.subsystems.append(watched)
-    if cfg.remediation.enabled or wiring.cluster.in_memory:  # the in-memory node: remediation is part of the demo
-        wiring.remediation = remediation(cfg, hardware, registry, verdicts=verdicts, cluster=wiring.cluster)
-        if wiring.ownership is not None:  # the node condition names the pods holding the affected devices
-            wiring.remediation.engine.pods_of = wiring.ownership.service.pods_holding_now
-        resets = wiring.remediation.engine.gpu_resets
-        resets.reset_done = health_service.gpu_reset_done
-        resets.reset_starting, resets.reset_abandoned = health_service.gpu_reset_starting, \
-            health_service.gpu_reset_abandoned
-        wiring.subsystems.append(Subsystem("remediation", wiring.remediation.run))
+        owners = ownership(cfg, registry, port, kubelet, hardware)
+        subsystems.append(Subsystem("ownership", owners.run))
+    manager = None
+    if cfg.device_plugin.enabled:
+        manager, served = device_plugin(node, registry, readiness=readiness, device_health=device_health,
+                                        kubelet=kubelet, ownership=owners.service if owners is not None else None)
+        subsystems.append(served)
+    driver = None
+    if cfg.dra.enabled:
+        driver, drives = dra(node, registry, cluster=port, verdicts=verdicts)
+        subsystems.append(drives)
+    watched, health_service = health(node, registry, readiness=readiness, manager=manager,
+                                     device_health=device_health, verdicts=verdicts, dra=driver,
+                                     device_health_copies=[owners.health_changes] if owners is not None else [])
+    subsystems.append(watched)
+    remediates = None
+    if cfg.remediation.enabled or port.in_memory:  # the in-memory node: remediation is part of the demo
+        # the node condition names the pods holding the affected devices; health hears of each GPU reset
+        remediates = remediation(cfg, hardware, registry, verdicts=verdicts, cluster=port,
+                                 pods_of=owners.service.pods_holding_now if owners is not None else None,
+                                 reset_listener=health_service)
+        subsystems.append(Subsystem("remediation", remediates.run))
+    accounts = None
     if cfg.netacct.enabled:
-        wiring.netacct = netacct(cfg, registry, wiring.cluster)
-        wiring.subsystems.append(_kernel_state_subsystem("netacct", wiring.netacct))
+        accounts = netacct(cfg, registry, port)
+        subsystems.append(_kernel_state_subsystem("netacct", accounts))
+    shapes = None
     if cfg.shaping.enabled:
-        wiring.shaping = shaping(cfg, registry, wiring.cluster, wiring.netacct)
-        wiring.subsystems.append(_kernel_state_subsystem("shaping", wiring.shaping))
-    listeners = [s.on_topology for s in wiring.subsystems if s.on_topology is not None]
-    wiring.subsystems.append(rescans(hardware, rescan, cfg.topology.rescan_interval_seconds, listeners, registry))
-    return wiring
+        shapes = shaping(cfg, registry, port, accounts)
+        subsystems.append(_kernel_state_subsystem("shaping", shapes))
+    listeners = [s.on_topology for s in subsystems if s.on_topology is not None]
+    subsystems.append(rescans(hardware, rescan, cfg.topology.rescan_interval_seconds, listeners, registry))
+    return Wiring(port, subsystems, device_plugin=manager, ownership=owners, dra=driver, remediation=remediates,
+                  netacct=accounts, shaping=shapes)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent.config.netacct import NetacctConfig
 from agent.netacct.backend import Host
 from agent.netacct.engine import Netacct
-from agent.netacct.pods import Pod, make_pod
+from agent.pods.model import Pod, make_pod
 from tests.netacct import netns
 from tests.netacct.netns import INET4, POD4, POD6
 

@@ -27,8 +27,9 @@ from agent.config.netacct import NetacctConfig
 from agent.netacct import backend
 from agent.netacct.backend import Host
 from agent.netacct.engine import Netacct, SyncError
-from agent.netacct.pods import PodFeed, make_pod
 from agent.netacct.service import NetacctService
+from agent.pods.model import make_pod
+from agent.pods.source import PodFeed
 from tests.netacct import netns
 from tests.netacct.netns import INET4, POD4, POD6
 

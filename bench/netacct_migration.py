@@ -27,7 +27,7 @@ from agent.config.netacct import NetacctConfig
 from agent.netacct.backend import Host
 from agent.netacct.engine import Netacct
 from agent.netacct.ipset_netlink import SetDump
-from agent.netacct.pods import Pod, make_pod
+from agent.pods.model import Pod, make_pod
 
 
 class TimedHost(Host):

@@ -35,7 +35,7 @@ from agent.netacct import ipsets, nft_layout
 from agent.netacct.backend import Host
 from agent.netacct.collector import NetacctCollector
 from agent.netacct.engine import Netacct
-from agent.netacct.pods import Pod, make_pod
+from agent.pods.model import Pod, make_pod
 
 IP = shutil.which("ip") or "/usr/sbin/ip"
 IPSET = shutil.which("ipset") or "/usr/sbin/ipset"

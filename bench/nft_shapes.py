@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from netacct_forwarding import Bench  # run as a script, bench/ is on sys.path
 
-from agent.config.netacct import DEFAULT_INTERNAL_CIDRS
+from agent.config.pods import DEFAULT_INTERNAL_CIDRS
 from agent.netacct.nft_layout import PRIORITY
 from tests.netacct import netns
 from tests.netacct.netns import POD4

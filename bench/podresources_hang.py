@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.devicep
 
 from prometheus_client import CollectorRegistry
 
-from agent.deviceplugin.facts import OwnershipFacts
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.v1beta1 import api_pb2_grpc
 from agent.host.podresources.client import KubeletPodResources
@@ -113,8 +112,8 @@ async def measure(seconds: float = 5.0) -> HangResult:
     client = KubeletPodResources(str(server.socket_path))
     service = OwnershipService(client, registry=registry)  # lookup and poll bounds as shipped
     manager = DevicePluginManager(dp_config(str(directory / "dp"), serve_gpus=True), topology, registry=registry,
-                                  **FAST, plugin_registry_dir=str(directory / "reg"), cdi_spec_dir=str(directory / "c"))
-    manager.use_ownership(OwnershipFacts(service, manager.pools, GPU))
+                                  **FAST, plugin_registry_dir=str(directory / "reg"), cdi_spec_dir=str(directory / "c"),
+                                  ownership=service)
     stop = asyncio.Event()
     poll = asyncio.create_task(service.run(stop))
     calls: list[tuple[float, float]] = []

@@ -55,7 +55,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.fakes: 
 
 from prometheus_client import CollectorRegistry
 
-from agent.deviceplugin.facts import OwnershipFacts
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.v1beta1 import api_pb2_grpc
 from agent.host.podresources.client import KubeletPodResources
@@ -188,9 +187,10 @@ class Agent:
                                    registry=registry)
         self.manager = manager = DevicePluginManager(
             dp_config(str(self.directory / "dp"), serve_gpus=self.joint), self.topology, registry=registry, **FAST,
-            plugin_registry_dir=str(self.directory / "reg"), cdi_spec_dir=str(self.directory / "c"))
-        if self.facts:
-            ownership = OwnershipFacts(service, manager.pools, GPU)
+            plugin_registry_dir=str(self.directory / "reg"), cdi_spec_dir=str(self.directory / "c"),
+            ownership=service if self.facts else None)
+        if manager.facts is not None:
+            ownership = manager.facts
             plain = ownership.partner
 
             async def timed(pool):  # the lookup as the servicer awaits it
@@ -200,8 +200,7 @@ class Agent:
                 finally:
                     self.lookups.append(time.perf_counter() - started)
 
-            ownership.partner = timed  # type: ignore[method-assign]
-            manager.use_ownership(ownership)
+            ownership.partner = timed  # type: ignore[method-assign]  # measured: the servers take it at start
         ours = (GPU, NIC) if self.joint else (NIC,)
         before = {r: self.kubelet.plugins.get(r) for r in ours}
         if self.poll_first and not first_poll:

@@ -33,9 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.config.netacct import DEFAULT_INTERNAL_CIDRS
+from agent.config.pods import DEFAULT_INTERNAL_CIDRS
 from agent.host.tc_netlink import NetlinkTc
-from agent.netacct.pods import Pod, make_pod
+from agent.pods.model import Pod, make_pod
 from agent.shaping.engine import Shaper
 from agent.shaping.limits import EGRESS_ANNOTATION, INGRESS_ANNOTATION
 from tests.shaping import netns

@@ -79,8 +79,12 @@ def test_sources_never_import_consumers(source):
     ("agent.remediation", ("agent.netacct", "agent.health", "agent.deviceplugin")),
     ("agent.netacct", ("agent.remediation", "agent.health", "agent.deviceplugin", "agent.shaping")),
     ("agent.deviceplugin", ("agent.remediation", "agent.netacct", "agent.health", "agent.kube", "agent.dra")),
-    # shaping reads netacct's pod list and internal set; netacct never reaches into shaping
-    ("agent.shaping", ("agent.remediation", "agent.health", "agent.deviceplugin", "agent.dra")),
+    # netacct and shaping share the pods and the internal set through agent.pods (one source per process, handed to
+    # both by the wiring), never through each other: each has its own filter, logs and cleanup
+    ("agent.shaping", ("agent.remediation", "agent.health", "agent.deviceplugin", "agent.dra", "agent.netacct")),
+    # the pod model and sources sit below both network subsystems
+    ("agent.pods", ("agent.netacct", "agent.shaping", "agent.remediation", "agent.health", "agent.deviceplugin",
+                    "agent.dra")),
     # health publishes device health and verdicts (agent.signals); it never reaches into the subsystems acting on them
     ("agent.health", ("agent.deviceplugin", "agent.remediation", "agent.netacct", "agent.kube")),
 ])
@@ -201,16 +205,19 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "agent.config", "agent.pluginregistration"),
     # the ports to the machine and the cluster, with their simulated twins: they import no model, no simulator
     ("agent.host", "agent.kube", "agent.http"),
-    # the node model read from the ports, and the simulator that writes a node for the same readers
-    ("agent.topology", "agent.simulate"),
+    # the node model read from the ports, the simulator that writes a node for the same readers, and this node's
+    # pods as the network subsystems see them (`agent.pods`: the pod model, the pods file or the API pod watch)
+    ("agent.topology", "agent.simulate", "agent.pods"),
     # decisions over the model
     ("agent.placement", "agent.ownership", "agent.health"),
     # consumers that act
     ("agent.deviceplugin", "agent.dra", "agent.remediation", "agent.netacct", "agent.shaping"),
     # the composition root, the choice between real and simulated hardware it makes, the one opened node every
     # command works from (`agent.node`: mode defaults, hardware, node paths), and the node self-check (`doctor`)
-    # that opens the same node and runs the readers below once
-    ("agent.wiring", "agent.hardware", "agent.node", "agent.doctor", "agent.fleet"),
+    # that opens the same node and runs the readers below once; the simulated node's sample admissions, a client
+    # of the served device plugin (through the stand-in kubelet) that the composition root runs; the operator's
+    # fleet view (`fleet`), which reads what remediation writes on the Nodes
+    ("agent.wiring", "agent.hardware", "agent.node", "agent.doctor", "agent.simulate.samples", "agent.fleet"),
     ("agent.app",),
     ("agent.cli", "agent.__main__"),
 )
@@ -223,6 +230,14 @@ def _layer(module: str) -> int:
                if module == prefix or module.startswith(prefix + ".")]
     assert matches, f"{module} is in no layer of the architecture picture: add it to LAYERS (and the picture)"
     return max(matches)[1]
+
+
+def test_the_pods_sit_between_the_ports_and_both_network_subsystems():
+    """netacct and shaping share the pod model, the pod source and the internal set through agent.pods alone."""
+    assert _layer("agent.kube") < _layer("agent.pods") < min(_layer("agent.netacct"), _layer("agent.shaping"))
+    for subsystem in ("agent.netacct", "agent.shaping"):
+        assert any(target.startswith("agent.pods.") for module, targets in GRAPH.items()
+                   if module.startswith(subsystem + ".") for target in targets), subsystem
 
 
 def test_every_module_has_a_layer():

@@ -2,28 +2,20 @@
 counters) or, on nodes where that does not work, iptables mangle rules and ipset counters.
 
 The internal set decides what is "cluster" traffic; everything else is "internet". It lives in an ipset, not in
-rules, so changing it never rewrites a rule nor resets a counter. `check()` rejects malformed CIDRs here, at load
-time, so that a typo exits with code 2 naming the field instead of failing later inside `ipset restore`.
+rules, so changing it never rewrites a rule nor resets a counter. It and the pods file are the node's pod settings
+(`agent.config.pods`), shared with shaping: their keys stay in this section so none is renamed. `check()` rejects
+malformed CIDRs at load time, so that a typo exits with code 2 naming the field instead of failing later inside
+`ipset restore`.
 """
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 
 from agent.config.fields import setting
 from agent.config.files import check_files
+from agent.config.pods import DEFAULT_INTERNAL_CIDRS, Network, check_internal_cidrs, internal_networks
 
-# RFC 1918, RFC 6598 (CGNAT), IPv4 link-local, IPv6 ULA and IPv6 link-local (reference netacct.md §6).
-DEFAULT_INTERNAL_CIDRS: tuple[str, ...] = (
-    "10.0.0.0/8",
-    "172.16.0.0/12",
-    "192.168.0.0/16",
-    "100.64.0.0/10",
-    "169.254.0.0/16",
-    "fc00::/7",
-    "fe80::/10",
-)
 BACKENDS = ("auto", "nft", "legacy")
 LAYOUTS = ("auto", "nft", "iptables")
 
@@ -73,19 +65,12 @@ class NetacctConfig:
         """Reject malformed CIDRs, non-positive intervals and a pods file that is no regular file (the loader
         reports them with exit code 2)."""
         check_files(("podsFile", self.pods_file))
-        for index, text in enumerate(self.internal_cidrs):
-            where = f"internalCidrs[{index}]"
-            try:
-                network = ipaddress.ip_network(text.strip(), strict=False)
-            except ValueError:
-                raise ValueError(f"{where}: {text!r} is not a CIDR such as 10.0.0.0/8 or fd00::/8") from None
-            if network.network_address != ipaddress.ip_address(text.strip().split("/")[0]):
-                raise ValueError(f"{where}: {text!r} has host bits set; did you mean {network}?")
+        check_internal_cidrs(self.internal_cidrs)
         if not self.sync_interval_seconds > 0:
             raise ValueError(f"syncIntervalSeconds: must be positive, got {self.sync_interval_seconds!r}")
         if self.lock_wait_seconds < 0:
             raise ValueError(f"lockWaitSeconds: must be zero or positive, got {self.lock_wait_seconds!r}")
 
-    def internal_networks(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
-        """The internal set as networks (call after `check()`)."""
-        return [ipaddress.ip_network(text.strip(), strict=False) for text in self.internal_cidrs]
+    def internal_networks(self) -> list[Network]:
+        """The internal set as networks (call after `check()`); netacct's and shaping's alike."""
+        return internal_networks(self.internal_cidrs)

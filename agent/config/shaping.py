@@ -1,7 +1,8 @@
 """Settings of the shaping subsystem: per-pod limits on internet traffic (tc on the pods' host interfaces).
 
-Internet vs cluster is netacct's internal set (`--internal-cidr`), so the two subsystems always agree on what
-"internet" means. Namespace defaults are checked at load time, so a typo exits with code 2 naming the entry.
+Internet vs cluster is the node's internal set (`--internal-cidr`, `agent.config.pods`), the one netacct counts
+by, so the two subsystems always agree on what "internet" means. Namespace defaults are checked at load time, so
+a typo exits with code 2 naming the entry.
 
 Bandwidths are Kubernetes quantities read as bits per second, as the CNI bandwidth plugin reads
 `kubernetes.io/egress-bandwidth` (k8s.io/apimachinery `resource.ParseQuantity`, then `Value()`, which rounds

@@ -31,6 +31,7 @@ from agent.deviceplugin.pools import ResourcePool, build_pools, socket_name
 from agent.deviceplugin.registration import KubeletLink, check_socket_path
 from agent.deviceplugin.server import DevicePlugin, PreferencePolicy
 from agent.deviceplugin.sriovdp import apply as apply_sriov_dp_config
+from agent.host.unixsocket import SocketPathError
 from agent.placement.admission import DEFAULT_TTL_S
 from agent.placement.joint import JointAllocator
 from agent.signals import DeviceHealth
@@ -38,6 +39,7 @@ from agent.topology.model import Topology
 
 if TYPE_CHECKING:  # the kubelet's facts (agent.ownership) are imported only where ownership is wired
     from agent.deviceplugin.facts import OwnershipFacts
+    from agent.ownership.service import OwnershipService
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,9 @@ class DevicePluginManager:
     paths the DRA driver shares). `policy`: None for the PCIe-aware joint policy (`self.allocator.prefer`);
     another policy replaces it, while Allocates are still recorded and counted. `registry`: where the allocation
     metrics go (a private registry when None). `admission_ttl_s` and `clock`: the admission context's time-out
-    and time source.
+    and time source. `ownership`: the kubelet's facts to place with (`facts.OwnershipFacts` on the served pools):
+    each preference call looks up the container's partner devices, and the other kind's free devices come from
+    the kubelet's last reading; None places on the admission context alone.
     """
 
     def __init__(self, config: DevicePluginConfig, topology: Topology, *,
@@ -64,7 +68,8 @@ class DevicePluginManager:
                  policy: PreferencePolicy | None = None, registry: CollectorRegistry | None = None,
                  admission_ttl_s: float = DEFAULT_TTL_S, clock: Clock = SYSTEM_CLOCK,
                  plugin_registry_dir: str = DEFAULT_PLUGIN_REGISTRY_DIR,
-                 cdi_spec_dir: str = DEFAULT_CDI_SPEC_DIR, mig_minors: str = MIG_MINORS) -> None:
+                 cdi_spec_dir: str = DEFAULT_CDI_SPEC_DIR, mig_minors: str = MIG_MINORS,
+                 ownership: OwnershipService | None = None) -> None:
         config = apply_sriov_dp_config(config)  # SriovConfigError (a PoolConfigError) when it cannot be served
         self.config = config
         self.device_health = device_health if device_health is not None else DeviceHealth()
@@ -82,6 +87,11 @@ class DevicePluginManager:
                                 ["reason"], registry=self.metrics.registry)
         for reason in NOT_SERVED_REASONS:
             self.not_served.labels(reason).set(0)
+        self.facts: OwnershipFacts | None = None
+        if ownership is not None:
+            from agent.deviceplugin.facts import OwnershipFacts
+
+            self.facts = OwnershipFacts(ownership, self.pools, config.gpu_resource_name)
         self.allocator = JointAllocator(self._plugins.values, ttl_s=admission_ttl_s, clock=clock.monotonic)
         self.allocator.replica_policy = config.shared_devices_allocation_policy
         self._policy = policy or self.allocator.prefer
@@ -101,7 +111,7 @@ class DevicePluginManager:
         self._health_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._started = False
-        self.facts: OwnershipFacts | None = None
+        self._check_socket_paths(self._scan(topology))  # at construction: `run` exits 2, never a crash loop
 
     @property
     def registered(self) -> asyncio.Event:
@@ -162,13 +172,6 @@ class DevicePluginManager:
                 log.warning("timeSlicing: %s %s not served on this node; nothing to replicate", ", ".join(unshared),
                             "is" if len(unshared) == 1 else "are")
 
-    def use_ownership(self, facts: OwnershipFacts) -> None:
-        """Place with the kubelet's facts: each preference call looks up the container's partner devices and the
-        other kind's free devices at the kubelet's last reading (one value handed to the policy)."""
-        self.facts = facts
-        for plugin in self._plugins.values():
-            plugin.partner_lookup = facts.partner
-
     def _new_plugin(self, pool: ResourcePool) -> DevicePlugin:
         plugin = DevicePlugin(pool, self._options, policy=self._policy, on_allocate=self.allocator.allocated,
                               metrics=self.metrics, device_info=self.device_info, device_health=self.device_health,
@@ -185,11 +188,8 @@ class DevicePluginManager:
         async with self._lock:
             if self._started:
                 return
-            directory = self._link.directory
-            check_socket_path(f"{self.config.device_plugin_dir}/kubelet.sock")
             pools = self._scan(self._topology)
-            for name in pools:
-                check_socket_path(f"{directory}/{socket_name(name)}")
+            self._check_socket_paths(pools)
             self._check_gpu_cdi(pools)
             for stale in remove_stale_specs(self.cdi_spec_dir):
                 log.info("removed the CDI spec %s an earlier run left", stale)
@@ -198,6 +198,12 @@ class DevicePluginManager:
             self._started = True
             self._health_task = asyncio.create_task(self._consume_health(), name="device-health")
             await self._link.start()
+
+    def _check_socket_paths(self, pools: dict[str, ResourcePool]) -> None:
+        """SocketPathError when the kubelet's socket or a served resource's socket would pass the AF_UNIX limit."""
+        check_socket_path(f"{self.config.device_plugin_dir}/kubelet.sock")
+        for name in pools:
+            check_socket_path(f"{self._link.directory}/{socket_name(name)}")
 
     def _write_spec(self, pool: ResourcePool) -> None:
         if self.rdma_specs is None:
@@ -254,6 +260,11 @@ class DevicePluginManager:
             for name, pool in pools.items():
                 plugin = self._plugins.get(name)
                 if plugin is None:
+                    try:
+                        check_socket_path(f"{self._link.directory}/{socket_name(name)}")
+                    except SocketPathError as exc:  # a resource new since the start (a MIG profile): not served
+                        log.error("%s: not served: %s", name, exc)
+                        continue
                     self._add(pool)
                     continue
                 before = set(plugin.pool.ids)

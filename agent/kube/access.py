@@ -2,7 +2,7 @@
 
 In memory only when no credentials are given (`--simulate` without `--kubeconfig`, outside a cluster); the
 decision and the start-line description live here so the wiring only hands the port to the subsystems that
-need the API (remediation, netacct's pod watch, ownership, DRA, shaping).
+need the API (remediation, the pod watch of netacct and shaping, ownership, DRA, shaping's Events).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """API-server request metrics, registered on the `CollectorRegistry` the caller passes in (never the global one).
 
 `gpu_node_agent_apiserver_requests_total{verb,code}` counts every request the cluster port makes (remediation's
-node and lease traffic and netacct's pod watch alike, through one shared client), so the fleet-wide API load of
-the DaemonSet can be read off one node and multiplied by the node count.
+node and lease traffic and the pod watch of netacct and shaping alike, through one shared client), so the
+fleet-wide API load of the DaemonSet can be read off one node and multiplied by the node count.
 """
 
 from __future__ import annotations

@@ -2,6 +2,6 @@
 
 Modules: `backend` (the only code running iptables/ipset), `ipset_netlink` (fast counter reads), `rules` and
 `ipsets` (desired state and diffs), `counters` (monotonic totals), `engine` (one lock around reads and changes),
-`pods` (pod sources), `kubepods` (the Kubernetes pod watch as a source), `collector` (Prometheus), `service`
-(the loop), `command` (`netacct cleanup`).
+`collector` (Prometheus), `service` (the loop), `command` (`netacct cleanup`). The pods and the pod source
+come from `agent.pods` (shared with shaping, one source per process).
 """

@@ -47,8 +47,8 @@ from agent.netacct.carry import Carry, OldRaw
 from agent.netacct.carry import plan as carry_plan
 from agent.netacct.counters import CounterBook, Counts, PodKey
 from agent.netacct.nft_table import NativeTable
-from agent.netacct.pods import Pod
 from agent.netacct.repair import Repairs, missing_elements
+from agent.pods.model import Pod
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
 
 from prometheus_client import CollectorRegistry
 
@@ -23,11 +22,9 @@ from agent.config.netacct import NetacctConfig
 from agent.netacct.backend import Host
 from agent.netacct.collector import NetacctCollector
 from agent.netacct.engine import Netacct, SyncError
-from agent.netacct.pods import FilePodSource, PodFeed, PodSource
+from agent.pods.choice import open_pod_source
+from agent.pods.source import PodSource
 from agent.supervisor import Backoff
-
-if TYPE_CHECKING:
-    from agent.kube.port import PodWatchApi
 
 log = logging.getLogger(__name__)
 
@@ -42,26 +39,6 @@ REPAIR_CHECK_SECONDS = 1.0
 FIRST_PODS_WAIT_SECONDS = 2.0
 
 
-def default_pod_source(config: NetacctConfig, cluster: Callable[[], PodWatchApi] | None = None) -> PodSource:
-    """The pods file when configured; else this node's pods through the cluster port `cluster()` returns; else
-    (no `cluster`, or it has no node name or credentials: logged once, here) an empty pod list, so only the
-    node and pod aggregates are counted."""
-    if config.pods_file:
-        return FilePodSource(config.pods_file)
-    if cluster is None:
-        return PodFeed(())
-    from agent.kube.errors import ClusterConfigError
-    from agent.netacct.kubepods import KubePodSource
-
-    try:
-        api = cluster()
-    except ClusterConfigError as exc:
-        log.warning("netacct: no pods from the Kubernetes API (%s); counting node traffic only (or give "
-                    "--pods-file)", exc)
-        return PodFeed(())
-    return KubePodSource(api)
-
-
 class NetacctService:
     """Network accounting for one node (or one network namespace, given a `Host(netns=...)`)."""
 
@@ -71,7 +48,7 @@ class NetacctService:
                  first_pods_wait: float = FIRST_PODS_WAIT_SECONDS) -> None:
         self.config = config
         self.engine = Netacct(config, host)
-        self.pods = pod_source if pod_source is not None else default_pod_source(config)
+        self.pods = pod_source if pod_source is not None else open_pod_source(config.pods_file)
         self.collector = NetacctCollector(self.engine, per_pod=config.per_pod_metrics)
         self.registry = registry
         self.settle_seconds = settle_seconds

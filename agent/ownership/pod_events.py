@@ -42,14 +42,14 @@ class PodDeviceEvents:
     """Posts the Events; `events` None means no API access (nothing is posted, holders are still returned)."""
 
     def __init__(self, events: PodEventApi | None, ownership: OwnershipService,
-                 now: Callable[[], float] = time.time) -> None:
+                 now: Callable[[], float] = time.time, *, gpu_of: Callable[[str], str | None] | None = None) -> None:
         self.events = events
         self.ownership = ownership
         self._now = now
         self._told: set[tuple[str, str, str]] = set()  # (device, namespace, pod) while the device is Unhealthy
         self.posted = 0
         # the bus id of the GPU a GPU or MIG UUID names (a MIG device's parent), for the Event's text
-        self.gpu_of: Callable[[str], str | None] | None = None
+        self.gpu_of = gpu_of
 
     def device_healthy(self, device_id: str) -> None:
         """The device recovered: a later fault is reported again."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry
 
@@ -35,10 +35,12 @@ def open_port(socket: str, registry: CollectorRegistry | None) -> PodResourcesPo
 
 
 class OwnershipSubsystem:
-    """Owns the service, the pod watch and the pod-Event notifier."""
+    """Owns the service, the pod watch and the pod-Event notifier. `gpu_of`: the bus id of the GPU a GPU or MIG
+    UUID names, for the pod Events' text."""
 
     def __init__(self, port: PodResourcesPort, registry: CollectorRegistry | None, *,
-                 cluster: Cluster | None, poll_interval: float, lookup_timeout: float) -> None:
+                 cluster: Cluster | None, poll_interval: float, lookup_timeout: float,
+                 gpu_of: Callable[[str], str | None] | None = None) -> None:
         self._watch = None
         fetcher = None
         if cluster is not None:
@@ -50,7 +52,7 @@ class OwnershipSubsystem:
         self.service = OwnershipService(port, pod_specs=self._pod_specs, registry=registry,
                                         poll_interval=poll_interval, lookup_timeout=lookup_timeout,
                                         spec_fetcher=fetcher)
-        self.pod_events = PodDeviceEvents(cluster, self.service)
+        self.pod_events = PodDeviceEvents(cluster, self.service, gpu_of=gpu_of)
         self.health_changes: asyncio.Queue[DeviceHealthEvent] = asyncio.Queue()
 
     def _pod_specs(self) -> Mapping[tuple[str, str], PodView] | None:

@@ -21,7 +21,9 @@ if TYPE_CHECKING:
     from agent.kube.port import Cluster
     from agent.kube.simulated import InMemoryCluster
     from agent.remediation.gpu_reset import Resetter
+    from agent.remediation.isolate import PodsOf
     from agent.remediation.preflight import PreflightCheck
+    from agent.signals import GpuResetListener
 
 __all__ = ["HEALTHY", "NodeVerdict", "RemediationService", "build_service", "connect_cluster", "simulated_cluster"]
 
@@ -46,8 +48,9 @@ def simulated_cluster(node_name: str, preflight_taint: str = "") -> InMemoryClus
 
 def build_service(config: RemediationConfig, node_name: str, verdicts: Latest[NodeVerdict],
                   registry: CollectorRegistry, *, simulate: bool = False, cluster: Cluster | None = None,
-                  preflight_checks: Sequence[PreflightCheck] = (),
-                  resetter: Resetter | None = None) -> RemediationService:
+                  preflight_checks: Sequence[PreflightCheck] = (), resetter: Resetter | None = None,
+                  pods_of: PodsOf | None = None,
+                  reset_listener: GpuResetListener | None = None) -> RemediationService:
     """The service on `cluster`, else on the real cluster or (`simulate`) an in-memory node.
 
     Whoever made the cluster closes it (`service.cluster.aclose()`) after `run`.
@@ -58,4 +61,4 @@ def build_service(config: RemediationConfig, node_name: str, verdicts: Latest[No
         cluster = simulated_cluster(node_name) if simulate else connect_cluster(node_name, registry)
     return RemediationService(config, node_name, cluster, verdicts, registry, pod_name=config.pod_name,
                               pod_namespace=config.pod_namespace, preflight_checks=preflight_checks,
-                              resetter=resetter)
+                              resetter=resetter, pods_of=pods_of, reset_listener=reset_listener)

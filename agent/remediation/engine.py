@@ -45,7 +45,7 @@ from agent.remediation.preflight import PreflightState
 from agent.remediation.reboot import RebootRequests
 from agent.remediation.slots import Slots
 from agent.remediation.state import Keys, Recorded
-from agent.signals import NodeVerdict, Severity, worst
+from agent.signals import GpuResetListener, NodeVerdict, NoResetListener, Severity, worst
 
 log = logging.getLogger(__name__)
 
@@ -83,16 +83,20 @@ class Engine:
     def __init__(self, config: RemediationConfig, *, actions: NodeActions, slots: Slots, events: EventRecorder,
                  drainer: Drainer, clock: Clock, counter: ActionCounter, inputs: Inputs, wake: Callable[[], None],
                  jitter: Callable[[], float] = lambda: 1.0, boot_id: str = "",
-                 resetter: Resetter | None = None) -> None:
+                 resetter: Resetter | None = None, pods_of: PodsOf | None = None,
+                 reset_listener: GpuResetListener | None = None) -> None:
         self.config = config
+        # pods_of: device IDs -> the pods holding them ("namespace/name"), from agent.ownership: named in the
+        # condition message, and the pods an isolation drains
         self.isolation = Isolation(config, actions=actions, events=events, drainer=drainer, clock=clock,
-                                   counter=counter, wake=wake)
+                                   counter=counter, wake=wake, pods_of=pods_of)
         self.reboot = RebootRequests(config, actions=actions, events=events, clock=clock, counter=counter,
                                      boot_id=lambda: boot_id, remediated=self.remediated)
         self.gpu_resets = GpuResets(config, resetter=resetter if config.gpu_resets else None, actions=actions,
                                     events=events, clock=clock, counter=counter, boot_id=lambda: boot_id,
                                     remediated=self.remediated, wake=wake, holders=self._reset_holders,
-                                    drained=self._drained_for_reset)
+                                    drained=self._drained_for_reset,
+                                    listener=reset_listener if reset_listener is not None else NoResetListener())
         self.keys = Keys.for_prefix(config.prefix)
         self.latch_keys = latch.LatchKeys.for_prefix(config.prefix)
         self.actions = actions
@@ -111,16 +115,6 @@ class Engine:
         self._said: set[tuple[str, str]] = set()  # (what, reason) already announced, to avoid repeating Events
         self._conditions_checked = False  # stale condition types removed (once per process)
         self._findings: frozenset[tuple[str, str]] = frozenset()  # (reason, device) already recorded as incidents
-
-    @property
-    def pods_of(self) -> PodsOf | None:
-        """Device IDs -> the pods holding them ("namespace/name"), from agent.ownership: named in the condition
-        message, and the pods an isolation drains."""
-        return self.isolation.pods_of
-
-    @pods_of.setter
-    def pods_of(self, lookup: PodsOf | None) -> None:
-        self.isolation.pods_of = lookup
 
     def recorded(self) -> Recorded:
         """The decisions recorded on the node."""
@@ -356,7 +350,7 @@ class Engine:
     async def _reset_holders(self, devices: Sequence[str]) -> list[str] | None:
         """The pods holding a GPU before its reset: the kubelet's word now (None: it did not answer, so wait);
         without PodResources at all, nobody can be named and NVML's process list is the only check."""
-        return [] if self.pods_of is None else await self.isolation.holders(devices)
+        return [] if self.isolation.pods_of is None else await self.isolation.holders(devices)
 
     # --- drain ------------------------------------------------------------------------------------------------
 

@@ -8,8 +8,8 @@ the configured action decides how far the node goes meanwhile (an isolated devic
 Advised resets: a GPU with a pending row remap (`NodeVerdict.reset_advised`) stays in service; with a reset command
 it is reset once idle (no holder in a fresh PodResources reading, no NVML process), while the node has no fault of
 its own (below cordon, nothing asking for a reboot) and after any fault's reset. There is no drain to wait for;
-the GPU is Unhealthy only while its reset runs (`reset_starting`, then health's reset observed, or
-`reset_abandoned` when a pod took it at the last look), and the reset is routine maintenance, not counted
+the GPU is Unhealthy only while its reset runs (health's `gpu_reset_starting`, then the reset observed, or
+`gpu_reset_abandoned` when a pod took it at the last look), and the reset is routine maintenance, not counted
 towards the latch. A GPU that cannot be reset here (MIG mode) keeps the advisory and nothing escalates.
 
 When: once the drain the verdict asks for has finished (the isolated device's pods, or the node's), no pod holds
@@ -18,7 +18,7 @@ wait), looking again every `RECHECK_SECONDS`. One GPU at a time. Never on a latc
 Event says what would run).
 
 Then: the host's resetter closes the agent's NVML session, runs `gpuResetCommand`, opens the session and checks
-NVML lists the GPU again. Success tells health (`reset_done`: findings that wait for a reset end, ECC baselines
+NVML lists the GPU again. Success tells health (`gpu_reset_done`: findings that wait for a reset end, ECC baselines
 restart), and the reset counts as verified when health stops asking for it within `gpuResetVerifySeconds`.
 A failed reset, a fault that persists after it, or a GPU that cannot be reset at all (MIG mode, lost) escalates:
 `escalation()` is a verdict `GpuResetFailed` with a reboot as recovery, so the node path cordons and, with a
@@ -48,7 +48,7 @@ from agent.remediation.actions import NodeActions
 from agent.remediation.events import WARNING, EventRecorder
 from agent.remediation.metrics import ActionCounter
 from agent.remediation.reboot import reboot_gpus
-from agent.signals import GpuRecoveryAction, NodeVerdict, RecoveryRequest, Severity
+from agent.signals import GpuRecoveryAction, GpuResetListener, NodeVerdict, RecoveryRequest, Severity
 
 log = logging.getLogger(__name__)
 
@@ -126,13 +126,11 @@ class GpuResets:
                  events: EventRecorder, clock: Clock, counter: ActionCounter, boot_id: Callable[[], str],
                  remediated: Callable[[str], Awaitable[None]], wake: Callable[[], None],
                  holders: Callable[[Sequence[str]], Awaitable[list[str] | None]],
-                 drained: Callable[[NodeVerdict], bool]) -> None:
+                 drained: Callable[[NodeVerdict], bool], listener: GpuResetListener) -> None:
         self.config = config
         self.key = f"{config.prefix}/gpu-reset"
         self.resetter = resetter
-        self.reset_done: Callable[[str], None] = lambda uuid: None  # health's hook (wiring sets it)
-        self.reset_starting: Callable[[str], None] = lambda uuid: None  # health: Unhealthy while an advised reset runs
-        self.reset_abandoned: Callable[[str], None] = lambda uuid: None  # health: in service again, not reset
+        self._listener = listener  # health: Unhealthy while an advised reset runs, findings a reset ends
         self._actions = actions
         self._events = events
         self._clock = clock
@@ -261,13 +259,13 @@ class GpuResets:
             await self._failed(uuid, "NVML no longer lists it")
             return
         if advisory:  # out of ListAndWatch first, then one more look: a pod admitted meanwhile keeps its GPU
-            self.reset_starting(uuid)
+            self._listener.gpu_reset_starting(uuid)
             if not await self._idle(uuid):
-                self.reset_abandoned(uuid)
+                self._listener.gpu_reset_abandoned(uuid)
                 return
         if not await self._write(record.with_gpu(uuid, RUNNING, self._clock.now())):
             if advisory:
-                self.reset_abandoned(uuid)
+                self._listener.gpu_reset_abandoned(uuid)
             return
         why = "reset advised (a pending row remap or page retirement it applies)" if advisory else verdict.reason
         await self._events.emit("GpuResetStarted", f"{why}: resetting {uuid} ({target.bus_id}) with "
@@ -312,7 +310,8 @@ class GpuResets:
             await self._failed(uuid, outcome.detail)
             self._task_uuid = ""
             return
-        self.reset_done(uuid)  # before the record: health drops the findings a reset ends, and says so next
+        # before the record: health drops the findings a reset ends, and says so next
+        self._listener.gpu_reset_done(uuid)
         if await self._write(self.record().with_gpu(uuid, OK, self._clock.now(), outcome.detail)):
             self._counter.count("gpu_reset", "ok")
             await self._events.emit("GpuReset", f"{uuid} was reset ({outcome.detail}); its checks must pass within "

@@ -64,10 +64,10 @@ class Isolation:
     """Keeps the node's isolation record and the drain of the isolated device's pods in step with the verdict."""
 
     def __init__(self, config: RemediationConfig, *, actions: NodeActions, events: EventRecorder, drainer: Drainer,
-                 clock: Clock, counter: ActionCounter, wake: Callable[[], None]) -> None:
+                 clock: Clock, counter: ActionCounter, wake: Callable[[], None], pods_of: PodsOf | None) -> None:
         self.config = config
         self.keys = IsolationKeys.for_prefix(config.prefix)
-        self.pods_of: PodsOf | None = None
+        self.pods_of = pods_of  # None: no PodResources configured, nobody can be named
         self._actions = actions
         self._events = events
         self._drainer = drainer

@@ -31,11 +31,12 @@ from agent.remediation.drainmodes import DrainPlanner
 from agent.remediation.engine import Engine, Inputs
 from agent.remediation.events import EventRecorder
 from agent.remediation.gpu_reset import Resetter
+from agent.remediation.isolate import PodsOf
 from agent.remediation.maintenance import Fetch, MaintenanceWatcher, urllib_fetch
 from agent.remediation.metrics import ActionCounter
 from agent.remediation.preflight import PreflightCheck, run_preflight
 from agent.remediation.slots import Slots
-from agent.signals import Latest, NodeVerdict
+from agent.signals import GpuResetListener, Latest, NodeVerdict
 from agent.supervisor import Backoff, RunFn, Supervisor
 
 log = logging.getLogger(__name__)
@@ -61,14 +62,16 @@ class RemediationService:
     """Acts on this node's API objects from health verdicts (see `engine`).
 
     `verdicts` is the cell the health subsystem publishes its `agent.signals.NodeVerdict` into; only the latest
-    matters, and there is none until health has looked once.
+    matters, and there is none until health has looked once. `pods_of` names the pods holding devices
+    (`agent.ownership`; None without PodResources); `reset_listener` is told about each GPU reset (health).
     """
 
     def __init__(self, config: RemediationConfig, node_name: str, cluster: Cluster,
                  verdicts: Latest[NodeVerdict], registry: CollectorRegistry, *, pod_name: str = "",
                  pod_namespace: str = "", clock: Clock | None = None, rng: random.Random | None = None,
                  preflight_checks: Sequence[PreflightCheck] = (), metadata_fetch: Fetch = urllib_fetch,
-                 boot_id_path: str = BOOT_ID_PATH, resetter: Resetter | None = None) -> None:
+                 boot_id_path: str = BOOT_ID_PATH, resetter: Resetter | None = None, pods_of: PodsOf | None = None,
+                 reset_listener: GpuResetListener | None = None) -> None:
         if not node_name:
             raise ValueError("remediation needs the node name: set --node-name or NODE_NAME (downward API)")
         self.config = config
@@ -101,7 +104,7 @@ class RemediationService:
                              jitter=self._jitter,
                              # read once: a reboot ends this process, so the next one reads the new id
                              boot_id=read_boot_id(boot_id_path) if config.reboot_requests or resetter else "",
-                             resetter=resetter)
+                             resetter=resetter, pods_of=pods_of, reset_listener=reset_listener)
         self.maintenance = (MaintenanceWatcher(list(config.maintenance_clouds), config.maintenance_base_url,
                                                self.clock, poll_seconds=config.maintenance_poll_seconds,
                                                drain_before=config.maintenance_drain_before_seconds,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from agent.config.shaping import Limits
 from agent.host.tc import IFB_PREFIX, DeviceShaping, Network, ShaperCounters, TcError, TcPort, TcState, exemptions
-from agent.netacct.pods import Pod
+from agent.pods.model import Pod
 from agent.shaping.limits import Problem, resolve
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,8 @@
 One asyncio loop owned by the supervisor through a stop event, shaped like netacct's: each round runs one sync
 in a worker thread (netlink blocks), then waits for a pod change, the retry delay (while a pod's interface is not
 found yet or failed), the sync interval, or stop. A failed sync is logged and retried with backoff, never ending
-the loop. The pod source is netacct's when both run (one pod watch per process); `owns_source` says who runs it.
+the loop. The pod source is the process's one (`agent.pods`), shared with netacct when both run; `owns_source`
+says whether this service runs it.
 
 An invalid annotation is a Warning Event on the pod (`InvalidBandwidthAnnotation`) and a log line, once per
 pod, annotation and value; the value appears in the Event only as text (quoted, cut at 64 characters).
@@ -23,7 +24,7 @@ from agent.config.shaping import ShapingConfig, parse_defaults
 from agent.host.tc import Network, TcError, TcPort
 from agent.kube.model import EventRecord, ObjectRef
 from agent.kube.port import EventApi
-from agent.netacct.pods import PodSource
+from agent.pods.source import PodSource
 from agent.shaping.collector import ShapingCollector
 from agent.shaping.engine import Shaper, SyncReport
 from agent.supervisor import Backoff

@@ -19,8 +19,8 @@ from agent.config.remediation import RemediationConfig
 from agent.hardware import Hardware, open_hardware
 from agent.kube.cluster import LightkubeCluster
 from agent.kube.simulated import InMemoryCluster
-from agent.netacct.kubepods import KubePodSource
-from agent.netacct.pods import FilePodSource, PodFeed
+from agent.pods.kube import KubePodSource
+from agent.pods.source import FilePodSource, PodFeed
 from agent.signals import Latest
 from tests.fakes.allowed import assert_only_allowed
 from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
@@ -116,7 +116,7 @@ def test_without_a_node_name_or_credentials_there_are_no_pods_and_the_log_says_w
     _, netacct = install_both(ctx)
     assert type(netacct.pods) is PodFeed and netacct.pods.snapshot()[1] == ()  # known and empty: node totals
     assert ctx.cluster is None
-    assert caplog.text.count("netacct: no pods from the Kubernetes API") == 1 and why in caplog.text
+    assert caplog.text.count("pods: no pods from the Kubernetes API") == 1 and why in caplog.text
     netacct.close()
 
 

@@ -48,6 +48,10 @@ async def test_device_pod_info_and_pod_resources_up_follow_the_kubelet():
             assert (f'gpu_node_agent_device_pod_info{{container="main",device="{device}",namespace="ml",'
                     f'pod="trainer-0",resource="{resource}"}} 1.0') in text
         assert "gpu_node_agent_pod_resources_up 1.0" in text
+        # the device plugin was built with the ownership facts: the second resource's preference call found the
+        # container (and its partner device) in the kubelet's records
+        assert re.search(r'^gpu_node_agent_pod_resources_lookups_total\{result="exact"\} [1-9]', text, re.MULTILINE), \
+            "\n".join(line for line in text.splitlines() if "lookups" in line)
 
         assert kubelet.pod_resources is not None
         await kubelet.pod_resources.stop()  # the kubelet goes away (socket removed)

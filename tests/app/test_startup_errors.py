@@ -84,6 +84,18 @@ def test_a_device_plugin_directory_over_the_unix_socket_limit(tmp_path: Path):
     assert "the limit is 107" in the_error(lines)
 
 
+def test_a_served_resource_socket_over_the_limit_is_refused_at_start_not_crash_looped(tmp_path: Path):
+    # kubelet.sock fits, a resource's socket (gna-sriov_rdma-<hash>.sock) does not: refused before anything runs
+    directory = tmp_path / ("d" * (90 - len(str(tmp_path)) - 1))
+    directory.mkdir()
+    assert len(f"{directory}/kubelet.sock") <= 107
+    code, lines = run_agent(tmp_path, "--simulate", "dgx-h100", "--kmsg", "", "--device-plugin-dir", str(directory),
+                            "--metrics-address", "127.0.0.1:0")
+    assert code == 2
+    error = the_error(lines)
+    assert "gna-" in error and "the limit is 107" in error
+
+
 def test_a_busy_metrics_port_names_the_address(tmp_path: Path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -7,7 +7,8 @@ import argparse
 import pytest
 
 from agent import cli, config
-from agent.config.netacct import DEFAULT_INTERNAL_CIDRS, NetacctConfig
+from agent.config.netacct import NetacctConfig
+from agent.config.pods import DEFAULT_INTERNAL_CIDRS
 
 
 def load(argv: list[str], env: dict[str, str] | None = None) -> NetacctConfig:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 
-from agent.netacct.pods import Pod, make_pod
+from agent.pods.model import Pod, make_pod
 from tests.netacct import netns
 from tests.netacct.conftest import EngineFactory, RecordingHost, scrape
 from tests.netacct.netns import INET4, INET6, NODE_UP4, NODE_UP6, PEER4, PEER6, POD4, POD6

@@ -11,7 +11,7 @@ from agent.config.netacct import NetacctConfig
 from agent.netacct import rules
 from agent.netacct.backend import Host
 from agent.netacct.command import cleanup_command
-from agent.netacct.pods import make_pod
+from agent.pods.model import make_pod
 from tests.netacct import netns
 from tests.netacct.conftest import EngineFactory, RecordingHost
 from tests.netacct.netns import INET4, INET6, POD4, POD6

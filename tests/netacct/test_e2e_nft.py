@@ -15,7 +15,7 @@ from agent.netacct import backend, nft_layout, rules
 from agent.netacct.backend import Host
 from agent.netacct.command import cleanup_command
 from agent.netacct.engine import Netacct, SyncError
-from agent.netacct.pods import Pod
+from agent.pods.model import Pod
 from tests.netacct import netns
 from tests.netacct.conftest import EngineFactory, RecordingHost
 from tests.netacct.netns import INET4, POD4, POD6

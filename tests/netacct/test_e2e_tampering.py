@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry
 
 from agent.config.netacct import NetacctConfig
 from agent.netacct.backend import Host
-from agent.netacct.pods import PodFeed
 from agent.netacct.service import NetacctService
+from agent.pods.source import PodFeed
 from tests.netacct import netns
 from tests.netacct.conftest import EngineFactory
 from tests.netacct.netns import POD4, POD6

@@ -17,9 +17,9 @@ from agent.kube.cluster import LightkubeCluster, connect
 from agent.kube.metrics import ApiRequestCounter
 from agent.kube.model import PodView
 from agent.kube.simulated import demo_cluster
-from agent.netacct.kubepods import KubePodSource
-from agent.netacct.pods import make_pod
 from agent.netacct.service import NetacctService
+from agent.pods.kube import KubePodSource
+from agent.pods.model import make_pod
 from tests.fakes import fixtures
 from tests.fakes.allowed import assert_only_allowed
 from tests.fakes.apiserver import ApiServerDouble, write_kubeconfig
@@ -64,7 +64,7 @@ async def test_only_pods_with_their_own_ips_are_published(api: ApiServerDouble, 
     try:
         await until(lambda: source.snapshot()[1] is not None, "the first list")
         assert source.snapshot()[1] == (make_pod("team", "trainer", ["10.1.0.5", "fd00::5"], "uid-team-trainer"),)
-        assert caplog.text.count("not accounting pod team/broken") == 1
+        assert caplog.text.count("skipping pod team/broken") == 1
 
         api.update_pod("team", "pending", {"status": {"podIPs": [{"ip": "10.1.0.6"}]}})  # the kubelet reports it
         await until(lambda: len(source.snapshot()[1] or ()) == 2, "the pod with its new IP")
@@ -72,7 +72,7 @@ async def test_only_pods_with_their_own_ips_are_published(api: ApiServerDouble, 
         api.update_pod("team", "broken", {"metadata": {"labels": {"a": "b"}}})  # warned once, not per change
         await until(lambda: source.snapshot()[1] == (make_pod("team", "pending", ["10.1.0.6"], "uid-team-pending"),),
                     "the delete")
-        assert caplog.text.count("not accounting pod team/broken") == 1
+        assert caplog.text.count("skipping pod team/broken") == 1
     finally:
         stop.set()
         await asyncio.wait_for(task, 5)

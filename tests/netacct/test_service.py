@@ -12,8 +12,9 @@ from prometheus_client import CollectorRegistry
 
 from agent.config.netacct import NetacctConfig
 from agent.netacct.backend import Host
-from agent.netacct.pods import FilePodSource, PodFeed, make_pod
 from agent.netacct.service import NetacctService
+from agent.pods.model import make_pod
+from agent.pods.source import FilePodSource, PodFeed
 from tests.fakes.polling import until
 from tests.netacct import netns
 from tests.netacct.fakes import FakeHost

@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent.deviceplugin.facts import OwnershipFacts
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.host.podresources import Reachability
 from agent.host.podresources.client import KubeletPodResources
@@ -117,8 +116,7 @@ class Node:
         config = dp_config(str(self.directory / "dp"), serve_gpus=self.serve_gpus, **self.config_changes)
         self.manager = DevicePluginManager(config, self.topology, registry=registry, **FAST,
                                            plugin_registry_dir=str(self.directory / "reg"),
-                                           cdi_spec_dir=str(self.directory / "cdi"))
-        self.manager.use_ownership(OwnershipFacts(self.service, self.manager.pools, GPU))
+                                           cdi_spec_dir=str(self.directory / "cdi"), ownership=self.service)
         ours = (GPU, NIC) if self.serve_gpus else (NIC,)
         before = {r: self.kubelet.plugins.get(r) for r in ours}  # a restart: wait for the new registrations
         if poll_first:

@@ -140,11 +140,10 @@ async def test_an_admins_cordon_is_never_lifted_by_the_agent(harness: Harness):
 
 
 async def test_condition_names_the_pods_holding_the_devices(harness: Harness):
-    service = await harness.start()
     async def pods_of(devices: Sequence[str]) -> list[str] | None:
         return ["ml/trainer-0"] if "GPU-1" in devices else []
 
-    service.engine.pods_of = pods_of
+    await harness.start(pods_of=pods_of)
     await harness.verdict(XID79)
     condition = harness.api.condition("GpuUnhealthy")
     assert condition["status"] == "True" and "GPU-1" in condition["message"]

@@ -68,24 +68,31 @@ class Host:
         return [json.loads(line) for line in complete]
 
     async def start(self, harness: Harness, config: RemediationConfig, *, restart: bool = False) -> None:
-        kwargs = {"boot_id_path": str(self.boot), "resetter": GpuResetter(self.nvml, config.gpu_reset_command, 10.0)}
-        service = await (harness.restart(config, **kwargs) if restart else harness.start(config, **kwargs))
-        service.engine.pods_of = self.rig.ownership.pods_holding_now
+        kwargs = {"boot_id_path": str(self.boot), "resetter": GpuResetter(self.nvml, config.gpu_reset_command, 10.0),
+                  "pods_of": self.rig.ownership.pods_holding_now, "reset_listener": HealthOf(self, harness)}
+        await (harness.restart(config, **kwargs) if restart else harness.start(config, **kwargs))
         if self.rig.kubelet_calls not in harness.activity:
             harness.activity.append(self.rig.kubelet_calls)
 
-        def reset_done(uuid: str) -> None:  # what HealthService.gpu_reset_done does, on the real assessor
-            if self.clears:
-                self.rig.assessor.on_gpu_reset(uuid, "reset by remediation")
-            self.nvml.reset_gpu(uuid)
-            harness.queue.set(self.rig.assessor.verdict)
-        service.engine.gpu_resets.reset_done = reset_done
 
-        def reset_starting(uuid: str) -> None:  # HealthService.gpu_reset_starting, on the real assessor
-            self.rig.assessor.on_gpu_resetting(uuid)
-            self.unhealthy_while_resetting.append(set(self.rig.assessor.book.unhealthy_devices()))
-        service.engine.gpu_resets.reset_starting = reset_starting
-        service.engine.gpu_resets.reset_abandoned = self.rig.assessor.on_gpu_reset_abandoned
+class HealthOf:
+    """What HealthService does when remediation tells it about a reset, on the real assessor (a GpuResetListener)."""
+
+    def __init__(self, host: Host, harness: Harness) -> None:
+        self.host, self.harness = host, harness
+
+    def gpu_reset_done(self, uuid: str) -> None:
+        if self.host.clears:
+            self.host.rig.assessor.on_gpu_reset(uuid, "reset by remediation")
+        self.host.nvml.reset_gpu(uuid)
+        self.harness.queue.set(self.host.rig.assessor.verdict)
+
+    def gpu_reset_starting(self, uuid: str) -> None:
+        self.host.rig.assessor.on_gpu_resetting(uuid)
+        self.host.unhealthy_while_resetting.append(set(self.host.rig.assessor.book.unhealthy_devices()))
+
+    def gpu_reset_abandoned(self, uuid: str) -> None:
+        self.host.rig.assessor.on_gpu_reset_abandoned(uuid)
 
 
 @pytest.fixture

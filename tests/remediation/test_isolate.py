@@ -17,8 +17,7 @@ from tests.remediation.test_drain import P, evictions
 
 
 async def start(harness: Harness, rig: Rig, **config: object) -> None:
-    service = await harness.start(make_config(**config))
-    service.engine.pods_of = rig.ownership.pods_holding_now
+    await harness.start(make_config(**config), pods_of=rig.ownership.pods_holding_now)
     harness.activity.append(rig.kubelet_calls)
 
 
@@ -128,8 +127,8 @@ async def test_a_reset_ends_the_isolation_and_a_restart_repeats_nothing(harness:
     await harness.verdict(verdict)
     assert evictions(harness) == ["trainer-2"] and harness.actions("isolate", "ok") == 1
 
-    service = await harness.restart()  # a new agent process on the same node: same isolation, nothing counted again
-    service.engine.pods_of = rig.ownership.pods_holding_now
+    # a new agent process on the same node: same isolation, nothing counted again
+    await harness.restart(pods_of=rig.ownership.pods_holding_now)
     await harness.verdict(verdict)
     assert harness.actions("isolate", "ok") == 0
     assert [r for r in harness.event_reasons() if r == "DeviceIsolated"] == ["DeviceIsolated"]

@@ -13,11 +13,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from agent.config.netacct import DEFAULT_INTERNAL_CIDRS, NetacctConfig
+from agent.config.netacct import NetacctConfig
+from agent.config.pods import DEFAULT_INTERNAL_CIDRS
 from agent.host.tc_netlink import NetlinkTc
 from agent.netacct.backend import Host
 from agent.netacct.engine import Netacct
-from agent.netacct.pods import Pod, make_pod
+from agent.pods.model import Pod, make_pod
 from agent.shaping.engine import Shaper
 from agent.shaping.limits import EGRESS_ANNOTATION, INGRESS_ANNOTATION
 from tests.shaping import netns

@@ -11,13 +11,13 @@ from prometheus_client import CollectorRegistry
 
 from agent.config import ConfigError
 from agent.config.load import load
-from agent.config.netacct import DEFAULT_INTERNAL_CIDRS
+from agent.config.pods import DEFAULT_INTERNAL_CIDRS
 from agent.config.shaping import Limits, parse_bandwidth, parse_defaults
 from agent.host.tc import exemptions
 from agent.host.tc_simulated import SimulatedTc
 from agent.kube.model import PodView
-from agent.netacct.kubepods import accountable
-from agent.netacct.pods import PodListError, make_pod, parse_pods
+from agent.pods.kube import addressed
+from agent.pods.model import PodListError, make_pod, parse_pods
 from agent.shaping.collector import ShapingCollector
 from agent.shaping.engine import Shaper, ifb_name
 from agent.shaping.limits import EGRESS_ANNOTATION, INGRESS_ANNOTATION, resolve
@@ -248,5 +248,5 @@ def test_the_pod_watch_carries_uid_and_annotations():
     view = PodView.from_dict({"metadata": {"namespace": "team", "name": "p", "uid": "0b1c-42",
                                            "annotations": {EGRESS_ANNOTATION: "50M"}},
                               "spec": {}, "status": {"phase": "Running", "podIPs": [{"ip": "10.244.0.5"}]}})
-    (pod,) = accountable([view])
+    (pod,) = addressed([view])
     assert pod.uid == "0b1c-42" and pod.annotation_map == {EGRESS_ANNOTATION: "50M"}

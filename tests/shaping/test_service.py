@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from agent.config.shaping import ShapingConfig
 from agent.host.tc_simulated import SimulatedTc
 from agent.kube.simulated import InMemoryCluster
-from agent.netacct.pods import FilePodSource
+from agent.pods.source import FilePodSource
 from agent.shaping.limits import EGRESS_ANNOTATION, INGRESS_ANNOTATION
 from agent.shaping.service import EVENT_REASON, ShapingService
 from tests.fakes.polling import until

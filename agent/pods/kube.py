@@ -1,11 +1,12 @@
-"""This node's pods from the Kubernetes API, for network accounting: a `PodFeed` fed by the pod watch.
+"""This node's pods from the Kubernetes API: a `PodFeed` fed by the pod watch.
 
 `KubePodSource` runs `agent.kube.podwatch.NodePodWatch` on the shared cluster port (list, then watch with
-`fieldSelector=spec.nodeName=<node>` and bookmarks; re-list only on 410) and publishes the accountable pods on
-every change: pods with at least one IP in `status.podIPs`, not on the host network (their traffic is the
-node's, counted in the host scope), and not finished (a Succeeded or Failed pod's IPs go back to the pool and
-may already belong to a new pod). Until the first list succeeds the set stays unknown, so the engine keeps
-the set members it finds instead of emptying them while the API server is unreachable at start.
+`fieldSelector=spec.nodeName=<node>` and bookmarks; re-list only on 410) and publishes, on every change, the pods
+with their own addresses (`addressed`): at least one IP in `status.podIPs`, not on the host network (their
+traffic is the node's: netacct counts it in the host scope, and they have no veth of their own to shape), and
+not finished (a Succeeded or Failed pod's IPs go back to the pool and may already belong to a new pod). Until
+the first list succeeds the set stays unknown, so consumers keep what they find in the kernel instead of
+emptying it while the API server is unreachable at start.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from agent.kube.model import PodView
 from agent.kube.podwatch import NodePodWatch
 from agent.kube.port import PodWatchApi
 from agent.kube.reflector import WATCH_TIMEOUT
-from agent.netacct.pods import Pod, PodFeed, PodListError, make_pod
+from agent.pods.model import Pod, PodListError, make_pod
+from agent.pods.source import PodFeed
 from agent.supervisor import Backoff, Supervisor
 
 log = logging.getLogger(__name__)
@@ -28,8 +30,8 @@ log = logging.getLogger(__name__)
 FINISHED = ("Succeeded", "Failed")
 
 
-def accountable(pods: Iterable[PodView], warned: set[tuple[str, str]] | None = None) -> list[Pod]:
-    """The pods netacct counts, with validated IPs; a pod with a malformed IP is skipped (warned once)."""
+def addressed(pods: Iterable[PodView], warned: set[tuple[str, str]] | None = None) -> list[Pod]:
+    """The pods with their own addresses, validated; a pod with a malformed IP is skipped (warned once)."""
     out: list[Pod] = []
     for view in pods:
         if view.host_network or not view.ips or view.phase in FINISHED:
@@ -38,7 +40,7 @@ def accountable(pods: Iterable[PodView], warned: set[tuple[str, str]] | None = N
             out.append(make_pod(view.namespace, view.name, view.ips, view.uid, dict(view.annotations)))
         except PodListError as exc:
             if warned is None or view.key not in warned:
-                log.warning("netacct: not accounting pod %s/%s: %s", view.namespace, view.name, exc)
+                log.warning("pods: skipping pod %s/%s: %s", view.namespace, view.name, exc)
                 if warned is not None:
                     warned.add(view.key)
     return out
@@ -55,16 +57,16 @@ class KubePodSource(PodFeed):
                                   backoff=backoff)
 
     def _changed(self, pods: tuple[PodView, ...]) -> None:
-        self.publish(accountable(pods, self._warned))
+        self.publish(addressed(pods, self._warned))
 
     async def run(self, stop: asyncio.Event) -> None:
         """List and watch until `stop` is set; an unexpected failure is logged and the watch restarted, since the
         service would not notice a dead source (it only ever sees the last published set)."""
-        log.info("netacct: following the pods of node %s through the Kubernetes API", self.watch.api.node_name)
+        log.info("pods: following the pods of node %s through the Kubernetes API", self.watch.api.node_name)
         supervisor = Supervisor(stop, clock=self.watch.clock, maximum=300.0, grace=0.0, on_failure=_watch_failed)
-        supervisor.add("netacct pod watch", self.watch.run)
+        supervisor.add("pod watch", self.watch.run)
         await supervisor.run()
 
 
 def _watch_failed(name: str, exc: Exception, delay: float) -> None:
-    log.error("netacct: the pod watch failed unexpectedly; restarting it in %.0fs", delay, exc_info=exc)
+    log.error("pods: the pod watch failed unexpectedly; restarting it in %.0fs", delay, exc_info=exc)

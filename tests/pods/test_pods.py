@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.netacct.pods import FilePodSource, Pod, PodListError, make_pod, parse_pods
+from agent.pods.model import Pod, PodListError, make_pod, parse_pods
+from agent.pods.source import FilePodSource
 
 
 def test_parse_normalises_addresses_and_keeps_names_verbatim() -> None:

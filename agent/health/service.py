@@ -111,7 +111,7 @@ class HealthService:
                                           kmsg_skipped=lambda: self.kmsg.skipped if self.kmsg else {},
                                           kmsg_resyncs=lambda: self.kmsg.resyncs if self.kmsg else 0,
                                           link_resyncs=lambda: self.links.resyncs))
-        registry.register(NicCollector(self.nic))
+        registry.register(NicCollector(self.nic, device_health))
         registry.register(GpuStateCollector(self.gpu_state))
 
     @property

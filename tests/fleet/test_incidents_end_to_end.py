@@ -1,6 +1,7 @@
 """Incidents on the Node (issue 42 item 2): `run --simulate dgx-h100` acting on the one-node API double; two Xid 79
 on two GPUs are two incidents in `gpunodeagent.io/incidents`, each written in the nodes/status PATCH that changes
-the condition (no request of its own), and `gpu_node_agent_incidents_total` is 2."""
+the condition (no request of its own), `gpu_node_agent_incidents_total` is 2, and `gpu_node_agent_gpus_healthy`
+goes from 8 to 6 (item 3)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ async def test_two_xid_79_on_two_gpus_are_two_incidents_in_the_conditions_own_wr
     agent, api, kmsg = await start_on_api_double(directory, NODE, profile="dgx-h100")
     try:
         assert KEY not in api.annotations  # a healthy node has no incident
+        text = await asyncio.to_thread(agent.metrics)
+        assert "gpu_node_agent_gpus_healthy 8.0" in text and "gpu_node_agent_gpus_expected 8.0" in text
         counts = []
         for seq, bus_id in ((7001, first), (7002, second)):
             with kmsg.open("a") as handle:
@@ -51,6 +54,7 @@ async def test_two_xid_79_on_two_gpus_are_two_incidents_in_the_conditions_own_wr
         assert messages[0] != messages[1]  # each rode the write that changed the condition
         text = await asyncio.to_thread(agent.metrics)
         assert "gpu_node_agent_incidents_total 2.0" in text
+        assert "gpu_node_agent_gpus_healthy 6.0" in text  # the two GPUs that fell off the bus are not healthy
     finally:
         code = agent.stop()
         await api.stop()

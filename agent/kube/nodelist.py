@@ -61,6 +61,7 @@ class _ListMeta(msgspec.Struct, frozen=True, gc=False):
 
 
 class _NodeList(msgspec.Struct, frozen=True, gc=False):
+    kind: str = ""
     metadata: _ListMeta = _ListMeta()
     items: list[_Node] | None = None
 
@@ -101,6 +102,8 @@ def decode_node_page(body: bytes | bytearray) -> NodePage:
         listing = _DECODER.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise errors.ApiServerError(502, f"undecodable node list: {str(exc)[:200]}") from exc
+    if listing.kind != "NodeList":  # a Status, a proxy's page, another resource: never "no nodes"
+        raise errors.ApiServerError(502, f"the node list answer is a {listing.kind[:40] or 'document without kind'}")
     nodes = tuple(NodeSummary(n.metadata.name, n.metadata.labels or {}, n.metadata.annotations or {},
                               n.spec.unschedulable, tuple(n.spec.taints or ()), tuple(n.status.conditions or ()))
                   for n in listing.items or ())

@@ -85,6 +85,7 @@ async def test_fleet_json_equals_the_truth_at_7500_nodes(double, built, tmp_path
         assert node["gpus"] == {"expected": truth.gpus_expected, "healthy": truth.gpus_healthy}
     lists = check_requests(double)
     assert len(lists) <= 16
+    print(f"fleet --json over {N} nodes: {seconds:.2f} s, {len(lists)} LISTs")
     assert seconds <= 3.0, f"fleet --json over {N} nodes took {seconds:.2f} s"
     # every bucket is exercised, so a rule left out cannot pass by accident
     assert all(report["summary"]["verdicts"][v] > 0 for v in report["summary"]["verdicts"])
@@ -148,6 +149,15 @@ async def test_unreachable_api_server_exits_1_with_one_line(tmp_path):
     api.url = url
     code, _, err, _ = await run_fleet(api, tmp_path)
     assert code == 1 and len(err.strip().splitlines()) == 1 and "cannot list nodes" in err, err
+
+
+@pytest.mark.parametrize("body", [b'{"kind":"Status","apiVersion":"v1","status":"Success"}', b"<html>proxy</html>",
+                                  b'{"kind":"NodeList","items":[{"metadata":{"name":7}}]}', b'{"kind":"NodeList",'
+                                  b'"items":[{"metadata":{}}]}'])
+async def test_an_answer_that_is_not_a_node_list_exits_1_with_one_line(double, tmp_path, body):
+    double._list = lambda query: (200, body, {})  # a proxy or a broken server answering 200
+    code, out, err, _ = await run_fleet(double, tmp_path, "--json")
+    assert code == 1 and not out and len(err.strip().splitlines()) == 1 and "cannot list nodes" in err, (out, err)
 
 
 def test_the_doubles_selector_parser_refuses_what_the_server_refuses():

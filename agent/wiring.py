@@ -197,8 +197,17 @@ def health(node: Node, registry: CollectorRegistry, *, readiness: Readiness,
         return next((name for name in manager.resources if manager.plugin(name).pool.serves_physical(device_id)),
                     None)
 
+    nvsentinel = None
+    if hc.nvsentinel_socket:  # NVSentinel's platform connector, as one of its monitors (agent.health.nvsentinel)
+        import socket
+
+        from agent.host.nvsentinel.client import GrpcConnector
+
+        nvsentinel = GrpcConnector(hc.nvsentinel_socket)
     service = HealthService(hc, state_dir, hardware.topology, hardware.nvml, device_health, registry, hardware.links,
-                            verdicts=verdicts, resource_of=resource_of, nic_sysfs=hardware.counters)
+                            verdicts=verdicts, resource_of=resource_of, nic_sysfs=hardware.counters,
+                            nvsentinel=nvsentinel,
+                            node_name=node.cfg.node_name or (socket.gethostname() if nvsentinel else ""))
     readiness.require("first health pass")
 
     async def ready_after_first_pass() -> None:

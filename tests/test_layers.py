@@ -238,8 +238,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the composition root, the choice between real and simulated hardware it makes, the one opened node every
     # command works from (`agent.node`: mode defaults, hardware, node paths), and the node self-check (`doctor`)
     # that opens the same node and runs the readers below once; the simulated node's sample admissions, a client
-    # of the served device plugin (through the stand-in kubelet) that the composition root runs
-    ("agent.wiring", "agent.hardware", "agent.node", "agent.doctor", "agent.simulate.samples"),
+    # of the served device plugin (through the stand-in kubelet) that the composition root runs; the operator's
+    # fleet view (`fleet`), which reads what remediation writes on the Nodes
+    ("agent.wiring", "agent.hardware", "agent.node", "agent.doctor", "agent.simulate.samples", "agent.fleet"),
     ("agent.app",),
     ("agent.cli", "agent.__main__"),
 )

@@ -20,10 +20,10 @@ from agent.kube.errors import ClusterConfigError
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from agent.kube.cluster import LightkubeCluster
+    from agent.kube.cluster import LightkubeCluster, LightkubeNodes
     from agent.kube.port import Cluster
 
-__all__ = ["ClusterConfigError", "connect", "open_cluster"]
+__all__ = ["ClusterConfigError", "connect", "connect_nodes", "open_cluster"]
 
 
 def connect(node_name: str, registry: CollectorRegistry, kubeconfig: str | None = None,
@@ -36,6 +36,14 @@ def connect(node_name: str, registry: CollectorRegistry, kubeconfig: str | None 
     from agent.kube.metrics import ApiRequestCounter
 
     return _connect(node_name, ApiRequestCounter(registry), kubeconfig, timeout)
+
+
+def connect_nodes(registry: CollectorRegistry, kubeconfig: str | None = None, timeout: float = 10.0) -> LightkubeNodes:
+    """The read-only cluster-wide Node LIST (`gpu-node-agent fleet`), counting requests on `registry`."""
+    from agent.kube.cluster import connect_nodes as _connect_nodes
+    from agent.kube.metrics import ApiRequestCounter
+
+    return _connect_nodes(ApiRequestCounter(registry), kubeconfig, timeout)
 
 
 def open_cluster(node_name: str, registry: CollectorRegistry, *, in_memory: bool = False,

@@ -51,6 +51,7 @@ from agent.kube.model import (
     format_time,
 )
 from agent.kube.names import check_node_name, url_segment
+from agent.kube.nodelist import MAX_PAGE_BYTES, NodePage, decode_node_page
 from agent.kube.podlist import DecodedPods, decode_node_pods, read_bounded, status_message
 from agent.kube.transport import CountingTransport
 
@@ -134,9 +135,12 @@ class LightkubeCluster:
         node = await self._do(lambda: self._client.patch(Node, self._node, body, patch_type=PatchType.MERGE))
         return NodeView.from_dict(node.to_dict())
 
-    async def patch_node_condition(self, condition: Condition) -> NodeView:
-        """Strategic merge on nodes/status: conditions merge by type."""
-        body = {"status": {"conditions": [condition.to_dict()]}}
+    async def patch_node_condition(self, condition: Condition,
+                                   annotations: Mapping[str, str | None] | None = None) -> NodeView:
+        """Strategic merge on nodes/status: conditions merge by type; annotations ride along (kept by nodes/status)."""
+        body: dict[str, Any] = {"status": {"conditions": [condition.to_dict()]}}
+        if annotations:
+            body["metadata"] = {"annotations": dict(annotations)}
         node = await self._do(lambda: self._client.patch(Node.Status, self._node, body,
                                                          patch_type=PatchType.STRATEGIC))
         return NodeView.from_dict(node.to_dict())
@@ -419,9 +423,8 @@ def _watch_event(line: str, parse: Callable[[Mapping[str, Any]], T]) -> WatchEve
     return WatchEvent(kind, version, parse(obj))
 
 
-def connect(node_name: str, counter: ApiRequestCounter, kubeconfig: str | None = None, timeout: float = 10.0,
-            event_namespace: str = "default") -> LightkubeCluster:
-    """A `LightkubeCluster` from a kubeconfig file, or the in-cluster service account when none is given."""
+def _async_client(counter: ApiRequestCounter, kubeconfig: str | None, timeout: float) -> AsyncClient:
+    """A lightkube client from a kubeconfig file, or the in-cluster service account when none is given."""
     try:
         config = KubeConfig.from_file(kubeconfig) if kubeconfig else KubeConfig.from_service_account()
         single = config.get()
@@ -433,5 +436,46 @@ def connect(node_name: str, counter: ApiRequestCounter, kubeconfig: str | None =
         raise ClusterConfigError(f"kubeconfig {kubeconfig} has no current context with a user")
     verify = verify_cluster(single.cluster, single.user, single.abs_file)
     transport = CountingTransport(httpx2.AsyncHTTPTransport(verify=verify), counter)
-    client = AsyncClient(single, timeout=httpx2.Timeout(timeout), field_manager=FIELD_MANAGER, transport=transport)
+    return AsyncClient(single, timeout=httpx2.Timeout(timeout), field_manager=FIELD_MANAGER, transport=transport)
+
+
+def connect(node_name: str, counter: ApiRequestCounter, kubeconfig: str | None = None, timeout: float = 10.0,
+            event_namespace: str = "default") -> LightkubeCluster:
+    """A `LightkubeCluster` from a kubeconfig file, or the in-cluster service account when none is given."""
+    client = _async_client(counter, kubeconfig, timeout)
     return LightkubeCluster(client, node_name, event_namespace, timeout, counter)
+
+
+class LightkubeNodes:
+    """`port.NodeListApi`: pages of the cluster-wide Node LIST, read-only (`gpu-node-agent fleet`)."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def list_nodes_page(self, label_selector: str, limit: int, continue_token: str) -> NodePage:
+        """One LIST page; never a resourceVersion (with `continue` the server refuses one: 400)."""
+        params = {"limit": str(limit), "labelSelector": label_selector or None, "continue": continue_token or None}
+        generic = self._client._client
+        br = generic.prepare_request("list", res=Node, params=params)
+        try:
+            response = await generic.send(generic.build_adapter_request(br), stream=True)
+            try:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise errors.error_for_status(response.status_code, status_message(response.content),
+                                                  _retry_after(response))
+                body = await read_bounded(response.aiter_bytes(), MAX_PAGE_BYTES, "node list page")
+            finally:
+                await response.aclose()
+        except _FAILURES as exc:
+            raise translate(exc) from exc
+        return await asyncio.to_thread(decode_node_page, body)
+
+    async def aclose(self) -> None:
+        """Close the HTTP client."""
+        await self._client.close()
+
+
+def connect_nodes(counter: ApiRequestCounter, kubeconfig: str | None = None, timeout: float = 10.0) -> LightkubeNodes:
+    """A `LightkubeNodes` from a kubeconfig file, or the in-cluster service account."""
+    return LightkubeNodes(_async_client(counter, kubeconfig, timeout))

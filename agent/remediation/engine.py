@@ -18,7 +18,9 @@ again, or in a restarted agent, repeats nothing. The rules, from the failures of
 - a GPU whose fault a reset cures is reset once idle (`gpu_reset`); a failed reset is an escalation verdict
   (`GpuResetFailed`, recovery a reboot) that the node path acts on like any other;
 - every cordon is stamped into the remediation history; the `latchCount`-th within the window latches the node
-  `NeedsHumanAttention` (`latch`): no automatic uncordon until a person removes the latch annotation.
+  `NeedsHumanAttention` (`latch`): no automatic uncordon until a person removes the latch annotation;
+- each new fault finding (a reason on a device) is an incident, recorded in `<prefix>/incidents` in the same
+  nodes/status write that changes the condition (`incidents`), never in a request of its own.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 from agent.clock import Clock
 from agent.config.remediation import RemediationConfig
 from agent.kube.model import format_time
-from agent.remediation import latch, state
+from agent.remediation import incidents, latch, state
 from agent.remediation.actions import NodeActions
 from agent.remediation.conditions import forget_stale_conditions, owned_types
 from agent.remediation.drain import Drainer, DrainResult
@@ -112,6 +114,7 @@ class Engine:
         self._had_verdict = False  # a verdict was seen in this process (None after one means every source cleared)
         self._said: set[tuple[str, str]] = set()  # (what, reason) already announced, to avoid repeating Events
         self._conditions_checked = False  # stale condition types removed (once per process)
+        self._findings: frozenset[tuple[str, str]] = frozenset()  # (reason, device) already recorded as incidents
 
     def recorded(self) -> Recorded:
         """The decisions recorded on the node."""
@@ -305,19 +308,37 @@ class Engine:
                 # subsystem running): a condition left True would start NHC/Karpenter repair clocks
                 await self.actions.ensure_condition(False, "Cleared", "no source reports a problem any more")
         elif verdict.severity is Severity.ISOLATE:  # not a node problem: NHC/Karpenter must not act on it
-            await self.actions.ensure_condition(False, verdict.reason, "device isolated, node schedulable: "
-                                                + verdict.describe() + await self._pods(verdict))
+            await self._fault_condition(False, verdict, "device isolated, node schedulable: "
+                                        + verdict.describe() + await self._pods(verdict))
         elif verdict.severity >= Severity.DEGRADED:
             deferred = "RemediationDeferred (no free slot): " if self.deferred_until is not None else ""
             message = deferred + verdict.describe() + await self._pods(verdict)
-            await self.actions.ensure_condition(True, verdict.reason, message)
+            await self._fault_condition(True, verdict, message)
             repeat = was_problem and before is not None and before.reason == verdict.reason
             if verdict.severity is Severity.DEGRADED and not repeat:
                 await self.events.emit("Degraded", f"{verdict.reason}: {verdict.describe()}", WARNING)
         else:
+            self._findings = frozenset()  # healthy: the same fault again is a new incident
             await self.actions.ensure_condition(False, verdict.reason, verdict.describe())
             if was_problem:  # the condition on the node, so a restarted agent does not say it twice
                 await self.events.emit("Recovered", f"{verdict.reason}: {verdict.describe()}")
+
+    async def _fault_condition(self, problem: bool, verdict: NodeVerdict, message: str) -> None:
+        """Set the condition for a fault; findings not seen before become incidents in the same write. A condition
+        already saying this (a restarted agent) records nothing: those findings were recorded when it was set."""
+        findings = frozenset((verdict.reason, device) for device in verdict.devices or ("",))
+        fresh = findings - self._findings
+        current = self.actions.condition()
+        status = "True" if problem else "False"
+        changed = current is None or (current.status, current.reason, current.message) != (status, verdict.reason,
+                                                                                            message)
+        extra = incidents.recorded(self.actions.node.annotations, self.config.prefix, self.clock.now(), verdict.reason,
+                                   findings=len(fresh), window_seconds=self.config.latch_window_seconds) \
+            if fresh and changed else None
+        await self.actions.ensure_condition(problem, verdict.reason, message, annotations=extra)
+        self._findings = findings
+        if extra:
+            self.counter.incidents(len(fresh))
 
     async def _pods(self, verdict: NodeVerdict) -> str:
         """' (pods: a/b, c/d)' for the pods holding the verdict's devices now; '' when none or unknown."""

@@ -42,7 +42,8 @@ def _importers(prefix: str) -> set[str]:
 
 @pytest.mark.parametrize(("library", "allowed"), [
     ("pynvml", {"agent.host.nvml.real"}),
-    ("lightkube", {"agent.kube.cluster"}),
+    ("lightkube", {"agent.kube.cluster", "agent.kube.calls", "agent.kube.pod_calls", "agent.kube.nodefeature_calls",
+                   "agent.kube.nodes"}),
     ("pyroute2", {"agent.host.tc_netlink"}),
 ])
 def test_only_the_port_imports_its_library(library, allowed):

@@ -170,13 +170,13 @@ class NodeLines:
         uuid, bus = ident
         if not uuid and not bus:
             return False
-        if uuid in self._uuids or (self._buses and bus and canonical(bus) in self._buses):
+        if uuid in self._uuids or (self._buses and bus and _canonical(bus) in self._buses):
             return True
         self.foreign_samples += 1
         if len(self._seen) < 2 * MAX_FOREIGN and ident not in self._seen:
             self._seen.add(ident)
             if len(self.foreign) < MAX_FOREIGN:
-                self.foreign.add(f"{uuid or '?'} ({canonical(bus) if bus else 'no bus id'})")
+                self.foreign.add(f"{uuid or '?'} ({_canonical(bus) if bus else 'no bus id'})")
         return False
 
 
@@ -197,15 +197,14 @@ def parse_scrape(text: str, keep: Callable[[str], bool] | None = keep_line) -> S
                 continue  # NVSwitch, CPU and other non-GPU entities
             if math.isnan(value) or value < 0:
                 continue  # a blank DCGM value: no information, not zero
-            samples.append(Sample(name, uuid, canonical(raw_bus), labels.get("GPU_I_ID", ""),
+            samples.append(Sample(name, uuid, _canonical(raw_bus), labels.get("GPU_I_ID", ""),
                                   tuple((k, labels[k]) for k in _SERIES_LABELS if k in labels), value))
     except Exception as exc:  # the parser raises ValueError, IndexError, KeyError... on bad text
         raise MalformedScrapeError(f"not Prometheus text ({type(exc).__name__}: {exc})") from exc
     return Scrape(frozenset(metrics), tuple(samples))
 
 
-def canonical(bus_id: str) -> str:
-    """The canonical form of an exporter's bus id; the raw label when it does not parse."""
+def _canonical(bus_id: str) -> str:
     try:
         return normalize_bus_id(bus_id) if bus_id else ""
     except BusIdError:

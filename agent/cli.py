@@ -1,4 +1,4 @@
-"""Command line: `gpu-node-agent run | doctor | topology | simulate-node | simulate-dcgm-exporter | config`.
+"""Command line: `gpu-node-agent run | doctor | fleet | topology | simulate-node | simulate-dcgm-exporter | config`.
 
 Flags and environment are parsed here, once, into an `AgentConfig` that is passed down; nothing below reads
 `os.environ`. Bad configuration or input exits with code 2 and a message naming what is wrong.
@@ -88,6 +88,18 @@ def _parser() -> argparse.ArgumentParser:
     config.add_flags(doc)
     doc.add_argument("--json", action="store_true",
                      help='print {"checks": [{"name", "status", "detail", "fix"}, ...]} instead of the table')
+    fleet = sub.add_parser("fleet", help="every node's GPU verdict, cordons, latches, GPU counts and repeat offenders, "
+                                         "from one read-only paginated LIST of Nodes",
+                           description="List every Node (pages of 500, read-only) and report what the agents wrote "
+                                       "on them: nodes per verdict, cordoned by the agent, latched, GPUs expected "
+                                       "and healthy fleet-wide, and the repeat offenders. Exit 0, 1 when the API "
+                                       "server cannot be read, 2 on bad flags or a selector the server refuses.")
+    config.add_flags(fleet, sections=("api_server",))
+    fleet.add_argument("--json", action="store_true", help='print {"summary": {...}, "nodes": [...]}')
+    fleet.add_argument("--selector", default="", metavar="LABELSELECTOR",
+                       help="only nodes matching this label selector (sent to the API server as labelSelector)")
+    fleet.add_argument("--repeat", default="3", metavar="N",
+                       help="a repeat offender has at least N incidents inside its window (default %(default)s)")
     dump = sub.add_parser("config", help="print the effective configuration as YAML")
     dump.add_argument("--actions", action="store_true",
                       help="print the effective action table instead (every Xid and check, defaults + overrides)")
@@ -294,6 +306,34 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return doctor.exit_code(checks)
 
 
+def _cmd_fleet(args: argparse.Namespace) -> int:
+    import asyncio
+    import time
+
+    from agent.fleet.report import assess, collect, to_text
+    from agent.fleet.verdicts import FleetKeys
+    from agent.kube.errors import ApiError, ClusterConfigError
+
+    cfg = _load_config(args)
+    if not args.repeat.isdigit() or not 1 <= int(args.repeat) <= 1000:
+        raise UsageError(f"--repeat {args.repeat[:40]!r} is not a whole number from 1 to 1000")
+    if len(args.selector) > 4096:
+        raise UsageError("--selector: longer than 4096 characters")
+    repeat = int(args.repeat)
+    try:
+        nodes = asyncio.run(collect(args.selector, cfg.api_server.kubeconfig, cfg.api_server.timeout_seconds))
+    except ClusterConfigError as exc:
+        raise UsageError(str(exc)) from exc
+    except ApiError as exc:
+        if exc.code == 400:  # the server refused the selector
+            raise UsageError(f"the API server refused the node list: {exc.message[:200]}") from exc
+        print(f"gpu-node-agent fleet: cannot list nodes: {str(exc)[:300]}", file=sys.stderr)
+        return 1
+    fleet = assess(nodes, FleetKeys.of(cfg.remediation.condition_type, cfg.remediation.prefix), time.time(), repeat)
+    print(json.dumps(fleet.to_json()) if args.json else to_text(fleet, repeat))
+    return 0
+
+
 class _Held(logging.Handler):
     """Keeps what config loading logs until the log level and format it reads are set up."""
 
@@ -345,6 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup_logging("warning", "text")
     handlers = {"run": _cmd_run, "topology": _cmd_topology, "simulate-node": _cmd_simulate_node,
                 "simulate-dcgm-exporter": _cmd_simulate_dcgm_exporter, "config": _cmd_config, "doctor": _cmd_doctor,
+                "fleet": _cmd_fleet,
                 "netacct": _cmd_netacct,
                 "shaping": _cmd_shaping, "dropin-exclusion": _cmd_dropin_exclusion}
     try:

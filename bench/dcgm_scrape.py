@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent.config.health import HealthConfig
 from agent.health.assess import HealthAssessor
-from agent.health.dcgm import parse_scrape
+from agent.health.dcgm_scrape import parse_scrape
 from agent.health.dcgm_watch import dcgm_watcher
 from agent.host.dcgm_exporter import HttpDcgmExporter
 from agent.signals import DeviceHealth

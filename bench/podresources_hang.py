@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.devicep
 from prometheus_client import CollectorRegistry
 
 from agent.deviceplugin.manager import DevicePluginManager
-from agent.deviceplugin.v1beta1 import api_pb2_grpc
 from agent.host.podresources.client import KubeletPodResources
 from agent.ownership.service import OwnershipService
 from agent.simulate.kubelet import LocalKubelet
 from agent.simulate.node import simulated_topology
 from tests.deviceplugin.conftest import FAST, dp_config
+from tests.ownership.rig import TimedStub
 
 GPU, NIC = "nvidia.com/gpu", "gpunodeagent.io/sriov_rdma"
 
@@ -44,21 +44,6 @@ class HangResult:
     first_s: float  # the first preference call (the documented first-reading wait)
     after: list[float]  # every call that began after that wait
     recovered_s: float | None  # from the kubelet's return to the first exact lookup; None: never in 10 s
-
-
-class _TimedStub:
-    def __init__(self, stub: api_pb2_grpc.DevicePluginStub, into: list[tuple[float, float]]) -> None:
-        self._stub, self._into = stub, into
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._stub, name)
-
-    async def GetPreferredAllocation(self, request: object, **kwargs: object) -> object:  # the gRPC method name
-        started = time.monotonic()
-        try:
-            return await self._stub.GetPreferredAllocation(request, **kwargs)  # type: ignore[arg-type]
-        finally:
-            self._into.append((started, time.monotonic() - started))
 
 
 async def _admit_while_hung(kubelet: LocalKubelet, calls: list[tuple[float, float]], seconds: float,
@@ -121,7 +106,7 @@ async def measure(seconds: float = 5.0) -> HangResult:
         await manager.start()
         await kubelet.wait_for(lambda: all(r in kubelet.plugins and kubelet.plugins[r].lists for r in (GPU, NIC)), 30)
         for resource in (GPU, NIC):
-            kubelet.plugins[resource].stub = _TimedStub(kubelet.plugins[resource].stub, calls)  # type: ignore
+            kubelet.plugins[resource].stub = TimedStub(kubelet.plugins[resource].stub, calls)  # type: ignore
         first, after = await _admit_while_hung(kubelet, calls, seconds, service.poll_timeout)
         for writer in held:
             writer.close()

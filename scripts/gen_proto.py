@@ -2,7 +2,8 @@
 """Regenerate the committed Python stubs of the kubelet gRPC APIs the agent speaks.
 
 Why this exists: the generated code (``agent/deviceplugin/v1beta1``, ``agent/dra/v1``, ``agent/dra/v1beta1``,
-``agent/dra/health/v1alpha1``, ``agent/pluginregistration/v1``, ``agent/host/podresources/v1``) is committed
+``agent/dra/health/v1alpha1``, ``agent/pluginregistration/v1``, ``agent/host/podresources/v1``,
+``agent/host/nvsentinel/v1``) is committed
 so that the agent installs without a protobuf compiler, and ``tests/test_proto.py`` regenerates it to catch
 drift between the protos under ``proto/`` and the committed stubs. Both must use the same generator, so this
 script refuses to run unless the installed grpcio-tools is exactly the version pinned in ``pyproject.toml``
@@ -42,6 +43,7 @@ PROTOS: dict[Path, Path] = {
     Path("dra", "health", "v1alpha1", "api.proto"): Path("agent", "dra", "health", "v1alpha1"),
     Path("pluginregistration", "v1", "api.proto"): Path("agent", "pluginregistration", "v1"),
     Path("podresources", "v1", "api.proto"): Path("agent", "host", "podresources", "v1"),
+    Path("nvsentinel", "v1", "api.proto"): Path("agent", "host", "nvsentinel", "v1"),
 }
 GENERATED_FILES: tuple[Path, ...] = tuple(
     package / name for package in PROTOS.values() for name in ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py"))

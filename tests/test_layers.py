@@ -42,7 +42,8 @@ def _importers(prefix: str) -> set[str]:
 
 @pytest.mark.parametrize(("library", "allowed"), [
     ("pynvml", {"agent.host.nvml.real"}),
-    ("lightkube", {"agent.kube.cluster"}),
+    ("lightkube", {"agent.kube.cluster", "agent.kube.calls", "agent.kube.pod_calls", "agent.kube.nodefeature_calls",
+                   "agent.kube.nodes"}),
     ("pyroute2", {"agent.host.tc_netlink", "agent.host.bpf_tc"}),  # shaping's tc; the eBPF layout's cls_bpf
 ])
 def test_only_the_port_imports_its_library(library, allowed):
@@ -79,7 +80,8 @@ def test_the_process_check_sees_each_way_to_start_one():
 SOURCES = ("agent.topology", "agent.host", "agent.simulate.profiles", "agent.simulate.sysfs_writer",
            "agent.simulate.sysfs_tree", "agent.config", "agent.signals", "agent.placement")
 CONSUMERS = ("agent.deviceplugin", "agent.dra", "agent.health", "agent.remediation", "agent.netacct", "agent.shaping",
-             "agent.labels", "agent.kube", "agent.app", "agent.wiring", "agent.doctor", "agent.cli")
+             "agent.labels", "agent.kube", "agent.app", "agent.wiring", "agent.subsystems", "agent.doctor",
+             "agent.cli")
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -166,6 +168,7 @@ def test_nothing_but_the_entry_points_reads_the_environment():
 def test_only_the_cli_imports_the_app_and_only_the_app_imports_the_wiring():
     assert _importers("agent.app") <= {"agent.cli"}
     assert _importers("agent.wiring") <= {"agent.app"}
+    assert _importers("agent.subsystems") <= {"agent.wiring"}  # the builders beside the composition root
 
 
 def test_the_supervisor_and_the_clock_sit_below_every_subsystem():
@@ -238,8 +241,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the composition root, the choice between real and simulated hardware it makes, the one opened node every
     # command works from (`agent.node`: mode defaults, hardware, node paths), and the node self-check (`doctor`)
     # that opens the same node and runs the readers below once; the simulated node's sample admissions, a client
-    # of the served device plugin (through the stand-in kubelet) that the composition root runs
-    ("agent.wiring", "agent.hardware", "agent.node", "agent.doctor", "agent.simulate.samples"),
+    # of the served device plugin (through the stand-in kubelet) that the composition root runs; the operator's
+    # fleet view (`fleet`), which reads what remediation writes on the Nodes; the builders beside the composition
+    # root (`agent.subsystems`: health, node labels, netacct, shaping)
+    ("agent.wiring", "agent.subsystems", "agent.hardware", "agent.node", "agent.doctor", "agent.simulate.samples",
+     "agent.fleet"),
     ("agent.app",),
     ("agent.cli", "agent.__main__"),
 )

@@ -32,7 +32,7 @@ GEN_SCRIPT = REPO_ROOT / "scripts" / "gen_proto.py"
 GENERATED = tuple(
     Path(package, name)
     for package in ("agent/deviceplugin/v1beta1", "agent/dra/v1", "agent/dra/v1beta1", "agent/dra/health/v1alpha1",
-                    "agent/pluginregistration/v1", "agent/host/podresources/v1")
+                    "agent/pluginregistration/v1", "agent/host/podresources/v1", "agent/host/nvsentinel/v1")
     for name in ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py")
 )
 

@@ -157,6 +157,16 @@ class HealthConfig:
              "CHECK=ACTION, e.g. "
              "pcie_downtrained=cordon; checks: " + ", ".join(CHECK_ACTIONS))
 
+    nvsentinel_socket: str = setting(
+        "", flag="--nvsentinel-socket", env="GPU_NODE_AGENT_NVSENTINEL_SOCKET",
+        help="NVSentinel's platform-connector unix socket to send each health finding and recovery to as a "
+             "HealthEvent (on the host /var/run/nvsentinel/nvsentinel.sock); empty (the default) sends nothing")
+    nvsentinel_processing_strategy: str = setting(
+        "STORE_ONLY", flag="--nvsentinel-processing-strategy", env="GPU_NODE_AGENT_NVSENTINEL_PROCESSING_STRATEGY",
+        choices=("STORE_ONLY", "EXECUTE_REMEDIATION"),
+        help="what NVSentinel does with the agent's events: STORE_ONLY records and exports them (the agent "
+             "remediates by itself); EXECUTE_REMEDIATION lets NVSentinel quarantine and drain as well")
+
     dcgm_exporter_url: str = setting(
         "", flag="--dcgm-exporter-url", env="GPU_NODE_AGENT_DCGM_EXPORTER_URL",
         help="a dcgm-exporter /metrics URL on this node to read Xid, ECC, row-remap, NVLink and PCIe replay signals "
@@ -201,6 +211,9 @@ class HealthConfig:
         for name in ("link_check_interval_seconds", "dcgm_nvlink_errors_per_minute", "dcgm_pcie_replays_per_minute"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.nvsentinel_socket and (not self.nvsentinel_socket.startswith("/") or len(self.nvsentinel_socket) > 107):
+            raise ValueError(f"nvsentinel_socket must be an absolute path of a unix socket (at most 107 bytes), "
+                             f"got {self.nvsentinel_socket[:120]!r}")
         if self.dcgm_exporter_url and not self.dcgm_exporter_url.startswith(("http://", "https://")):
             raise ValueError(f"dcgm_exporter_url must be an http:// or https:// URL, got {self.dcgm_exporter_url!r}")
 

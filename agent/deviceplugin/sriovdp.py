@@ -36,8 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from agent.config.bounded_parse import MAX_DEPTH, nesting_depth
 from agent.config.files import read_regular
-from agent.config.load import MAX_DEPTH, nesting_depth
 from agent.config.model import DEFAULT_RESOURCE_PREFIX, DevicePluginConfig, PoolConfig, SelectorConfig
 from agent.config.numbers import NumberError, bounded_float, bounded_int, no_constant
 from agent.deviceplugin.pools import PoolConfigError, check_resource_name

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from agent.doctor.context import Context
 from agent.doctor.report import Check, fail, ok, skip, warn
-from agent.health.dcgm import MalformedScrapeError, keep_line, parse_scrape
+from agent.health.dcgm_scrape import MalformedScrapeError, keep_line, parse_scrape
 from agent.host.dcgm_exporter import DcgmScrapeError, HttpDcgmExporter
 from agent.kube.access import ClusterPort
 from agent.kube.errors import ApiError, ClusterConfigError

@@ -9,7 +9,7 @@ STATE finding) and `HealthPublisher` (device health and the node verdict out, af
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from agent.config.health import HealthConfig
@@ -57,7 +57,8 @@ class HealthAssessor:
     """The health rules: observations in, findings into the book; the publisher sends what changed."""
 
     def __init__(self, config: HealthConfig, topology: Topology, device_health: DeviceHealth,
-                 clock: Callable[[], float], *, verdicts: Latest[NodeVerdict] | None = None) -> None:
+                 clock: Callable[[], float], *, verdicts: Latest[NodeVerdict] | None = None,
+                 findings_listener: Callable[[Sequence[Finding]], None] | None = None) -> None:
         self.config = config
         self.clock = clock
         self.policy = XidPolicy(config.xid_action_overrides())
@@ -68,7 +69,7 @@ class HealthAssessor:
         self.book = VerdictBook()
         self.names = GpuNames(topology)
         self.publisher = HealthPublisher(device_health, verdicts if verdicts is not None else Latest(),
-                                         lambda: self.names.topology)
+                                         lambda: self.names.topology, findings_listener)
         self.memory: dict[str, MemoryHealth] = {}  # latest poll per GPU UUID
         self.links: dict[str, LinkStatus] = {}  # by PF bus id
         self.awaiting_reset_changed = False  # persist the RESET findings when set

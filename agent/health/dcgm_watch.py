@@ -20,7 +20,8 @@ from agent import aio
 from agent.config.health import HealthConfig
 from agent.health.assess import HealthAssessor
 from agent.health.checks import Checks, CheckState
-from agent.health.dcgm import XID_LAST, DcgmInterpreter, MalformedScrapeError, NodeLines, Reading, parse_scrape
+from agent.health.dcgm import DcgmInterpreter, Reading
+from agent.health.dcgm_scrape import XID_LAST, MalformedScrapeError, NodeLines, parse_scrape
 from agent.health.findings import GpuRef
 from agent.host.busid import bus_key
 from agent.host.dcgm_exporter import DcgmExporterPort, DcgmScrapeError, HttpDcgmExporter

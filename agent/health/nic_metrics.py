@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from agent.health.nic_watch import NicWatcher
+from agent.signals import DeviceHealth
 
 PREFIX = "gpu_node_agent_"
 
@@ -19,8 +20,9 @@ PREFIX = "gpu_node_agent_"
 class NicCollector(Collector):
     """Port counters, flaps, PCIe link width/speed and AER totals, GPUs expected and present."""
 
-    def __init__(self, watcher: NicWatcher) -> None:
+    def __init__(self, watcher: NicWatcher, device_health: DeviceHealth | None = None) -> None:
         self.watcher = watcher
+        self.device_health = device_health
 
     def collect(self) -> Iterator[Metric]:
         """One snapshot of the watcher's last pass."""
@@ -71,3 +73,14 @@ class NicCollector(Collector):
                                     "when it runs)")
         present.add_metric([], w.inventory.present)
         yield present
+        healthy = GaugeMetricFamily(PREFIX + "gpus_healthy", "GPUs present and Healthy (no active finding names "
+                                    "them); the fleet ratio is sum(healthy) / sum(expected)")
+        healthy.add_metric([], self._healthy_gpus())
+        yield healthy
+
+    def _healthy_gpus(self) -> int:
+        """Known GPUs not missing whose UUID device health holds Healthy (one without a UUID: present is all
+        that can be said of it)."""
+        w, health = self.watcher, self.device_health
+        return sum(1 for bus_id, gpu in w.known_gpus.items() if bus_id not in w.inventory.missing
+                   and (health is None or not gpu.uuid or health.is_healthy(gpu.uuid)))

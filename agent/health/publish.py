@@ -9,8 +9,9 @@ nothing, so they publish nothing: that, plus the Xid counter's bursts, keeps flo
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from agent.health.findings import Finding
 from agent.health.verdict import VerdictBook
 from agent.signals import HEALTHY, DeviceHealth, Latest, NodeVerdict
 from agent.topology.model import Topology
@@ -22,8 +23,10 @@ class HealthPublisher:
     """Writes what the book says into the shared contracts (`agent.signals`)."""
 
     def __init__(self, device_health: DeviceHealth, verdicts: Latest[NodeVerdict],
-                 topology: Callable[[], Topology] | None = None) -> None:
+                 topology: Callable[[], Topology] | None = None,
+                 findings_listener: Callable[[Sequence[Finding]], None] | None = None) -> None:
         self.device_health = device_health
+        self.findings_listener = findings_listener  # told the active findings on every publication (NVSentinel)
         self.topology = topology  # the node now: an Unhealthy GPU's MIG devices are Unhealthy too
         self.verdicts = verdicts
         self.current: NodeVerdict = HEALTHY
@@ -43,6 +46,8 @@ class HealthPublisher:
             if gpu.uuid in unknown:
                 unknown |= {mig.uuid for mig in gpu.mig_devices if mig.uuid in unhealthy}
         self.device_health.replace(unhealthy, unknown=unknown)
+        if self.findings_listener is not None:
+            self.findings_listener(book.findings())
         verdict = book.verdict()
         if verdict == self.current:
             return

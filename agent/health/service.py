@@ -33,6 +33,7 @@ from agent.health.metrics import HealthCollector, ResourceOf
 from agent.health.nic_metrics import NicCollector
 from agent.health.nic_watch import NicWatcher
 from agent.health.nvml_watch import NvmlEventWatcher, NvmlPoller
+from agent.health.nvsentinel import NvsentinelReporter
 from agent.health.state import SavedHealth, StateStore
 from agent.host.kmsg import read_boot_id
 from agent.host.links import LinkPort, NetlinkLinkPort
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # the kernel-log and dcgm-exporter watchers are imported only
     from agent.health.dcgm_watch import DcgmWatcher
     from agent.health.kmsg_watch import KmsgWatcher
     from agent.host.dcgm_exporter import DcgmExporterPort
+    from agent.host.nvsentinel import NvsentinelPort
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +69,19 @@ class HealthService:
                  dcgm_port: DcgmExporterPort | None = None, nic_sysfs: NicSysfs | None = None,
                  boot_id_path: str | os.PathLike[str] = BOOT_ID_PATH, clock: Clock = SYSTEM_CLOCK,
                  kmsg_file_poll_interval: float = 0.05, housekeeping_interval: float = 1.0,
-                 restart_backoff: tuple[float, float] = (1.0, 30.0)) -> None:
+                 restart_backoff: tuple[float, float] = (1.0, 30.0), nvsentinel: NvsentinelPort | None = None,
+                 node_name: str = "") -> None:
         self.config = config
         self.nvml = nvml
         self.clock = clock
         self.verdicts: Latest[NodeVerdict] = verdicts if verdicts is not None else Latest()
         self.device_health = device_health
-        self.assessor = HealthAssessor(config, topology, device_health, clock.monotonic, verdicts=self.verdicts)
+        # findings and recoveries to NVSentinel's connector, never waited on (agent.health.nvsentinel)
+        self.nvsentinel = NvsentinelReporter(
+            nvsentinel, node_name=node_name, processing_strategy=config.nvsentinel_processing_strategy,
+            registry=registry, topology=lambda: self.assessor.topology) if nvsentinel is not None else None
+        self.assessor = HealthAssessor(config, topology, device_health, clock.monotonic, verdicts=self.verdicts,
+                                       findings_listener=self.nvsentinel.observe if self.nvsentinel else None)
         self._checks = Checks()
         self.store = StateStore(state_dir)
         self.first_pass_done = asyncio.Event()
@@ -111,7 +119,7 @@ class HealthService:
                                           kmsg_skipped=lambda: self.kmsg.skipped if self.kmsg else {},
                                           kmsg_resyncs=lambda: self.kmsg.resyncs if self.kmsg else 0,
                                           link_resyncs=lambda: self.links.resyncs))
-        registry.register(NicCollector(self.nic))
+        registry.register(NicCollector(self.nic, device_health))
         registry.register(GpuStateCollector(self.gpu_state))
 
     @property
@@ -191,6 +199,8 @@ class HealthService:
         for name, (run, _) in producers.items():
             supervisor.add(name, run)
         supervisor.add("housekeeping", lambda s: self._housekeeping(s, boot_id))
+        if self.nvsentinel is not None:
+            supervisor.add("nvsentinel", self.nvsentinel.run)
         supervisor.add("first-pass", lambda s: self._await_first_pass([r for _, r in producers.values()], s))
         try:
             await supervisor.run()

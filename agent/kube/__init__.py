@@ -2,7 +2,9 @@
 
 - `port`: the operations the agent may perform, as narrow Protocols (the RBAC rules grant exactly these).
 - `model` / `errors`: the values the port returns and the only exceptions it raises.
-- `cluster`: the real port on lightkube (the only module that imports it); `connect` builds one client.
+- `cluster`: the real port on lightkube; `connect` builds one client. lightkube stays inside it and the modules
+  beside it: `calls` (client, error translation, streamed requests), `pod_calls` and `nodefeature_calls`
+  (request groups of the port), `nodes` (the fleet view's Node LIST).
 - `simulated`: an in-memory cluster for `--simulate` without credentials.
 - `reflector`: the one list/watch loop (bookmarks, 410 re-list, backoff) for the node and its pods.
 - `podwatch`: this node's pods, kept current by the reflector.
@@ -21,9 +23,10 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from agent.kube.cluster import LightkubeCluster
+    from agent.kube.nodes import LightkubeNodes
     from agent.kube.port import Cluster
 
-__all__ = ["ClusterConfigError", "connect", "open_cluster"]
+__all__ = ["ClusterConfigError", "connect", "connect_nodes", "open_cluster"]
 
 
 def connect(node_name: str, registry: CollectorRegistry, kubeconfig: str | None = None,
@@ -36,6 +39,14 @@ def connect(node_name: str, registry: CollectorRegistry, kubeconfig: str | None 
     from agent.kube.metrics import ApiRequestCounter
 
     return _connect(node_name, ApiRequestCounter(registry), kubeconfig, timeout)
+
+
+def connect_nodes(registry: CollectorRegistry, kubeconfig: str | None = None, timeout: float = 10.0) -> LightkubeNodes:
+    """The read-only cluster-wide Node LIST (`gpu-node-agent fleet`), counting requests on `registry`."""
+    from agent.kube.metrics import ApiRequestCounter
+    from agent.kube.nodes import connect_nodes as _connect_nodes
+
+    return _connect_nodes(ApiRequestCounter(registry), kubeconfig, timeout)
 
 
 def open_cluster(node_name: str, registry: CollectorRegistry, *, in_memory: bool = False,

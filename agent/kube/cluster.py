@@ -1,103 +1,47 @@
-"""The real cluster port on lightkube's async client; the only module of the agent that imports lightkube.
+"""The real cluster port on lightkube's async client: `LightkubeCluster` and `connect`. lightkube is imported only
+by this module and the modules of the real port beside it: `calls` (the client, error translation, streamed
+requests), `pod_calls` and `nodefeature_calls` (request groups that are bases of `LightkubeCluster`) and `nodes`
+(the fleet view's Node LIST).
 
-Two boundary duties live here. Every HTTP exchange passes through `transport.CountingTransport`, which feeds
-`gpu_node_agent_apiserver_requests_total{verb,code}`: at 7,500 nodes the fleet's load is this counter times the
-node count. Every failure (lightkube `ApiError`, httpx status errors, timeouts, connection errors, undecodable
-bodies) leaves as an `agent.kube.errors.Api*` exception with `raise ... from`.
-
-Watches (the own Node by name, the node's pods by `spec.nodeName`) are one request per call, asking for
-bookmarks: lightkube's public `watch()` cannot request `allowWatchBookmarks` and reconnects on its own, which
-would hide requests from the caller's backoff. They use lightkube's request builder (`_client.prepare_request`),
-hence the pinned lightkube minor version. One `LightkubeCluster` serves every subsystem of the process.
+Two boundary duties hold for all of them. Every HTTP exchange passes through `transport.CountingTransport`, which
+feeds `gpu_node_agent_apiserver_requests_total{verb,code}`: at 7,500 nodes the fleet's load is this counter times
+the node count. Every failure leaves as an `agent.kube.errors.Api*` exception with `raise ... from`
+(`calls.translate`). Watches (the own Node by name, the node's pods by `spec.nodeName`) are one request per call,
+asking for bookmarks (`calls.Calls._watch`). One `LightkubeCluster` serves every subsystem of the process.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
-import json
-import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from typing import Any, TypeVar, cast
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, cast
 
-import httpx2
-import msgspec
-from lightkube import AsyncClient, KubeConfig
-from lightkube.config.client_adapter import verify_cluster
-from lightkube.core.exceptions import ApiError as LightkubeApiError
-from lightkube.core.exceptions import ConfigError as LightkubeConfigError
-from lightkube.generic_resource import create_namespaced_resource
+from lightkube import AsyncClient
 from lightkube.models.authorization_v1 import ResourceAttributes, SelfSubjectAccessReviewSpec
-from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.authorization_v1 import SelfSubjectAccessReview
 from lightkube.resources.coordination_v1 import Lease
-from lightkube.resources.core_v1 import Event, Node, Pod
+from lightkube.resources.core_v1 import Event, Node
 from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
 from lightkube.types import PatchType
 from prometheus_client import CollectorRegistry
 
 from agent.kube import errors
+from agent.kube.calls import FIELD_MANAGER, async_client
 from agent.kube.errors import ClusterConfigError
 from agent.kube.metrics import ApiRequestCounter
-from agent.kube.model import (
-    Condition,
-    EventRecord,
-    LeaseView,
-    NodeView,
-    PodList,
-    PodView,
-    WatchEvent,
-    format_time,
-)
+from agent.kube.model import Condition, EventRecord, LeaseView, NodeView, WatchEvent, format_time
 from agent.kube.names import check_node_name, url_segment
-from agent.kube.podlist import DecodedPods, decode_node_pods, read_bounded, status_message
-from agent.kube.transport import CountingTransport
+from agent.kube.nodefeature_calls import NodeFeatureCalls
+from agent.kube.pod_calls import PodCalls
 
-log = logging.getLogger(__name__)
+__all__ = ["FIELD_MANAGER", "LightkubeCluster", "connect"]  # FIELD_MANAGER: as written to the API
 
-FIELD_MANAGER = "gpu-node-agent"
 COMPONENT = "gpu-node-agent"
-ALL_NAMESPACES = "*"
-T = TypeVar("T")
-NFD_GROUP, NFD_VERSION = "nfd.k8s-sigs.io", "v1alpha1"
-NodeFeature = create_namespaced_resource(NFD_GROUP, NFD_VERSION, "NodeFeature", "nodefeatures")
 
 
-def _retry_after(response: httpx2.Response | None) -> float | None:
-    if response is None:
-        return None
-    try:
-        return float(response.headers.get("Retry-After", ""))
-    except ValueError:
-        return None
-
-
-def translate(exc: BaseException) -> errors.ApiError:
-    """Our exception for any client-side failure."""
-    if isinstance(exc, LightkubeApiError):
-        response = exc.response if isinstance(getattr(exc, "response", None), httpx2.Response) else None
-        code = response.status_code if response is not None else int(exc.status.code or 500)
-        return errors.error_for_status(code, exc.status.message or "", _retry_after(response))
-    if isinstance(exc, httpx2.HTTPStatusError):
-        return errors.error_for_status(exc.response.status_code, exc.response.reason_phrase,
-                                       _retry_after(exc.response))
-    if isinstance(exc, httpx2.TimeoutException):
-        return errors.ApiTimeout(f"timed out: {type(exc).__name__}")
-    if isinstance(exc, httpx2.HTTPError):
-        return errors.ApiUnavailable(f"{type(exc).__name__}: {exc}")
-    if isinstance(exc, LightkubeConfigError):  # e.g. the projected token file is briefly missing
-        return errors.ApiUnavailable(f"credentials: {exc}")
-    if isinstance(exc, (msgspec.DecodeError, json.JSONDecodeError)):
-        return errors.ApiServerError(502, f"undecodable response: {exc}")
-    raise TypeError(f"not an API failure: {exc!r}")  # a bug here, not an API error
-
-
-_FAILURES = (httpx2.HTTPError, msgspec.DecodeError, json.JSONDecodeError, LightkubeConfigError)
-
-
-class LightkubeCluster:
-    """`port.Cluster` on a lightkube `AsyncClient` whose transport counts requests."""
+class LightkubeCluster(PodCalls, NodeFeatureCalls):
+    """`port.Cluster` on a lightkube `AsyncClient` whose transport counts requests; the pod requests and the
+    NodeFeature requests come from its bases."""
 
     def __init__(self, client: AsyncClient, node_name: str, event_namespace: str = "default",
                  timeout: float = 10.0, counter: ApiRequestCounter | None = None) -> None:
@@ -111,15 +55,7 @@ class LightkubeCluster:
         self.node_name = node_name
         self._event_namespace = event_namespace
         self._foreign = (counter or ApiRequestCounter(CollectorRegistry())).foreign_pods
-        self._warned: set[str] = set()  # requests whose foreign pods were logged as a warning
-
-    async def _do(self, call: Callable[[], Any]) -> Any:
-        try:
-            return await call()
-        except _FAILURES as exc:
-            raise translate(exc) from exc
-        except ValueError as exc:  # url_segment refused a name before any request was sent
-            raise errors.ApiError(400, f"refused before sending: {exc}") from exc
+        self._warned = set()
 
     async def get_node(self) -> NodeView:
         """GET the node."""
@@ -134,9 +70,12 @@ class LightkubeCluster:
         node = await self._do(lambda: self._client.patch(Node, self._node, body, patch_type=PatchType.MERGE))
         return NodeView.from_dict(node.to_dict())
 
-    async def patch_node_condition(self, condition: Condition) -> NodeView:
-        """Strategic merge on nodes/status: conditions merge by type."""
-        body = {"status": {"conditions": [condition.to_dict()]}}
+    async def patch_node_condition(self, condition: Condition,
+                                   annotations: Mapping[str, str | None] | None = None) -> NodeView:
+        """Strategic merge on nodes/status: conditions merge by type; annotations ride along (kept by nodes/status)."""
+        body: dict[str, Any] = {"status": {"conditions": [condition.to_dict()]}}
+        if annotations:
+            body["metadata"] = {"annotations": dict(annotations)}
         node = await self._do(lambda: self._client.patch(Node.Status, self._node, body,
                                                          patch_type=PatchType.STRATEGIC))
         return NodeView.from_dict(node.to_dict())
@@ -159,111 +98,6 @@ class LightkubeCluster:
         if node.name != self.node_name:
             raise errors.ApiServerError(502, f"the watch of node {self.node_name} returned node {node.name[:80]!r}")
         return node
-
-    async def watch_pods(self, resource_version: str, timeout_seconds: int) -> AsyncIterator[WatchEvent[PodView]]:
-        """One watch of this node's pods (fieldSelector spec.nodeName, all namespaces) with bookmarks; events of
-        other nodes' pods (a server ignoring the selector) are skipped and counted."""
-        def own_pod(obj: Mapping[str, Any]) -> PodView | None:
-            return PodView.from_dict(obj) if (obj.get("spec") or {}).get("nodeName") == self.node_name else None
-
-        events = self._watch(Pod, ALL_NAMESPACES, f"spec.nodeName={self.node_name}", resource_version,
-                             timeout_seconds=timeout_seconds, parse=own_pod)
-        async with contextlib.aclosing(events):  # the response closes with this watch, not at garbage collection
-            async for event in events:
-                if event.type != "BOOKMARK" and event.object is None:
-                    self._skipped("watch_pods", 1)
-                    continue
-                yield cast(WatchEvent[PodView], event)
-
-    async def _watch(self, res: type[Any], namespace: str | None, selector: str, resource_version: str, *,
-                     timeout_seconds: int, parse: Callable[[Mapping[str, Any]], T]) -> AsyncGenerator[WatchEvent[T]]:
-        generic = self._client._client
-        br = generic.prepare_request("list", res=res, namespace=namespace, watch=True, params={
-            "fieldSelector": selector, "resourceVersion": resource_version or None,
-            "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_seconds)})
-        br.timeout = httpx2.Timeout(self._timeout, read=timeout_seconds + 30.0)
-        try:
-            response = await generic.send(generic.build_adapter_request(br), stream=True)
-        except _FAILURES as exc:
-            raise translate(exc) from exc
-        try:
-            if response.status_code >= 400:
-                await response.aread()
-                raise errors.error_for_status(response.status_code, response.text[:200], _retry_after(response))
-            async for line in response.aiter_lines():
-                if line.strip():
-                    yield _watch_event(line, parse)
-        except _FAILURES as exc:
-            raise translate(exc) from exc
-        finally:
-            await response.aclose()
-
-    async def list_pods(self) -> list[PodView]:
-        """Pods on this node only (fieldSelector spec.nodeName), all namespaces."""
-        return list((await self.list_node_pods()).pods)
-
-    async def list_node_pods(self) -> PodList:
-        """Pods on this node only, with the list's resourceVersion (where a watch continues)."""
-        decoded = await self._list_node_pods(ALL_NAMESPACES, f"spec.nodeName={self.node_name}", "list_node_pods")
-        if not decoded.resource_version:
-            raise errors.ApiServerError(502, "pod list without a resourceVersion")
-        return PodList(decoded.pods, decoded.resource_version)
-
-    async def find_node_pod(self, namespace: str, name: str) -> PodView | None:
-        """One pod by name, only if it is on this node: a LIST in its namespace with both field selectors (a consistent
-        read, no resourceVersion: the watch cache may lag as the watch does). Pods of other nodes or with other names
-        in the answer (a server ignoring the field selector) are skipped; two pods by the name are not believed."""
-        try:
-            path_ns, path_name = url_segment(namespace, namespace=True), url_segment(name)
-        except ValueError as exc:  # refused before any request is sent
-            raise errors.ApiError(400, f"refused before sending: {exc}") from exc
-        decoded = await self._list_node_pods(path_ns, f"metadata.name={path_name},spec.nodeName={self.node_name}",
-                                             "find_node_pod")
-        pods = [p for p in decoded.pods if p.key == (namespace, name)]
-        if len(pods) > 1:
-            raise errors.ApiServerError(502, f"a list of pod {namespace}/{name} returned it {len(pods)} times")
-        return pods[0] if pods else None
-
-    async def _list_node_pods(self, namespace: str, selector: str, request: str) -> DecodedPods:
-        """One pod LIST, read with a size bound and decoded in a worker thread (`agent.kube.podlist`): a proxy that
-        drops the selector answers with the whole cluster, which must neither hold the loop nor be believed."""
-        generic = self._client._client
-        br = generic.prepare_request("list", res=Pod, namespace=namespace, params={"fieldSelector": selector})
-        try:
-            response = await generic.send(generic.build_adapter_request(br), stream=True)
-        except _FAILURES as exc:
-            raise translate(exc) from exc
-        try:
-            if response.status_code >= 400:
-                await response.aread()
-                raise errors.error_for_status(response.status_code, status_message(response.content),
-                                              _retry_after(response))
-            body = await read_bounded(response.aiter_bytes())
-        except _FAILURES as exc:
-            raise translate(exc) from exc
-        finally:
-            await response.aclose()
-        decoded = await asyncio.to_thread(decode_node_pods, body, self.node_name)
-        if decoded.foreign:
-            self._skipped(request, decoded.foreign)
-        return decoded
-
-    def _skipped(self, request: str, pods: int) -> None:
-        """Count pods of other nodes in an answer; warn once per request kind (a proxy that ignores selectors does
-        so on every request), then at debug level."""
-        self._foreign.labels(request).inc(pods)
-        level = logging.DEBUG if request in self._warned else logging.WARNING
-        self._warned.add(request)
-        log.log(level, "the API server answered %s with %d pods of other nodes: it ignores the field selector; they "
-                "were skipped (gpu_node_agent_apiserver_foreign_pods_total)", request, pods)
-
-    async def evict_pod(self, namespace: str, name: str) -> None:
-        """policy/v1 Eviction (lightkube fills apiVersion and kind)."""
-        async def call() -> None:
-            path_name, path_ns = url_segment(name), url_segment(namespace, namespace=True)
-            eviction = Pod.Eviction(metadata=ObjectMeta(name=name, namespace=namespace))
-            await self._client.create(eviction, name=path_name, namespace=path_ns)
-        await self._do(call)
 
     async def write_event(self, event: EventRecord) -> EventRecord:
         """Create a core/v1 Event on the Node, or fold a repeat into it (count, lastTimestamp)."""
@@ -355,41 +189,6 @@ class LightkubeCluster:
                                                         namespace=url_segment(namespace, namespace=True)))
         return dict(claim.to_dict())
 
-    async def node_features_served(self) -> bool:
-        """GET the group version's discovery document (readable by every authenticated identity) and look for
-        `nodefeatures`; 404 means NFD's CRD is not installed."""
-        async def call() -> bool:
-            response = await self._client._client._client.get(f"/apis/{NFD_GROUP}/{NFD_VERSION}")
-            if response.status_code == 404:
-                return False
-            response.raise_for_status()
-            resources = (response.json() or {}).get("resources") or []
-            return any(isinstance(r, dict) and r.get("name") == "nodefeatures" for r in resources)
-        return await self._do(call)
-
-    async def get_node_feature(self, namespace: str, name: str) -> dict[str, Any] | None:
-        """GET a NodeFeature; None for 404."""
-        try:
-            found = await self._do(lambda: self._client.get(NodeFeature, url_segment(name),
-                                                            namespace=url_segment(namespace, namespace=True)))
-        except errors.ApiNotFound:
-            return None
-        return dict(found.to_dict())
-
-    async def create_node_feature(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        """POST a NodeFeature."""
-        path_ns = url_segment(namespace, namespace=True)
-        created = await self._do(lambda: self._client.create(NodeFeature.from_dict(body), namespace=path_ns))  # type: ignore[call-overload]
-        return dict(created.to_dict())
-
-    async def replace_node_feature(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        """PUT a NodeFeature (its resourceVersion is the precondition)."""
-        name = str((body.get("metadata") or {}).get("name") or "")
-        path_ns = url_segment(namespace, namespace=True)
-        written = await self._do(lambda: self._client.replace(NodeFeature.from_dict(body), url_segment(name),
-                                                              namespace=path_ns))
-        return dict(written.to_dict())
-
     async def review_access(self, verb: str, resource: str, *, group: str = "", subresource: str = "",
                             namespace: str = "") -> tuple[bool, str]:
         """POST a SelfSubjectAccessReview (every authenticated identity may: system:basic-user)."""
@@ -405,33 +204,8 @@ class LightkubeCluster:
         await self._client.close()
 
 
-def _watch_event(line: str, parse: Callable[[Mapping[str, Any]], T]) -> WatchEvent[T]:
-    try:
-        event = json.loads(line)
-        kind, obj = event["type"], event.get("object") or {}
-    except (ValueError, KeyError, TypeError) as exc:
-        raise errors.ApiServerError(502, f"undecodable watch line: {line[:120]!r}") from exc
-    if kind == "ERROR":
-        raise errors.error_for_status(int(obj.get("code") or 500), obj.get("message") or "")
-    version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
-    if kind == "BOOKMARK":
-        return WatchEvent("BOOKMARK", version)
-    return WatchEvent(kind, version, parse(obj))
-
-
 def connect(node_name: str, counter: ApiRequestCounter, kubeconfig: str | None = None, timeout: float = 10.0,
             event_namespace: str = "default") -> LightkubeCluster:
     """A `LightkubeCluster` from a kubeconfig file, or the in-cluster service account when none is given."""
-    try:
-        config = KubeConfig.from_file(kubeconfig) if kubeconfig else KubeConfig.from_service_account()
-        single = config.get()
-    except (LightkubeConfigError, KeyError, OSError) as exc:
-        where = f"kubeconfig {kubeconfig}" if kubeconfig else "the in-cluster service account"
-        raise ClusterConfigError(f"cannot use {where} ({exc}); set --kubeconfig or run in a pod with a "
-                                 f"service account") from exc
-    if single is None or single.user is None:
-        raise ClusterConfigError(f"kubeconfig {kubeconfig} has no current context with a user")
-    verify = verify_cluster(single.cluster, single.user, single.abs_file)
-    transport = CountingTransport(httpx2.AsyncHTTPTransport(verify=verify), counter)
-    client = AsyncClient(single, timeout=httpx2.Timeout(timeout), field_manager=FIELD_MANAGER, transport=transport)
+    client = async_client(counter, kubeconfig, timeout)
     return LightkubeCluster(client, node_name, event_namespace, timeout, counter)

@@ -53,13 +53,13 @@ class DecodedPods:
     foreign: int
 
 
-async def read_bounded(chunks: AsyncIterator[bytes], limit: int = MAX_LIST_BYTES) -> bytearray:
+async def read_bounded(chunks: AsyncIterator[bytes], limit: int = MAX_LIST_BYTES, what: str = "pod list") -> bytearray:
     """The body, refused (ApiServerError 502) once it passes `limit` bytes."""
     body = bytearray()
     async for chunk in chunks:
         body += chunk
         if len(body) > limit:
-            raise errors.ApiServerError(502, f"a pod list answer over {limit >> 20} MiB was refused")
+            raise errors.ApiServerError(502, f"a {what} answer over {limit >> 20} MiB was refused")
     return body
 
 

@@ -7,16 +7,19 @@ watch with `spec.nodeName`; one pod by name is a namespaced LIST with `metadata.
 RBAC cannot bound a GET to the own node), evictions, Events, Leases in one namespace, and for the DRA driver its own
 ResourceSlices (by `spec.nodeName` and `spec.driver`; a ValidatingAdmissionPolicy binds writes to the node) and
 ResourceClaims by name, and for node labels NFD NodeFeatures in the agent's namespace (read only in GPU Feature
-Discovery's). Nothing lists or watches cluster-wide. Every method raises only
-`agent.kube.errors.Api*` errors. DRA objects cross the port as their JSON (dicts): the driver owns their meaning.
+Discovery's). Nothing the agent runs lists or watches cluster-wide; only the operator's read-only
+`gpu-node-agent fleet` command pages through every Node (`NodeListApi`), with the operator's own credentials.
+Every method raises only `agent.kube.errors.Api*` errors. DRA objects cross the port as their JSON (dicts): the
+driver owns their meaning.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 from agent.kube.model import Condition, EventRecord, LeaseView, NodeView, PodList, PodView, WatchEvent
+from agent.kube.nodelist import NodePage
 
 
 class NodeApi(Protocol):
@@ -33,8 +36,11 @@ class NodeApi(Protocol):
     async def patch_node(self, patch: dict[str, Any], resource_version: str | None = None) -> NodeView:
         """JSON merge patch of the node; with `resource_version` the server refuses (409) if the node changed."""
 
-    async def patch_node_condition(self, condition: Condition) -> NodeView:
-        """Strategic-merge patch of one condition on nodes/status (merged by type, others untouched)."""
+    async def patch_node_condition(self, condition: Condition,
+                                   annotations: Mapping[str, str | None] | None = None) -> NodeView:
+        """Strategic-merge patch of one condition on nodes/status (merged by type, others untouched); with
+        `annotations`, those ride in the same request (nodes/status resets only `spec`, so metadata is kept; None
+        removes a key)."""
 
     async def remove_node_condition(self, condition_type: str) -> NodeView:
         """Strategic-merge `$patch: delete` of the condition of this type on nodes/status (others untouched)."""
@@ -142,6 +148,17 @@ class AccessApi(Protocol):
     async def review_access(self, verb: str, resource: str, *, group: str = "", subresource: str = "",
                             namespace: str = "") -> tuple[bool, str]:
         """Whether the verb on the resource is allowed, and the authorizer's reason (often empty)."""
+
+
+class NodeListApi(Protocol):
+    """Every Node of the cluster, one LIST page at a time, read-only (`gpu-node-agent fleet`)."""
+
+    async def list_nodes_page(self, label_selector: str, limit: int, continue_token: str) -> NodePage:
+        """LIST nodes with `limit`, `labelSelector` when non-empty and `continue` when non-empty (never a
+        resourceVersion); the page may hold fewer than `limit` nodes, even none, and still have a continue token."""
+
+    async def aclose(self) -> None:
+        """Release connections."""
 
 
 class Cluster(NodeApi, PodApi, PodWatchApi, PodLookupApi, EventApi, LeaseApi, ResourceSliceApi, ResourceClaimApi,

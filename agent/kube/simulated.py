@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import itertools
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 from agent.kube.errors import ApiConflict, ApiGone, ApiNotFound
@@ -95,9 +95,11 @@ class InMemoryCluster:
             raise ApiConflict(409, "the object has been modified")
         return await self._bump(apply_patch(self.node, patch))
 
-    async def patch_node_condition(self, condition: Condition) -> NodeView:
-        """Replace one condition by type."""
-        return await self._bump(with_condition(self.node, condition))
+    async def patch_node_condition(self, condition: Condition,
+                                   annotations: Mapping[str, str | None] | None = None) -> NodeView:
+        """Replace one condition by type, and set the annotations given in the same write."""
+        node = apply_patch(self.node, {"metadata": {"annotations": dict(annotations)}}) if annotations else self.node
+        return await self._bump(with_condition(node, condition))
 
     async def remove_node_condition(self, condition_type: str) -> NodeView:
         """Remove one condition by type."""

@@ -11,7 +11,7 @@ applied to an in-memory overlay instead, so decisions are not repeated and nothi
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from agent.clock import Clock
@@ -125,9 +125,11 @@ class NodeActions:
             return None
         return current.last_heartbeat + self._heartbeat
 
-    async def ensure_condition(self, problem: bool, reason: str, message: str, condition_type: str = "") -> bool:
+    async def ensure_condition(self, problem: bool, reason: str, message: str, condition_type: str = "",
+                               annotations: Mapping[str, str | None] | None = None) -> bool:
         """Set the condition (default: the agent's main one) if it differs or its heartbeat is due; True when a
-        patch was (or would be) made. `lastTransitionTime` moves only when the status flips."""
+        patch was (or would be) made. `lastTransitionTime` moves only when the status flips. `annotations` go in
+        the same nodes/status write, and only in a write that changes the condition (never a heartbeat's)."""
         kind = condition_type or self.condition_type
         now = self._clock.now()
         status = "True" if problem else "False"
@@ -141,8 +143,13 @@ class NodeActions:
             else current.last_transition
         condition = Condition(kind, status, reason, message, now, transition)
         action = "condition" if changed else "heartbeat"
+        extra = dict(annotations) if changed and annotations else None
         if self.dry_run:
             if changed:
+                if extra:
+                    patch = {"metadata": {"annotations": extra}}
+                    self._overlay = compose(self._overlay, patch)
+                    self._node = apply_patch(self.node, patch)
                 self._overlay_conditions[kind] = condition
                 self._node = with_condition(self.node, condition)
                 self._actions.count(action, "dry_run")
@@ -152,7 +159,7 @@ class NodeActions:
                 self._node = with_condition(self.node, condition)
             return changed
         try:
-            self.observe(await self._api.patch_node_condition(condition))
+            self.observe(await self._api.patch_node_condition(condition, extra))
         except ApiError:
             self._actions.count(action, "failed")
             raise

@@ -9,7 +9,8 @@ again, or in a restarted agent, repeats nothing. The rules, from the failures of
   not cordon again until a different fault, or the same one after a healthy window (draino#17);
 - uncordon only our own cordon, after `healthy_window_seconds` of health, when the policy allows the reason
   (hardware faults stay by default); never touch an admin's `spec.unschedulable` (drainsafe#1);
-- a drain stops as soon as the verdict no longer asks for it (draino#50);
+- a drain stops as soon as the verdict no longer asks for it (draino#50); it runs in a task of its own
+  (`node_drain`), whose outcome the next pass records;
 - a fault that needs a reboot is handed to kured (sentinel file) and/or NHC/Karpenter (a NodeCondition) after
   the cordon and the drain, once per boot (`reboot`);
 - a condition type the agent set once but no longer sets is removed at start (`conditions`);
@@ -18,12 +19,13 @@ again, or in a restarted agent, repeats nothing. The rules, from the failures of
 - a GPU whose fault a reset cures is reset once idle (`gpu_reset`); a failed reset is an escalation verdict
   (`GpuResetFailed`, recovery a reboot) that the node path acts on like any other;
 - every cordon is stamped into the remediation history; the `latchCount`-th within the window latches the node
-  `NeedsHumanAttention` (`latch`): no automatic uncordon until a person removes the latch annotation.
+  `NeedsHumanAttention` (`latch`): no automatic uncordon until a person removes the latch annotation;
+- each new fault finding (a reason on a device) is an incident, recorded in `<prefix>/incidents` in the same
+  nodes/status write that changes the condition (`incidents`), never in a request of its own.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,14 +33,15 @@ from dataclasses import dataclass, field
 from agent.clock import Clock
 from agent.config.remediation import RemediationConfig
 from agent.kube.model import format_time
-from agent.remediation import latch, state
+from agent.remediation import incidents, latch, state
 from agent.remediation.actions import NodeActions
 from agent.remediation.conditions import forget_stale_conditions, owned_types
-from agent.remediation.drain import Drainer, DrainResult
+from agent.remediation.drain import Drainer
 from agent.remediation.events import WARNING, EventRecorder
 from agent.remediation.gpu_reset import ESCALATION_REASON, GpuResets, Resetter
 from agent.remediation.isolate import Isolation, PodsOf
 from agent.remediation.metrics import ActionCounter
+from agent.remediation.node_drain import OVER, NodeDrain
 from agent.remediation.preflight import PreflightState
 from agent.remediation.reboot import RebootRequests
 from agent.remediation.slots import Slots
@@ -107,11 +110,12 @@ class Engine:
         self._wake = wake
         self._jitter = jitter
         self.deferred_until: float | None = None
-        self._drain_task: asyncio.Task[DrainResult] | None = None
-        self._drain_stop = asyncio.Event()
+        self.node_drain = NodeDrain(config, actions=actions, drainer=drainer, clock=clock, keys=self.keys,
+                                    wanted=self._drain_wanted, wake=wake)
         self._had_verdict = False  # a verdict was seen in this process (None after one means every source cleared)
         self._said: set[tuple[str, str]] = set()  # (what, reason) already announced, to avoid repeating Events
         self._conditions_checked = False  # stale condition types removed (once per process)
+        self._findings: frozenset[tuple[str, str]] = frozenset()  # (reason, device) already recorded as incidents
 
     def recorded(self) -> Recorded:
         """The decisions recorded on the node."""
@@ -119,7 +123,7 @@ class Engine:
 
     async def reconcile(self) -> None:
         """Make the node match the decisions; raises ApiError (the caller backs off and calls again)."""
-        await self._collect_drain()
+        await self.node_drain.collect()
         if not self._conditions_checked and (self.inputs.effective() is not None or self.inputs.preflight.active):
             # before this process first writes a condition (nothing at all is written before the first verdict)
             await forget_stale_conditions(self.actions, self.events, f"{self.config.prefix}/condition-types",
@@ -169,7 +173,7 @@ class Engine:
 
     async def _admin_uncordoned(self, rec: Recorded) -> None:
         await self.actions.apply("admin_uncordon", lambda n: state.admin_override_patch(n, self.keys, rec.reason))
-        self._stop_drain()
+        self.node_drain.stop()
         await self.events.emit("AdminUncordonRespected", f"the node was uncordoned by someone else while {rec.reason} "
                                f"was recorded; the agent will not cordon it again for this fault")
         await self.slots.release()
@@ -218,7 +222,7 @@ class Engine:
         if self.recorded().healthy_since is not None:
             await self.actions.apply("annotate", lambda n: state.annotate({self.keys.healthy_since: None}))
         if verdict.severity is Severity.DRAIN:
-            await self._drain()
+            await self.node_drain.start()
 
     async def remediated(self, what: str) -> None:
         """Stamp one remediation on the node; the `latchCount`-th within the window latches NeedsHumanAttention."""
@@ -305,19 +309,37 @@ class Engine:
                 # subsystem running): a condition left True would start NHC/Karpenter repair clocks
                 await self.actions.ensure_condition(False, "Cleared", "no source reports a problem any more")
         elif verdict.severity is Severity.ISOLATE:  # not a node problem: NHC/Karpenter must not act on it
-            await self.actions.ensure_condition(False, verdict.reason, "device isolated, node schedulable: "
-                                                + verdict.describe() + await self._pods(verdict))
+            await self._fault_condition(False, verdict, "device isolated, node schedulable: "
+                                        + verdict.describe() + await self._pods(verdict))
         elif verdict.severity >= Severity.DEGRADED:
             deferred = "RemediationDeferred (no free slot): " if self.deferred_until is not None else ""
             message = deferred + verdict.describe() + await self._pods(verdict)
-            await self.actions.ensure_condition(True, verdict.reason, message)
+            await self._fault_condition(True, verdict, message)
             repeat = was_problem and before is not None and before.reason == verdict.reason
             if verdict.severity is Severity.DEGRADED and not repeat:
                 await self.events.emit("Degraded", f"{verdict.reason}: {verdict.describe()}", WARNING)
         else:
+            self._findings = frozenset()  # healthy: the same fault again is a new incident
             await self.actions.ensure_condition(False, verdict.reason, verdict.describe())
             if was_problem:  # the condition on the node, so a restarted agent does not say it twice
                 await self.events.emit("Recovered", f"{verdict.reason}: {verdict.describe()}")
+
+    async def _fault_condition(self, problem: bool, verdict: NodeVerdict, message: str) -> None:
+        """Set the condition for a fault; findings not seen before become incidents in the same write. A condition
+        already saying this (a restarted agent) records nothing: those findings were recorded when it was set."""
+        findings = frozenset((verdict.reason, device) for device in verdict.devices or ("",))
+        fresh = findings - self._findings
+        current = self.actions.condition()
+        status = "True" if problem else "False"
+        changed = current is None or (current.status, current.reason, current.message) != (status, verdict.reason,
+                                                                                            message)
+        extra = incidents.recorded(self.actions.node.annotations, self.config.prefix, self.clock.now(), verdict.reason,
+                                   findings=len(fresh), window_seconds=self.config.latch_window_seconds) \
+            if fresh and changed else None
+        await self.actions.ensure_condition(problem, verdict.reason, message, annotations=extra)
+        self._findings = findings
+        if extra:
+            self.counter.incidents(len(fresh))
 
     async def _pods(self, verdict: NodeVerdict) -> str:
         """' (pods: a/b, c/d)' for the pods holding the verdict's devices now; '' when none or unknown."""
@@ -331,61 +353,22 @@ class Engine:
         without PodResources at all, nobody can be named and NVML's process list is the only check."""
         return [] if self.isolation.pods_of is None else await self.isolation.holders(devices)
 
-    # --- drain ------------------------------------------------------------------------------------------------
-
     def _drain_wanted(self) -> bool:
         verdict = self.inputs.effective()
         return verdict is not None and verdict.severity is Severity.DRAIN and self.recorded().cordoned
 
-    async def _drain(self) -> None:
-        if not self.config.drain:
-            if ("nodrain", "") not in self._said:
-                self._said.add(("nodrain", ""))
-                log.info("drain verdict, but drain is off: cordon only")
-            return
-        rec = self.recorded()
-        if rec.drain in ("complete", "deadline") or self._drain_task is not None:
-            return
-        started = rec.drain_started or self.clock.now()
-        if rec.drain_started is None:
-            await self.actions.apply("annotate", lambda n: state.annotate(
-                {self.keys.drain: "running", self.keys.drain_started: format_time(started)}))
-        self._drain_stop = asyncio.Event()
-        deadline = started + self.config.drain_deadline_seconds
-        self._drain_task = asyncio.create_task(self.drainer.run(self._drain_stop, deadline, self._drain_wanted,
-                                                                 started),
-                                               name="remediation-drain")
-        self._drain_task.add_done_callback(lambda _task: self._wake())
-
-    def _stop_drain(self) -> None:
-        self._drain_stop.set()
-
-    async def _collect_drain(self) -> None:
-        task = self._drain_task
-        if task is None or not task.done():
-            return
-        self._drain_task = None
-        result = task.result()
-        if result.outcome in ("complete", "deadline") and self.recorded().cordoned:
-            await self.actions.apply("annotate", lambda n: state.annotate({self.keys.drain: result.outcome}))
-
     def _drained_for_reset(self, verdict: NodeVerdict) -> bool:
         """Whether the drain the verdict asks for is over (finished or past its deadline), so a reset may run."""
-        over = ("complete", "deadline")
         if not self.config.drain:
             return True
         if verdict.severity is Severity.ISOLATE:
-            return self.actions.node.annotations.get(self.isolation.keys.drain, "") in over
+            return self.actions.node.annotations.get(self.isolation.keys.drain, "") in OVER
         if verdict.severity is Severity.DRAIN:
-            return self.recorded().drain in over
+            return self.node_drain.over()
         return True
 
     async def close(self) -> None:
         """Stop a running drain or GPU reset and wait for it."""
         await self.gpu_resets.close()
         await self.isolation.close()
-        self._stop_drain()
-        if self._drain_task is not None:
-            self._drain_task.cancel()
-            await asyncio.gather(self._drain_task, return_exceptions=True)
-            self._drain_task = None
+        await self.node_drain.close()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from agent.host.driver_files import PROC_ROOT
 from agent.host.nvml import MigInfo, SimulatedNvml, mig_profile_name
-from agent.host.nvml.simulated import SimDriver, SimGpuModel, SimMigProfile
+from agent.host.nvml.simulated_driver import SimDriver, SimGpuModel, SimMigProfile
 from agent.simulate import nvidia_caps, profiles, sysfs_writer
 from agent.topology.load import load_topology
 from agent.topology.model import Topology

@@ -10,14 +10,13 @@ not per rescan) and a line in `Topology.locality_problems`, which `doctor` repor
 from __future__ import annotations
 
 import logging
-import os
-import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol, TypeVar
 
 from agent.topology.locality import MAX_VPD, VpdError, vpd_keywords
 from agent.topology.model import PciInfo
+from agent.topology.sysfs_file import read_sysfs_file
 
 log = logging.getLogger(__name__)
 
@@ -48,27 +47,9 @@ def read_binary(path: Path, limit: int) -> bytes | None:
     Every read of `vpd` goes to the device (config-space polling, up to 125 ms a dword): read once, in big chunks,
     non-blocking and only from a regular file (a FIFO planted in the tree must not hang the scan)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
+        return read_sysfs_file(path, limit)
     except OSError as exc:
         raise UnreadableVpd(f"{path}: cannot read ({exc.strerror or exc})") from exc
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UnreadableVpd(f"{path}: cannot read (not a regular file)")
-        chunks: list[bytes] = []
-        size = 0
-        while size < limit:
-            chunk = os.read(fd, limit - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    except OSError as exc:
-        raise UnreadableVpd(f"{path}: cannot read ({exc.strerror or exc})") from exc
-    finally:
-        os.close(fd)
-    return b"".join(chunks)
 
 
 def _warn_once(line: str) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from agent.topology.model import (
     Topology,
     Vf,
 )
+from agent.topology.sysfs_file import read_sysfs_file
 
 log = logging.getLogger(__name__)
 
@@ -79,19 +79,11 @@ def _read(path: Path) -> str | None:
     Opened non-blocking and refused unless a regular file (sysfs attributes are): a FIFO or device planted in a
     tree the agent reads must not block the topology scan; at most MAX_ATTRIBUTE bytes are read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
+        data = read_sysfs_file(path, MAX_ATTRIBUTE)
+    except OSError as exc:
+        raise SkipDevice(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    if data is None:
         return None
-    except OSError as exc:
-        raise SkipDevice(f"{path}: cannot read ({exc.strerror or exc})") from exc
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise SkipDevice(f"{path}: cannot read (not a regular file)")
-        data = os.read(fd, MAX_ATTRIBUTE)
-    except OSError as exc:
-        raise SkipDevice(f"{path}: cannot read ({exc.strerror or exc})") from exc
-    finally:
-        os.close(fd)
     return data.decode("ascii", errors="replace").strip()
 
 

@@ -54,6 +54,8 @@ AGENT_METRICS: dict[str, str] = {
     "gpu_node_agent_pcie_aer_errors_total": "counter {device,severity}",
     "gpu_node_agent_gpus_expected": "gauge",
     "gpu_node_agent_gpus_present": "gauge",
+    "gpu_node_agent_gpus_healthy": "gauge: GPUs present and Healthy",
+    "gpu_node_agent_incidents_total": "counter: new fault findings recorded on the Node",
     "gpu_node_agent_nvlink_links_active": "gauge {gpu,uuid,pci_bus_id}",
     "gpu_node_agent_nvlink_links_inactive": "gauge {gpu,uuid,pci_bus_id}",
     "gpu_node_agent_nvlink_links_down": "gauge {gpu,uuid,pci_bus_id}: inactive links its peers have active",

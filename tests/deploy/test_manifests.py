@@ -170,8 +170,12 @@ def test_prometheusrule_structure():
     for group in rule["spec"]["groups"]:
         assert set(group) <= {"name", "interval", "rules"}
         for item in group["rules"]:
-            assert set(item) <= {"alert", "expr", "for", "labels", "annotations"}, item.get("alert")
             assert isinstance(item["expr"], str) and item["expr"].strip()
+            if "record" in item:  # a recording rule: `level:metric:operation`, no alert fields
+                assert set(item) <= {"record", "expr", "labels"}, item["record"]
+                assert re.fullmatch(r"[a-z_]+:[a-z_]+:[a-z0-9_]+", item["record"]), item["record"]
+                continue
+            assert set(item) <= {"alert", "expr", "for", "labels", "annotations"}, item.get("alert")
             if "for" in item:
                 assert DURATION.match(item["for"])
             assert all(isinstance(v, str) for v in item.get("labels", {}).values())

@@ -261,7 +261,8 @@ class ApiServerDouble(EventsAndLeases, ResourceApi, NodeFeatureApi, HttpDouble):
     def _patch_status(self, body: dict[str, Any]) -> Answer:
         status = dict(body.get("status") or {})
         conditions = status.pop("conditions", None) or []
-        node = merge_patch(self.node, {"status": status})
+        # nodes/status resets only `spec` (pkg/registry/core/node/strategy.go): metadata sent here is kept
+        node = merge_patch(self.node, {"status": status, "metadata": body.get("metadata") or {}})
         merged = [dict(c) for c in node["status"].get("conditions") or []]
         for condition in conditions:  # strategic merge: patchMergeKey "type"
             existing = next((c for c in merged if c["type"] == condition["type"]), None)

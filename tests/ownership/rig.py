@@ -23,6 +23,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.deviceplugin.manager import DevicePluginManager
+from agent.deviceplugin.v1beta1 import api_pb2_grpc
 from agent.host.podresources import Reachability
 from agent.host.podresources.client import KubeletPodResources
 from agent.host.podresources.ratelimit import TokenBucket
@@ -220,3 +221,20 @@ def api_pod(api: ApiServerDouble, name: str, requests: dict[str, int]) -> tuple[
     """A pod in namespace ml on the double's node, one container asking for `requests`."""
     api.add_pod("ml", name, containers=[container_spec("main", requests)])
     return "ml", name
+
+
+class TimedStub:
+    """The kubelet's stub, timing each GetPreferredAllocation as the kubelet sees it."""
+
+    def __init__(self, stub: api_pb2_grpc.DevicePluginStub, into: list[tuple[float, float]]) -> None:
+        self._stub, self._into = stub, into
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stub, name)
+
+    async def GetPreferredAllocation(self, request: object, **kwargs: object) -> object:  # the gRPC method name
+        started = time.monotonic()
+        try:
+            return await self._stub.GetPreferredAllocation(request, **kwargs)  # type: ignore[arg-type]
+        finally:
+            self._into.append((started, time.monotonic() - started))

@@ -15,30 +15,12 @@ import os
 import time
 from pathlib import Path
 
-from agent.deviceplugin.v1beta1 import api_pb2_grpc
 from agent.ownership.service import DEFAULT_LOOKUP_S
-from tests.ownership.rig import GPU, NIC, Node, node_factory, pix, until
+from tests.ownership.rig import GPU, NIC, Node, TimedStub, node_factory, pix, until
 
 __all__ = ["node_factory"]  # the fixture
 
 BOUND_S = 0.15  # every preference call after the first-reading wait (issue 37 item 4)
-
-
-class TimedStub:
-    """The kubelet's stub, timing each GetPreferredAllocation as the kubelet sees it."""
-
-    def __init__(self, stub: api_pb2_grpc.DevicePluginStub, into: list[tuple[float, float]]) -> None:
-        self._stub, self._into = stub, into
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._stub, name)
-
-    async def GetPreferredAllocation(self, request: object, **kwargs: object) -> object:  # the gRPC method name
-        started = time.monotonic()
-        try:
-            return await self._stub.GetPreferredAllocation(request, **kwargs)  # type: ignore[arg-type]
-        finally:
-            self._into.append((started, time.monotonic() - started))
 
 
 class SilentSocket:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -13,14 +14,10 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from agent.clock import SYSTEM_CLOCK, Clock
 from agent.host.busid import BusIdError, normalize_bus_id
 from agent.host.nvml.api import (
-    _ARGUMENT_VERSION_MISMATCH,
     _FUNCTION_NOT_FOUND,
     _GPU_IS_LOST,
-    _INVALID_ARGUMENT,
     _NOT_SUPPORTED,
     _RESET_REQUIRED,
-    FABRIC_NOT_SUPPORTED,
-    GpuFabric,
     GpuLostError,
     GpuState,
     MemoryHealth,
@@ -38,16 +35,10 @@ from agent.host.nvml.real_events import RealEventSet
 from agent.host.nvml.real_facts import read_facts
 from agent.host.nvml.real_inventory import read_inventory
 from agent.host.nvml.real_mig import read_mig_devices
+from agent.host.nvml.real_state import read_fabric, read_nvlinks, read_recovery_action
 
 log = logging.getLogger(__name__)
 _RETRY_INIT_SECONDS = 60.0  # a failed nvmlInit is tried again this long after (health recovers with the driver)
-_MAX_LINKS = 36  # NVML_NVLINK_MAX_LINKS in nvidia-ml-py 13.615.71 (used when the library does not say)
-_RECOVERY_FIELD = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (replaces the deprecated fields 226 and 227)
-_LINK_STATE_FIELD = 165  # NVML_FI_DEV_NVLINK_GET_STATE, scoped per link: INACTIVE 0, ACTIVE 1, SLEEP 2,
-_LINK_UP = (1, 2)  # ACTIVE_TRAFFIC_DISABLED 3. A link asleep to save power wakes on traffic: not a fault.
-_NO_SUCH_LINK = (_NOT_SUPPORTED, _INVALID_ARGUMENT, _FUNCTION_NOT_FOUND)
-# nvmlValueType_t -> member of the c_nvmlValue_t union holding a field value
-_VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 # The process lists a reset must wait for, by versioned name: _v3 first, _v2 for a driver older than that call
 # (NVML_ERROR_FUNCTION_NOT_FOUND). Not the unversioned wrappers: on such a driver they raise
 # NVMLLibraryMismatchError instead of falling back.
@@ -230,9 +221,11 @@ class RealNvml:
         nvml = self._lib()
         h = self._handle(nvml, uuid)
         errors: dict[str, str] = {}
-        links = self._part(nvml, uuid, errors, "nvlink", lambda: self._nvlinks(nvml, uuid, h)) or {}
-        fabric = self._part(nvml, uuid, errors, "fabric", lambda: self._fabric(nvml, uuid, h))
-        action = self._part(nvml, uuid, errors, "recovery_action", lambda: self._recovery_action(nvml, uuid, h))
+        unsupported = functools.partial(self._unsupported, uuid)
+        links = self._part(nvml, uuid, errors, "nvlink", lambda: read_nvlinks(nvml, uuid, h)) or {}
+        fabric = self._part(nvml, uuid, errors, "fabric", lambda: read_fabric(nvml, h, unsupported))
+        action = self._part(nvml, uuid, errors, "recovery_action",
+                            lambda: read_recovery_action(nvml, uuid, h, unsupported))
         return GpuState(uuid, links, fabric, action, errors)
 
     def _part(self, nvml: ModuleType, uuid: str, errors: dict[str, str], part: str, read: Callable[[], Any]) -> Any:
@@ -240,6 +233,7 @@ class RealNvml:
         try:
             return read()
         except GpuLostError:
+            self._handles.pop(uuid, None)  # a handle of a lost GPU is stale: the next call opens a fresh one
             raise
         except nvml.NVMLError as exc:
             translated = self._translate(nvml, uuid, exc)
@@ -252,83 +246,6 @@ class RealNvml:
             # new for these calls: that part cannot be read (the check shows it), the others still can
             errors[part] = f"{type(exc).__name__}: {exc}"
         return None
-
-    def _nvlinks(self, nvml: ModuleType, uuid: str, h: Any) -> dict[int, bool]:
-        """Link states of links 0..NVML_NVLINK_MAX_LINKS-1: field NVML_FI_DEV_NVLINK_GET_STATE for all of them in
-        one call where the driver has it (it tells a sleeping link from an inactive one), else
-        nvmlDeviceGetNvLinkState per link. A link the GPU lacks answers NOT_SUPPORTED or INVALID_ARGUMENT (a PCIe
-        board: every link)."""
-        count = int(getattr(nvml, "NVML_NVLINK_MAX_LINKS", _MAX_LINKS))
-        links = self._nvlinks_by_field(nvml, uuid, h, count)
-        if links:
-            return links
-        for link in range(count):
-            try:
-                links[link] = nvml.nvmlDeviceGetNvLinkState(h, link) == 1  # NVML_FEATURE_ENABLED
-            except nvml.NVMLError as exc:
-                if _code(exc) not in _NO_SUCH_LINK:
-                    raise
-        return links
-
-    def _nvlinks_by_field(self, nvml: ModuleType, uuid: str, h: Any, count: int) -> dict[int, bool]:
-        """The link-state field, scoped per link; {} when the driver reports none (then the per-link call)."""
-        field_id = int(getattr(nvml, "NVML_FI_DEV_NVLINK_GET_STATE", _LINK_STATE_FIELD))
-        try:
-            values = nvml.nvmlDeviceGetFieldValues(h, [(field_id, link) for link in range(count)])
-        except nvml.NVMLError as exc:
-            if _code(exc) in (_GPU_IS_LOST, _RESET_REQUIRED):
-                raise
-            return {}
-        links: dict[int, bool] = {}
-        for link, value in enumerate(values):
-            code = int(value.nvmlReturn)
-            if code in (_GPU_IS_LOST, _RESET_REQUIRED):
-                self._handles.pop(uuid, None)
-                raise GpuLostError(uuid, f"NVLink state field: NVML return code {code}")
-            if code == 0:
-                links[link] = _field_value(value) in _LINK_UP
-        return links
-
-    def _fabric(self, nvml: ModuleType, uuid: str, h: Any) -> GpuFabric | None:
-        """nvmlDeviceGetGpuFabricInfoV with the v3 struct; v2 for a driver that rejects v3's version, the
-        deprecated v1 call for one without the versioned call. None when the GPU has no fabric."""
-        attempts: list[tuple[str, str]] = [("nvmlDeviceGetGpuFabricInfoV", "c_nvmlGpuFabricInfo_v3_t"),
-                                           ("nvmlDeviceGetGpuFabricInfoV", "c_nvmlGpuFabricInfo_v2_t"),
-                                           ("nvmlDeviceGetGpuFabricInfo", "c_nvmlGpuFabricInfo_t")]
-        for call, struct in attempts:
-            if not hasattr(nvml, call) or not hasattr(nvml, struct):
-                continue
-            info = getattr(nvml, struct)()
-            try:
-                getattr(nvml, call)(h, ctypes.byref(info))  # the wrapper hands its argument to C as is
-            except nvml.NVMLError as exc:
-                if _code(exc) in (_ARGUMENT_VERSION_MISMATCH, _FUNCTION_NOT_FOUND):
-                    continue  # an older driver: try the older struct or call
-                if _code(exc) == _NOT_SUPPORTED:
-                    self._unsupported(uuid, "GPU fabric info")
-                    return None
-                raise
-            if int(info.state) == FABRIC_NOT_SUPPORTED:
-                return None
-            return GpuFabric(int(info.state), int(info.status), int(getattr(info, "healthMask", 0)),
-                             int(getattr(info, "healthSummary", 0)))
-        self._unsupported(uuid, "GPU fabric info")
-        return None
-
-    def _recovery_action(self, nvml: ModuleType, uuid: str, h: Any) -> int | None:
-        """Field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION; each field value carries its own return code."""
-        field_id = int(getattr(nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", _RECOVERY_FIELD))
-        value = nvml.nvmlDeviceGetFieldValues(h, [field_id])[0]
-        code = int(value.nvmlReturn)
-        if code in (_GPU_IS_LOST, _RESET_REQUIRED):
-            self._handles.pop(uuid, None)
-            raise GpuLostError(uuid, f"recovery-action field: NVML return code {code}")
-        if code in _NO_SUCH_LINK:  # an older driver does not know the field
-            self._unsupported(uuid, "GPU recovery-action field")
-            return None
-        if code != 0:
-            raise NvmlError(f"{uuid}: recovery-action field: NVML return code {code}")
-        return _field_value(value)
 
     def _unsupported(self, uuid: str, what: str) -> None:
         if (uuid, what) not in self._unsupported_logged:
@@ -414,8 +331,3 @@ class RealNvml:
         """A closed event set is not freed again at a suspension."""
         with self._lock:
             self._event_sets = [e for e in self._event_sets if e is not events]
-
-
-def _field_value(value: Any) -> int:
-    """An integer field value from the union member its `valueType` names."""
-    return int(getattr(value.value, _VALUE_MEMBERS.get(int(value.valueType), "uiVal")))

@@ -29,8 +29,8 @@ from agent.host.nvml.api import (
     _text,
     mig_profile_name,
 )
+from agent.host.nvml.real_mig import mig_handles
 
-_NOT_FOUND = 6
 _SUCCESS = 0
 # GPU instance profile ids (nvmlGpuInstanceProfile*) -> go-nvlib's profile attribute suffix
 _SUFFIX = {7: "+me", 8: "+me", 15: "+me.all", 16: "+me.all", 10: "+gfx", 11: "+gfx", 12: "+gfx", 13: "-me", 14: "-me"}
@@ -58,13 +58,7 @@ def _suffix(nvml: ModuleType, parent: Any, gpu_instance: int) -> str:
 
 def _mig_devices(nvml: ModuleType, handle: Any, total_bytes: int) -> tuple[MigFacts, ...]:
     found: list[MigFacts] = []
-    for slot in range(int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))):
-        try:
-            mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
-        except nvml.NVMLError as exc:
-            if _code(exc) == _NOT_FOUND:
-                continue
-            raise
+    for mig in mig_handles(nvml, handle):
         a = nvml.nvmlDeviceGetAttributes(mig)
         gi, ci, memory = int(a.gpuInstanceSliceCount), int(a.computeInstanceSliceCount), int(a.memorySizeMB)
         profile = mig_profile_name(gi, ci, memory, total_bytes) + \

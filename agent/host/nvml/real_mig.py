@@ -10,6 +10,7 @@ total memory as go-nvlib names profiles (`mig_profile_name`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -20,10 +21,8 @@ log = logging.getLogger(__name__)
 _NOT_FOUND = 6  # NVML_ERROR_NOT_FOUND: no MIG device in this slot
 
 
-def read_mig_devices(nvml: ModuleType, handle: Any) -> list[MigInfo]:
-    """The MIG devices of one GPU in MIG mode (NVML errors other than an empty slot propagate)."""
-    total = int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
-    found: list[MigInfo] = []
+def mig_handles(nvml: ModuleType, handle: Any) -> Iterator[Any]:
+    """The handles of a GPU's MIG devices, slot by slot: an empty slot is skipped, other NVML errors propagate."""
     for slot in range(int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))):
         try:
             mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
@@ -31,6 +30,14 @@ def read_mig_devices(nvml: ModuleType, handle: Any) -> list[MigInfo]:
             if _code(exc) == _NOT_FOUND:
                 continue
             raise
+        yield mig
+
+
+def read_mig_devices(nvml: ModuleType, handle: Any) -> list[MigInfo]:
+    """The MIG devices of one GPU in MIG mode (NVML errors other than an empty slot propagate)."""
+    total = int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+    found: list[MigInfo] = []
+    for mig in mig_handles(nvml, handle):
         attributes = nvml.nvmlDeviceGetAttributes(mig)
         gpu_slices, compute_slices = int(attributes.gpuInstanceSliceCount), int(attributes.computeInstanceSliceCount)
         memory_mb = int(attributes.memorySizeMB)

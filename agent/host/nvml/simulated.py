@@ -40,6 +40,7 @@ from agent.host.nvml.api import (
     NvmlUnavailableError,
 )
 from agent.host.nvml.gate import SessionGate
+from agent.host.nvml.simulated_driver import SimDriver
 
 
 @dataclass
@@ -55,40 +56,6 @@ class _SimGpu:
 
 
 STATE_PARTS = ("nvlink", "fabric", "recovery_action")
-
-
-@dataclass(frozen=True)
-class SimGpuModel:
-    """What the driver reports for one GPU model (a simulated profile's GPUs report a real model's figures)."""
-
-    name: str  # nvmlDeviceGetName
-    memory_mib: int  # memory.total >> 20
-    compute_capability: tuple[int, int]
-    mig_capable: bool
-
-
-@dataclass(frozen=True)
-class SimMigProfile:
-    """nvmlDeviceGetAttributes of a MIG device of one profile on one GPU model (`nvidia-smi mig -lgip`)."""
-
-    memory_mb: int
-    multiprocessors: int
-    copy_engines: int
-    decoders: int
-    encoders: int
-    jpeg_engines: int
-    ofa_engines: int
-
-
-@dataclass(frozen=True)
-class SimDriver:
-    """The simulated driver: its version, the CUDA version it supports (NVML's integer), its GPU models by bus
-    id and MIG profile attributes by profile name."""
-
-    version: str = "550.54.15"
-    cuda_version: int = 12040
-    models: Mapping[str, SimGpuModel] = field(default_factory=dict)
-    mig_profiles: Mapping[str, SimMigProfile] = field(default_factory=dict)
 
 
 _ZERO: dict[str, Any] = {f.name: 0 for f in fields(MemoryHealth) if f.name != "uuid"} | {

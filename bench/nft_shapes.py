@@ -7,23 +7,32 @@ against no table at all. It answers "how close to no accounting can any per-pod 
 lookup (one per forwarded packet is the least per-pod accounting needs) against an empty chain, a named
 counter, two interval-set lookups and prefix compares (how the layout tells cluster from internet).
 
+The eBPF shapes (issue 40) sit beside them: the tcx hook with an empty program, one per-CPU hash lookup, and the
+eBPF layout's own programs (`EbpfShapes`).
+
     python bench/nft_shapes.py [--seconds 2] [--rounds 4]      (root; nft and ip netns)
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import random
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from netacct_forwarding import Bench  # run as a script, bench/ is on sys.path
 
+from agent.config.netacct import NetacctConfig
 from agent.config.pods import DEFAULT_INTERNAL_CIDRS
+from agent.host import bpf, bpf_tc
+from agent.netacct.ebpf import asm, program
+from agent.netacct.ebpf.objects import Objects
 from agent.netacct.nft_layout import PRIORITY
 from tests.netacct import netns
 from tests.netacct.netns import POD4
@@ -55,6 +64,80 @@ SHAPES: dict[str, str | None] = {
 }
 
 
+class EbpfShapes:
+    """The eBPF shapes: one tcx program on the forward path's ingress (the pod's veth on the node), alone in the
+    namespace like the nft shapes. "tcx hook, empty program" is the hook's own cost; "tcx + per-CPU hash lookup" one
+    lookup of the source address in a 500-pod map (what counting a pod side costs); "ebpf layout programs" the
+    layout's own ingress and egress programs on every interface."""
+
+    NAMES = ("tcx hook, empty program", "tcx + per-CPU hash lookup", "ebpf layout programs")
+
+    def __init__(self, topo: netns.Topology) -> None:
+        self.topo = topo
+        self.links: list[int] = []
+        self.cpus = bpf.possible_cpus()
+        self.maps = {"node": bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, 16, program.NODE_SLOTS, name="shape_node"),
+                     "pods": bpf.map_create(bpf.MAP_PERCPU_HASH, 20, 16, 4096, name="shape_pods",
+                                            flags=bpf.F_NO_PREALLOC)}
+        for i in range(500):
+            address = ipaddress.ip_address(POD4).packed if i == 0 else bytes([10, 245, i // 250, i % 250 + 1])
+            bpf.map_update(self.maps["pods"], program.pod_key(address, "tx-inet"), bytes(16 * self.cpus))
+        self.bpffs = tempfile.mkdtemp(prefix="gna-shapes-bpffs-")
+        bpf.mount_bpffs(self.bpffs)
+        self.layout = Objects(self.bpffs, netns=topo.node)
+
+    def _program(self, lookup: bool) -> int:
+        a = asm.Asm()
+        if lookup:  # key: the IPv4 source address (packet offset 26) and role tx-inet, as the layout builds it
+            a.mov(asm.R6, asm.R1)
+            a.ldx(4, asm.R7, asm.R6, program.SKB_DATA)
+            a.ldx(4, asm.R3, asm.R6, program.SKB_DATA_END)
+            a.mov(asm.R2, asm.R7)
+            a.alui(asm.ADD, asm.R2, 34)
+            a.jmp(asm.JGT, asm.R2, asm.R3, "out")
+            a.ldx(4, asm.R1, asm.R7, 26)
+            a.stx(4, asm.FP, -24, asm.R1)
+            for off in (-20, -16, -12, -8):
+                a.st(4, asm.FP, off, 0)
+            a.ld_map(asm.R1, "pods")
+            a.mov(asm.R2, asm.FP)
+            a.alui(asm.ADD, asm.R2, -24)
+            a.call(asm.MAP_LOOKUP_ELEM)
+            a.jmpi(asm.JEQ, asm.R0, 0, "out")
+            a.ldx(8, asm.R1, asm.R0, 0)
+            a.alui(asm.ADD, asm.R1, 1)
+            a.stx(8, asm.R0, 0, asm.R1)
+        a.label("out")
+        a.movi(asm.R0, -1)
+        a.exit()
+        return bpf.prog_load(bpf.PROG_SCHED_CLS, a.assemble(self.maps), "gna_shape", bpf.TCX_INGRESS)
+
+    def apply(self, name: str) -> None:
+        """Take every shape off, then put `name` on (a name not of these shapes: nothing)."""
+        for fd in self.links:
+            os.close(fd)  # unpinned links detach with their last fd
+        self.links.clear()
+        self.layout.remove()
+        if name == "ebpf layout programs":
+            self.layout.open_maps(create=True)
+            self.layout.sync_hooks((4, 6), NetacctConfig().internal_networks())
+        elif name in self.NAMES:
+            prog = self._program(lookup=name != "tcx hook, empty program")
+            ifindex = next(i.index for i in bpf_tc.interfaces(self.topo.node) if i.name == "v-node-pod")
+            with netns.entered(self.topo.node):
+                self.links.append(bpf.link_create(prog, ifindex, bpf.TCX_INGRESS))
+            os.close(prog)
+
+    def close(self) -> None:
+        """Everything off, maps closed, the bpffs unmounted."""
+        self.apply("")
+        self.layout.close()
+        for fd in self.maps.values():
+            os.close(fd)
+        netns.sh("umount", self.bpffs, check=False)
+        os.rmdir(self.bpffs)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=2.0)
@@ -62,25 +145,29 @@ def main() -> int:
     args = parser.parse_args()
     topo = netns.build()
     bench = Bench(topo, "nft", "nft", args.seconds)
-    rates: dict[str, list[float]] = {name: [] for name in SHAPES}
+    ebpf = EbpfShapes(topo)
+    rates: dict[str, list[float]] = {name: [] for name in [*SHAPES, *EbpfShapes.NAMES]}
     print(f"nft shapes: 2 s x {args.rounds} rounds, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     try:
         order = random.Random(11)
         for _ in range(args.rounds):
-            for name in order.sample(list(SHAPES), len(SHAPES)):
+            for name in order.sample(list(rates), len(rates)):
                 netns.sh("nft", "flush", "ruleset", ns=topo.node)
-                payload = SHAPES[name]
+                ebpf.apply(name)
+                payload = SHAPES.get(name)
                 if payload:
                     netns.sh("nft", "-f", "-", ns=topo.node, stdin=payload)
                 rates[name].append(bench.udp_kpps())
     finally:
-        bench.engine.close()
+        ebpf.close()
+        bench.close()
         netns.destroy(topo)
     base = statistics.median(rates["none"])
-    print(f"  {'shape':<22}{'UDP-64 kpps':>12} {'/none':>6}   rounds")
+    print(f"  {'shape':<28}{'UDP-64 kpps':>12} {'/none':>6} {'+ns/pkt':>8}   rounds")
     for name, values in rates.items():
         median = statistics.median(values)
-        print(f"  {name:<22}{median:>12.1f} {median / base:>6.2f}   {' '.join(f'{v:.0f}' for v in values)}")
+        print(f"  {name:<28}{median:>12.1f} {median / base:>6.2f} {1e6 / median - 1e6 / base:>8.0f}   "
+              f"{' '.join(f'{v:.0f}' for v in values)}")
     print(f"  load average after the run: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 

@@ -44,7 +44,7 @@ def _importers(prefix: str) -> set[str]:
     ("pynvml", {"agent.host.nvml.real"}),
     ("lightkube", {"agent.kube.cluster", "agent.kube.calls", "agent.kube.pod_calls", "agent.kube.nodefeature_calls",
                    "agent.kube.nodes"}),
-    ("pyroute2", {"agent.host.tc_netlink"}),
+    ("pyroute2", {"agent.host.tc_netlink", "agent.host.bpf_tc"}),  # shaping's tc; the eBPF layout's cls_bpf
 ])
 def test_only_the_port_imports_its_library(library, allowed):
     assert _importers(library) <= allowed

@@ -17,7 +17,7 @@ from agent.config.files import check_files
 from agent.config.pods import DEFAULT_INTERNAL_CIDRS, Network, check_internal_cidrs, internal_networks
 
 BACKENDS = ("auto", "nft", "legacy")
-LAYOUTS = ("auto", "nft", "iptables")
+LAYOUTS = ("auto", "ebpf", "nft", "iptables")
 
 
 def _default_internal() -> list[str]:
@@ -44,10 +44,12 @@ class NetacctConfig:
                                     help="export per-pod byte counters (one series per pod, traffic class and "
                                          "direction); turn off to save Prometheus cardinality")
     layout: str = setting("auto", flag="--netacct-layout", env="GPU_NODE_AGENT_NETACCT_LAYOUT", choices=LAYOUTS,
-                          help="where the counting rules live: nft (one native nftables table with counted sets), "
-                               "iptables (mangle chains and ipsets, for nodes without a usable nf_tables), or auto "
-                               "(nft when a probe packet through a counted set is counted, else iptables); a "
-                               "change migrates on the next start, counters carried over")
+                          help="where the counting rules live: ebpf (the agent's own tc programs and pinned per-CPU "
+                               "maps; needs CAP_BPF and a bpffs), nft (one native nftables table with counted "
+                               "sets), iptables (mangle chains and ipsets, for nodes without a usable nf_tables), "
+                               "or auto (ebpf when its programs load and attach, else nft when a probe packet "
+                               "through a counted set is counted, else iptables); a change migrates on the next "
+                               "start, counters carried over")
     backend: str = setting("auto", flag="--netacct-backend", env="GPU_NODE_AGENT_NETACCT_BACKEND",
                            choices=BACKENDS,
                            help="iptables backend of the iptables layout: auto follows the kubelet's hint chain "
@@ -57,6 +59,9 @@ class NetacctConfig:
     sync_interval_seconds: float = setting(
         30.0, flag="--netacct-sync-interval", env="GPU_NODE_AGENT_NETACCT_SYNC_INTERVAL",
         floor=1.0, help="seconds between full re-checks of rules and sets (pod changes are applied at once)")
+    bpffs_dir: str = setting("/sys/fs/bpf/gpu-node-agent", flag="--bpffs-dir", env="GPU_NODE_AGENT_BPFFS_DIR",
+                             help="directory on a bpf filesystem where the ebpf layout pins its maps and links "
+                                  "(mounted there when no bpffs is); run, netacct cleanup and doctor take it")
     lock_wait_seconds: int = setting(5, flag="--netacct-lock-wait", env="GPU_NODE_AGENT_NETACCT_LOCK_WAIT",
                                      zero_ok=True,
                                      help="seconds iptables-restore waits for the xtables lock (/run/xtables.lock)")
@@ -68,6 +73,9 @@ class NetacctConfig:
         check_internal_cidrs(self.internal_cidrs)
         if not self.sync_interval_seconds > 0:
             raise ValueError(f"syncIntervalSeconds: must be positive, got {self.sync_interval_seconds!r}")
+        if not self.bpffs_dir.startswith("/") or "." in self.bpffs_dir or "\0" in self.bpffs_dir:
+            raise ValueError(f"bpffsDir: must be an absolute path without '.' (bpffs refuses dots in pin paths), "
+                             f"got {self.bpffs_dir!r}")
         if self.lock_wait_seconds < 0:
             raise ValueError(f"lockWaitSeconds: must be zero or positive, got {self.lock_wait_seconds!r}")
 

@@ -168,6 +168,11 @@ class Host:
             return str(exc)
         return None
 
+    def bpf_usable(self) -> str | None:
+        """None where the eBPF layout may use bpf(2) and tc on this host (agent.host.bpf); a simulated host says why
+        not, so `auto` never probes the real kernel through it."""
+        return None
+
     # -- one read of everything ---------------------------------------------------------------------------------
 
     def snapshot(self, mode: str, families: Iterable[int], set_names: Iterable[str]) -> Snapshot:

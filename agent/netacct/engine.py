@@ -47,6 +47,7 @@ from agent.netacct import ipsets
 from agent.netacct.carry import plan as carry_plan
 from agent.netacct.carry import rule_keys
 from agent.netacct.counters import CounterBook, Counts, PodKey
+from agent.netacct.ebpf_table import EbpfLayout
 from agent.netacct.iptables_table import IptablesLayout
 from agent.netacct.layout import Desired, Layout, PodMembers, SyncError, choose, readiness
 from agent.netacct.nft_table import NftLayout
@@ -87,7 +88,10 @@ class Netacct:
         self.nft = NftLayout(self.host, self.book, families=self.families, networks=networks, repairs=self.repairs)
         self.iptables = IptablesLayout(config, self.host, self.book, families=self.families, networks=networks,
                                        repairs=self.repairs)
-        self._layouts: tuple[Layout, ...] = (self.nft, self.iptables)  # auto's preference, and removal order
+        self.ebpf = EbpfLayout(self.host, self.book, families=self.families, networks=networks, repairs=self.repairs,
+                               bpffs_dir=config.bpffs_dir)
+        # auto's preference, and removal order
+        self._layouts: tuple[Layout, ...] = (self.ebpf, self.nft, self.iptables)
         self._chosen: Layout | None = None if config.layout == "auto" else choose(config.layout, self._layouts)
         self._counting: Layout | None = None  # the layout that counts now (the old one while a migration waits)
         self._conflicts: set[str] = set()

@@ -131,7 +131,10 @@ def choose(configured: str, layouts: Sequence[Layout]) -> Layout:
     for layout in layouts[:-1]:
         why = layout.probe()
         if why is None:
-            log.info("netacct: using the %s layout", layout.name)
+            if passed:  # one line saying what was chosen and why the preferred ones were not
+                log.warning("netacct: %s; using the %s layout", "; ".join(passed), layout.name)
+            else:
+                log.info("netacct: using the %s layout", layout.name)
             return layout
         passed.append(f"the {layout.name} layout does not work here ({why})")
     # one line saying what was chosen and why the preferred ones were not
@@ -157,4 +160,4 @@ def readiness(configured: str, layouts: Sequence[Layout]) -> str:
             passed.append(f"{layout.name}: {exc.why}")
             continue
         return detail.replace(":", f" ({'; '.join(passed)}):", 1) if passed else detail
-    raise NotReady(f"no layout named {configured}", "set netacct.layout to auto, nft or iptables")
+    raise NotReady(f"no layout named {configured}", "set netacct.layout to auto, ebpf, nft or iptables")

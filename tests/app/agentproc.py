@@ -24,16 +24,17 @@ class AgentProcess:
     remediation in dry-run unless `dry_run=False` (then the test passes `--no-dry-run` or relies on the default).
 
     With `netns` (an `ip netns` name) the process runs inside that network namespace (netacct and shaping change
-    only its tables) and `metrics()` reads it from there; unix sockets and files are shared as usual.
+    only its tables) and `metrics()` reads it from there; unix sockets and files are shared as usual. `wrapper`
+    runs before Python (e.g. setpriv, to take capabilities away).
     """
 
     def __init__(self, directory: Path, *args: str, profile: str = "dgx-h100", dry_run: bool = True,
-                 netns: str | None = None) -> None:
+                 netns: str | None = None, wrapper: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.netns = netns
         self.log_path = directory / "agent.log"
         self.process = subprocess.Popen(
-            [*(["ip", "netns", "exec", netns] if netns else []), sys.executable, "-m", "agent", "run",
+            [*(["ip", "netns", "exec", netns] if netns else []), *wrapper, sys.executable, "-m", "agent", "run",
              "--simulate", profile, "--device-plugin-dir", str(directory),
              "--metrics-address", f"127.0.0.1:{self.port}", "--log-format", "json",
              *(["--dry-run"] if dry_run else []), *args],

@@ -254,11 +254,13 @@ def test_the_netacct_check_names_the_layout_it_will_use(tmp_path, tree, monkeypa
         cfg = _config("--sysfs-root", str(root), "--netacct", *flags)
         return node_checks.netacct(resolve(cfg, _hardware(root, nvml), tmp_path / "scratch"))
 
-    native = check()
-    assert native.status == "ok" and "native nftables layout" in native.detail and "probe" in native.detail
+    preferred = check()  # auto: the eBPF layout where bpf(2) answers (root here)
+    assert preferred.status == "ok" and preferred.detail.startswith("eBPF layout: bpf(2) answers")
+    native = check("--netacct-layout", "nft")
+    assert native.status == "ok" and "native nftables layout" in native.detail and "probe" not in native.detail
     assert check("--netacct-layout", "iptables").detail.startswith("iptables layout: iptables ")
     monkeypatch.setenv("PATH", _path_without_nft(tmp_path))
-    fallback = check()  # auto without nft: the iptables layout, and why
-    assert fallback.status == "ok" and fallback.detail.startswith("iptables layout (nft: nft is not installed")
+    fallback = check("--netacct-layout", "auto", "--bpffs-dir", "/sys/fs/bpf/gpu-node-agent")
+    assert fallback.status == "ok" and fallback.detail.startswith("eBPF layout")  # nft's absence does not matter
     refused = check("--netacct-layout", "nft")
     assert refused.status == "fail" and "nft is not installed" in refused.detail and "nftables" in refused.fix

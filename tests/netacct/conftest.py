@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
@@ -9,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.config.netacct import NetacctConfig
+from agent.host import bpf
 from agent.host.netfilter import Host
 from agent.netacct.collector import NetacctCollector
 from agent.netacct.engine import Netacct
@@ -47,15 +51,37 @@ def mode(request: pytest.FixtureRequest, topology: netns.Topology) -> str:
     return request.param
 
 
-LAYOUTS = {"nft-table": {"layout": "nft"}, "iptables-nft": {"layout": "iptables", "backend": "nft"},
+@pytest.fixture(scope="module")
+def bpffs() -> Iterator[str]:
+    """A private bpffs for the eBPF layout's pins: `ip netns exec` hides /sys/fs/bpf (reference
+    ebpf-accounting §7), and pins name interfaces by index, so two namespaces must never share a directory."""
+    path = f"/tmp/gna-bpffs-{uuid.uuid4().hex[:8]}"
+    try:
+        bpf.mount_bpffs(path)
+    except OSError as exc:
+        pytest.skip(f"cannot mount bpffs: {exc}")
+    yield path
+    netns.sh("umount", path, check=False)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+LAYOUTS = {"ebpf": {"layout": "ebpf"}, "nft-table": {"layout": "nft"},
+           "iptables-nft": {"layout": "iptables", "backend": "nft"},
            "iptables-legacy": {"layout": "iptables", "backend": "legacy"}}
 
 
 @pytest.fixture(params=list(LAYOUTS))
-def accounting(request: pytest.FixtureRequest, topology: netns.Topology) -> dict[str, str]:
-    """Each way of counting in turn, as config changes: the native nftables table, and the iptables layout on
-    either backend (each skipped where its tool does not work in a namespace here)."""
+def accounting(request: pytest.FixtureRequest, topology: netns.Topology, bpffs: str) -> dict[str, str]:
+    """Each way of counting in turn, as config changes: the eBPF layout, the native nftables table, and the
+    iptables layout on either backend (each skipped where it does not work in a namespace here); the eBPF
+    layout's pins on the module's private bpffs."""
     changes = LAYOUTS[request.param]
+    if changes["layout"] == "ebpf":
+        try:
+            os.close(bpf.map_create(bpf.MAP_ARRAY, 4, 8, 1, name="gna_test"))
+        except OSError as exc:
+            pytest.skip(f"bpf(2) does not work here: {exc}")
+        return {**changes, "bpffs_dir": bpffs}
     if changes["layout"] == "nft":
         tool = ["nft", "list", "tables"]
     else:
@@ -71,12 +97,13 @@ EngineFactory = Callable[..., tuple[Netacct, CollectorRegistry]]
 
 
 @pytest.fixture
-def make_engine(topology: netns.Topology) -> Iterator[EngineFactory]:
-    """Build engines (with a collector on their own registry) inside the node namespace; clean up after."""
+def make_engine(topology: netns.Topology, bpffs: str) -> Iterator[EngineFactory]:
+    """Build engines (with a collector on their own registry) inside the node namespace, their eBPF pins on a
+    private bpffs; clean up after."""
     engines: list[Netacct] = []
 
     def make(config: NetacctConfig | None = None, **changes: object) -> tuple[Netacct, CollectorRegistry]:
-        cfg = replace(config or NetacctConfig(enabled=True), **changes)  # type: ignore[arg-type]
+        cfg = replace(config or NetacctConfig(enabled=True), **{"bpffs_dir": bpffs, **changes})  # type: ignore[arg-type]
         engine = Netacct(cfg, RecordingHost(netns=topology.node))
         registry = CollectorRegistry()
         registry.register(NetacctCollector(engine, per_pod=cfg.per_pod_metrics))

@@ -20,7 +20,7 @@ class _NoTable:
 
 class FakeHost(Host):
     """The iptables layout's twin: fails the first `failures` reads (and cleanups), then reports an empty
-    namespace; it has no `nft`, so `layout: auto` falls back to iptables on it."""
+    namespace; it has no `nft` and no bpf(2), so `layout: auto` falls back to iptables on it."""
 
     def __init__(self, failures: int = 0, mode: str = "nft") -> None:
         super().__init__(netns=None)
@@ -34,6 +34,10 @@ class FakeHost(Host):
     def nft_usable(self) -> str | None:
         """A simulated host has no nft."""
         return "nft is not installed (simulated host)"
+
+    def bpf_usable(self) -> str | None:
+        """A simulated host has no bpf(2) to probe (its kernel is the test machine's)."""
+        return "no bpf(2) on a simulated host"
 
     def detect_mode(self, families: Iterable[int] = (4, 6)) -> str:
         """The configured answer."""

@@ -9,6 +9,7 @@ in-process (`entered`, shared with the agent's netlink reader).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -198,8 +199,27 @@ def nft_members(ns: str, name: str) -> set[str]:
     return found
 
 
-def layout_members(ns: str, layout: str, role: str, family: int) -> set[str]:
-    """Members of the counted set `role` (rx-inet, tx-clus, ...) of one family, in either layout."""
+def ebpf_members(bpffs: str, role: str, family: int) -> set[str]:
+    """Addresses with a `role` entry of one family in the eBPF layout's pinned pods map, read with bpftool."""
+    if shutil.which("bpftool") is None:
+        import pytest
+
+        pytest.skip("bpftool is not installed (apt-get install -y bpftool)")
+    found: set[str] = set()
+    roles = ("rx-inet", "tx-inet", "rx-clus", "tx-clus")
+    for entry in json.loads(sh("bpftool", "-j", "map", "dump", "pinned", f"{bpffs}/pods")):
+        key = bytes(int(b, 16) for b in entry["key"])
+        code = int.from_bytes(key[16:20], "little")
+        if roles[code & 3] == role and (6 if code & 4 else 4) == family:
+            found.add(str(ipaddress.ip_address(key[:4] if family == 4 else key[:16])))
+    return found
+
+
+def layout_members(ns: str, layout: str, role: str, family: int, bpffs: str | None = None) -> set[str]:
+    """Members of the counted set `role` (rx-inet, tx-clus, ...) of one family, in any layout (ebpf: the pods map
+    pinned under `bpffs`)."""
+    if layout == "ebpf" and bpffs is not None:
+        return ebpf_members(bpffs, role, family)
     if layout == "nft":
         return nft_members(ns, f"{role.replace('-', '_')}{family}")
     return members(ns, f"gna-{role}{family}")

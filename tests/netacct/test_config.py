@@ -50,8 +50,10 @@ def test_environment_and_precedence() -> None:
     (["--internal-cidr", "10.0.0.0/8", "--internal-cidr", "bogus"], "internalCidrs[1]: 'bogus' is not a CIDR"),
     (["--internal-cidr", "10.1.2.3/8"], "did you mean 10.0.0.0/8"),
     (["--netacct-backend", "iptables"], "not one of auto, nft, legacy"),
-    (["--netacct-layout", "legacy"], "not one of auto, nft, iptables"),
+    (["--netacct-layout", "legacy"], "not one of auto, ebpf, nft, iptables"),
     (["--netacct-sync-interval", "0"], "syncIntervalSeconds: must be positive"),
+    (["--bpffs-dir", "gna"], "bpffsDir: must be an absolute path without '.'"),
+    (["--bpffs-dir", "/sys/fs/bpf/gna.v2"], "bpffsDir: must be an absolute path without '.'"),
 ])
 def test_invalid_values_name_the_field(argv: list[str], message: str) -> None:
     with pytest.raises(config.ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Iterator
 
 import pytest
 
 from agent.config.netacct import NetacctConfig
+from agent.host import bpf, bpf_tc
 from agent.host.netfilter import Host
 from agent.netacct import rules
 from agent.netacct.command import cleanup_command
@@ -34,7 +36,7 @@ def pod_series(values: Counter[tuple[str, ...]]) -> set[tuple[str, str]]:
 
 
 def test_pods_added_removed_and_moved(topology: netns.Topology, make_engine: EngineFactory,
-                                      accounting: dict[str, str]) -> None:
+                                      accounting: dict[str, str], bpffs: str) -> None:
     engine, registry = make_engine(**accounting)
     layout = accounting["layout"]
     engine.sync([])
@@ -45,8 +47,8 @@ def test_pods_added_removed_and_moved(topology: netns.Topology, make_engine: Eng
     assert delta(after, before)[("node", "transmit", "internet", "pod", "bytes")] == 3 * 528  # no pod needed
 
     engine.sync([TRAINER])
-    assert netns.layout_members(topology.node, layout, "tx-inet", 4) == {POD4}
-    assert netns.layout_members(topology.node, layout, "rx-clus", 6) == {POD6}
+    assert netns.layout_members(topology.node, layout, "tx-inet", 4, bpffs) == {POD4}
+    assert netns.layout_members(topology.node, layout, "rx-clus", 6, bpffs) == {POD6}
     start = series(registry)
     assert start[("pod", "team-a", "trainer-0", "transmit", "internet")] == 0
     netns.flow(topology.pod, POD6, topology.inet, INET6, count=2, size=100)
@@ -55,7 +57,8 @@ def test_pods_added_removed_and_moved(topology: netns.Topology, make_engine: Eng
     engine.sync([])
     gone = series(registry)
     assert pod_series(gone) == set()
-    assert all(not netns.layout_members(topology.node, layout, r, f) for r in ("rx-inet", "tx-clus") for f in (4, 6))
+    assert all(not netns.layout_members(topology.node, layout, r, f, bpffs) for r in ("rx-inet", "tx-clus")
+               for f in (4, 6))
     assert all(gone[k] >= after[k] for k in after)  # node totals never go down
 
     moved = make_pod("team-b", "trainer-1", [POD4])
@@ -74,27 +77,34 @@ def writes(host: object) -> list[list[str]]:
     return [argv for argv, _ in host.calls if "restore" in " ".join(argv) or argv[-2:] == ["-f", "-"]]
 
 
-def installed(ns: str, accounting: dict[str, str]) -> object:
-    """netacct's rules as the kernel lists them (counters left out), in the layout under test."""
+def installed(ns: str, accounting: dict[str, str], bpffs: str) -> object:
+    """netacct's rules as the kernel lists them (counters left out), in the layout under test (ebpf: the pins and
+    the programs on each tcx hook: a rewrite would load new programs)."""
+    if accounting["layout"] == "ebpf":
+        hooks = {}
+        for iface in bpf_tc.interfaces(ns):
+            with netns.entered(ns):
+                hooks[iface.name] = [bpf.prog_query(iface.index, a) for a in (bpf.TCX_INGRESS, bpf.TCX_EGRESS)]
+        return sorted(os.listdir(bpffs)), hooks
     if accounting["layout"] == "nft":
         return netns.nft_table(ns)
     return {f: our_lines(ns, accounting["backend"], f) for f in (4, 6)}
 
 
 def test_restart_keeps_counters_and_adds_no_duplicates(topology: netns.Topology, make_engine: EngineFactory,
-                                                       accounting: dict[str, str]) -> None:
+                                                       accounting: dict[str, str], bpffs: str) -> None:
     first, first_registry = make_engine(**accounting)
     first.sync(pods())
     send_all(topology)
     carried = series(first_registry)
-    before = installed(topology.node, accounting)
+    before = installed(topology.node, accounting, bpffs)
     first.close()
 
     second, registry = make_engine(**accounting)  # a new process: empty book, rules and sets already there
     second.sync(pods())
     second.sync(pods())
     assert not writes(second.host)  # nothing rewritten
-    assert installed(topology.node, accounting) == before
+    assert installed(topology.node, accounting, bpffs) == before
     if accounting["layout"] == "iptables":
         for family in (4, 6):
             assert len(our_lines(topology.node, accounting["backend"], family)) == 3 + 12  # 3 jumps, 12 rules

@@ -43,7 +43,9 @@ def nft(ns: str, *command: str) -> str:
 def test_auto_picks_nft_here_and_iptables_without_nft(topology: netns.Topology, make_engine: EngineFactory,
                                                       nft_works: None, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    engine, registry = make_engine()
+    (tmp_path / "file").write_text("")  # a pin directory that cannot be made: the eBPF layout does not work here
+    unusable = str(tmp_path / "file" / "bpffs")
+    engine, registry = make_engine(bpffs_dir=unusable)
     engine.sync(pods())
     assert engine.layout == "nft"
     assert registry.get_sample_value("gpu_node_agent_netacct_layout_info", {"layout": "nft"}) == 1
@@ -58,7 +60,7 @@ def test_auto_picks_nft_here_and_iptables_without_nft(topology: netns.Topology, 
             if name != "nft" and not (bin_dir / name).exists():
                 (bin_dir / name).symlink_to(os.path.join(directory, name))
     monkeypatch.setenv("PATH", str(bin_dir))
-    fallback = Netacct(NetacctConfig(enabled=True), Host(netns=topology.node))
+    fallback = Netacct(NetacctConfig(enabled=True, bpffs_dir=unusable), Host(netns=topology.node))
     try:
         fallback.sync(pods())
         assert fallback.layout == "iptables"

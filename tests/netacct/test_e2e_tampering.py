@@ -6,7 +6,10 @@ warning, no exported series ever goes down, and a restarted agent's totals conti
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -111,6 +114,21 @@ def _nft_tampering(node: str) -> list[tuple[str, Callable[[], None]]]:
     ]
 
 
+def _ebpf_tampering(bpffs: str) -> list[tuple[str, Callable[[], None]]]:
+    """Someone else's bpftool: a pod entry deleted, a map and a link unpinned, a link detached."""
+    if shutil.which("bpftool") is None:
+        pytest.skip("bpftool is not installed (apt-get install -y bpftool)")
+    key = ipaddress.ip_address(POD4).packed.ljust(16, b"\0") + bytes(4)  # rx-inet, IPv4 (program.pod_key)
+    links = sorted(n for n in os.listdir(bpffs) if n.startswith("link_"))
+    return [
+        ("ebpf_element", lambda: netns.sh("bpftool", "map", "delete", "pinned", f"{bpffs}/pods", "key", "hex",
+                                          *(f"{b:02x}" for b in key)) and None),
+        ("ebpf_map", lambda: os.unlink(f"{bpffs}/pods")),
+        ("ebpf_link", lambda: os.unlink(f"{bpffs}/{links[0]}")),
+        ("ebpf_link", lambda: netns.sh("bpftool", "link", "detach", "pinned", f"{bpffs}/{links[-1]}") and None),
+    ]
+
+
 @pytest.fixture
 def running(topology: netns.Topology, make_engine: EngineFactory) -> Iterator[list[Running]]:
     """Running services to stop at the end (make_engine's cleanup then removes what they installed)."""
@@ -131,8 +149,12 @@ def test_tampering_is_repaired_counted_and_kept_across_restarts(
     running.append(agent)
     sent = send_all(topology)
     assert series(agent.registry) == complete(sent)
-    tampering = (_nft_tampering(topology.node) if accounting["layout"] == "nft"
-                 else _iptables_tampering(topology.node, accounting["backend"]))
+    if accounting["layout"] == "ebpf":
+        tampering = _ebpf_tampering(accounting["bpffs_dir"])
+    elif accounting["layout"] == "nft":
+        tampering = _nft_tampering(topology.node)
+    else:
+        tampering = _iptables_tampering(topology.node, accounting["backend"])
     took = []
     for what, tamper in tampering:
         took.append(_repaired_within_bound(agent, what, tamper))
@@ -185,7 +207,8 @@ def test_pods_whose_addresses_reshape_the_rules_are_no_repair(topology: netns.To
     running.append(agent)
     agent.feed.publish(pods())
     deadline = time.monotonic() + 10
-    while POD4 not in netns.layout_members(topology.node, accounting["layout"], "rx-inet", 4):
+    bpffs = accounting.get("bpffs_dir")
+    while POD4 not in netns.layout_members(topology.node, accounting["layout"], "rx-inet", 4, bpffs):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     time.sleep(1.5)

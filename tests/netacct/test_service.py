@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ async def test_follows_the_pods_file(topology: netns.Topology, tmp_path: Path, c
     config = NetacctConfig(enabled=True, pods_file=str(path), **accounting)  # type: ignore[arg-type]
 
     def members() -> set[str]:
-        return netns.layout_members(topology.node, accounting["layout"], "rx-inet", 4)
+        return netns.layout_members(topology.node, accounting["layout"], "rx-inet", 4, accounting.get("bpffs_dir"))
 
     registry = CollectorRegistry()
     service = NetacctService(config, registry, FilePodSource(str(path), poll_seconds=0.05),
@@ -69,6 +70,9 @@ async def test_follows_the_pods_file(topology: netns.Topology, tmp_path: Path, c
     if accounting["layout"] == "nft":
         assert removed == ["nftables table inet gpu_node_agent_netacct"]
         assert netns.nft_table(topology.node) is None
+    elif accounting["layout"] == "ebpf":
+        assert {"map node", "map pods"} <= set(removed) and any(r.startswith("tcx link") for r in removed)
+        assert not [n for n in os.listdir(accounting["bpffs_dir"]) if not n.endswith(".debug")]  # kernel iterators
     else:
         assert "set gna-rx-inet4" in removed
         assert netns.sh("ipset", "list", "-n", ns=topology.node).split() == []

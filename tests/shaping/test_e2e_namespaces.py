@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from agent.config.netacct import NetacctConfig
 from agent.config.pods import DEFAULT_INTERNAL_CIDRS
+from agent.host import bpf
 from agent.host.netfilter import Host
 from agent.host.tc_netlink import NetlinkTc
 from agent.netacct.engine import Netacct
@@ -66,9 +68,12 @@ def net(request: pytest.FixtureRequest) -> Iterator[netns.Net]:
     netns.destroy(built)
 
 
-def test_internet_only_shaping_end_to_end(net: netns.Net, request: pytest.FixtureRequest) -> None:
+def test_internet_only_shaping_end_to_end(net: netns.Net, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     backend = request.node.callspec.params["net"]
-    accounting = Netacct(NetacctConfig(enabled=True, backend=backend, ipv6=False), Host(netns=net.node))
+    bpffs = str(tmp_path / "bpffs")  # auto may choose the eBPF layout: its pins never in the host's /sys/fs/bpf
+    bpf.mount_bpffs(bpffs)
+    accounting = Netacct(NetacctConfig(enabled=True, backend=backend, ipv6=False, bpffs_dir=bpffs),
+                         Host(netns=net.node))
     shaper = Shaper(NetlinkTc(net.node), INTERNAL, {})
     try:
         accounting.sync(pods())
@@ -120,3 +125,4 @@ def test_internet_only_shaping_end_to_end(net: netns.Net, request: pytest.Fixtur
         shaper.close()
         accounting.remove_all()
         accounting.close()
+        netns.sh("umount", bpffs, check=False)

@@ -109,18 +109,20 @@ class Spec:
     families: tuple[int, ...]
     internal: tuple[Network, ...]
     local: tuple[Address, ...] = ()  # the node's addresses (ingress only)
+    pods: tuple[Network, ...] | None = None  # per family, the prefix every pod address shares (None: unknown)
 
     @property
     def name(self) -> str:
         """The program's name (15 characters at most): direction, and a digest of everything it compares."""
         text = f"{self.direction}|{self.l2_len}|{self.families}|{sorted(map(str, self.internal))}|" \
-               f"{sorted(map(str, self.local))}"
+               f"{sorted(map(str, self.local))}|{None if self.pods is None else sorted(map(str, self.pods))}"
         return f"gna_{'in' if self.direction == INGRESS else 'eg'}_{hashlib.sha256(text.encode()).hexdigest()[:8]}"
 
 
 def spec(direction: str, l2_len: int, families: Iterable[int], internal: Iterable[Network],
-         local: Iterable[Address] = ()) -> Spec:
-    """A Spec with its CIDRs collapsed and addresses sorted, so equal inputs give one program name."""
+         local: Iterable[Address] = (), pods: Iterable[Address] | None = None) -> Spec:
+    """A Spec with its CIDRs collapsed and addresses sorted, so equal inputs give one program name. `pods`: every
+    address the pods map holds (None: unknown, every address is looked up)."""
     fams = tuple(sorted(set(families)))
     nets = [n for n in internal if n.version in fams]
     v4 = [n for n in nets if isinstance(n, ipaddress.IPv4Network)]
@@ -128,7 +130,23 @@ def spec(direction: str, l2_len: int, families: Iterable[int], internal: Iterabl
     collapsed: list[Network] = [*ipaddress.collapse_addresses(v4), *ipaddress.collapse_addresses(v6)]
     addrs = sorted({a for a in local if a.version in fams and not (a.version == 6 and a.is_link_local)},
                    key=lambda a: (a.version, int(a)))
-    return Spec(direction, l2_len, fams, tuple(collapsed), tuple(addrs) if direction == INGRESS else ())
+    return Spec(direction, l2_len, fams, tuple(collapsed), tuple(addrs) if direction == INGRESS else (),
+                None if pods is None else pod_prefixes(pods, fams))
+
+
+def pod_prefixes(pods: Iterable[Address], families: Iterable[int]) -> tuple[Network, ...]:
+    """Per family, the longest prefix all the pods' addresses share (none for a family without pods). A pod's
+    addresses come from the node's pod CIDR, so this is about that CIDR: an address outside it is not looked up,
+    which takes the hash lookup of a forwarded packet's internet (or remote pod) side off the path (§8)."""
+    out: list[Network] = []
+    for family in sorted(set(families)):
+        values = [int(a) for a in pods if a.version == family]
+        if not values:
+            continue
+        bits = 32 if family == 4 else 128
+        prefix = bits - (min(values) ^ max(values)).bit_length()  # what min and max share, everything between does
+        out.append(ipaddress.ip_network((min(values) >> (bits - prefix) << (bits - prefix), prefix)))
+    return tuple(out)
 
 
 def _words(packed: bytes) -> list[int]:
@@ -193,10 +211,19 @@ def _count_node(a: Asm, family: int, key: str) -> None:
     a.label(skip)
 
 
-def _count_pod(a: Asm, family: int, address_at: int, role: str, node_key: str | None) -> None:
+def _count_pod(a: Asm, s: Spec, family: int, address_at: int, role: str, node_key: str | None) -> None:
     """Count the packet for the pod owning the address at `address_at` in `role` (and the node series `node_key`
     when a pod owns it: cluster traffic is the node's pod-scope traffic only for this node's pods)."""
     skip = a.fresh("no_pod")
+    if s.pods is not None:
+        prefix = next((n for n in s.pods if n.version == family), None)
+        if prefix is None:
+            return  # no pod of this family: nothing to look up
+        if prefix.prefixlen:
+            maybe = a.fresh("maybe_pod")
+            _match(a, address_at, prefix.network_address.packed, prefix.prefixlen, maybe)
+            a.ja(skip)
+            a.label(maybe)
     for i in range(4):
         if i < WORDS[family]:
             a.ldx(4, R1, R7, address_at + 4 * i)
@@ -231,12 +258,12 @@ def _family(a: Asm, s: Spec, family: int) -> None:
     _classify(a, src, nets, SRC_INTERNAL)
     _classify(a, dst, nets, DST_INTERNAL)
     if s.direction == EGRESS:
-        _egress(a, family, dst)
+        _egress(a, s, family, dst)
     else:
         _ingress(a, s, family, src, dst)
 
 
-def _egress(a: Asm, family: int, dst: int) -> None:
+def _egress(a: Asm, s: Spec, family: int, dst: int) -> None:
     """Egress: what the node itself sends (`ingress_ifindex` 0) is host output by destination class; a forwarded
     packet has its destination side counted here, after routing and DNAT (and conntrack's reverse NAT of replies),
     where its destination is the one netfilter's forward hook sees."""
@@ -257,10 +284,10 @@ def _egress(a: Asm, family: int, dst: int) -> None:
     a.label(to_internet_done)
     src_internal = a.fresh("src_internal")
     a.jmpi(asm.JSET, R8, SRC_INTERNAL, src_internal)
-    _count_pod(a, family, dst, "rx-inet", None)
+    _count_pod(a, s, family, dst, "rx-inet", None)
     a.ja("out")
     a.label(src_internal)
-    _count_pod(a, family, dst, "rx-clus", "traffic=cluster-in scope=pod")
+    _count_pod(a, s, family, dst, "rx-clus", "traffic=cluster-in scope=pod")
     a.ja("out")
 
 
@@ -346,10 +373,10 @@ def _ingress(a: Asm, s: Spec, family: int, src: int, dst: int) -> None:
     a.label(from_internet_done)
     dst_internal = a.fresh("dst_internal")
     a.jmpi(asm.JSET, R8, DST_INTERNAL, dst_internal)
-    _count_pod(a, family, src, "tx-inet", None)
+    _count_pod(a, s, family, src, "tx-inet", None)
     a.ja(out)
     a.label(dst_internal)
-    _count_pod(a, family, src, "tx-clus", "traffic=cluster-out scope=pod")
+    _count_pod(a, s, family, src, "tx-clus", "traffic=cluster-out scope=pod")
     a.ja(out)
 
 

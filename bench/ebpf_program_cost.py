@@ -1,7 +1,7 @@
 """What the eBPF layout's programs cost per packet, measured by the kernel itself (BPF_PROG_TEST_RUN, repeat N).
 
-The programs as the layout builds them (default internal CIDRs, the node's addresses compared inline, a pods map
-holding `--pods` pods x 2 families x 4 roles) run on one 64-byte packet of each kind the node sees. A forwarded
+The programs as the layout builds them (default internal CIDRs, the node's addresses and the prefix the pods share
+compared inline, a pods map holding `--pods` pods x 2 families x 4 roles) run on one 64-byte packet of each kind the node sees. A forwarded
 packet runs the ingress program where it arrives (source side) and the egress program where it leaves
 (destination side, `ingress_ifindex` set as the kernel sets it): both are timed and summed. Host input to a UDP
 socket (one socket lookup) and an empty program (return -1: the harness's own share) are beside them. Figures are
@@ -67,6 +67,7 @@ def main() -> int:
     maps = {"node": bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, 16, program.NODE_SLOTS, name="bench_node"),
             "pods": bpf.map_create(bpf.MAP_PERCPU_HASH, 20, 16, 1 << 16, name="bench_pods",
                                    flags=bpf.F_NO_PREALLOC)}
+    addresses = [ipaddress.ip_address(pod_address(i, family)) for i in range(args.pods) for family in (4, 6)]
     for i in range(args.pods):
         for family in (4, 6):
             for role in program.ROLES:
@@ -75,7 +76,7 @@ def main() -> int:
     local = [ipaddress.ip_address(a) for a in NODE_ADDRESSES]
     progs = {}
     for direction, attach in ((program.INGRESS, bpf.TCX_INGRESS), (program.EGRESS, bpf.TCX_EGRESS)):
-        spec = program.spec(direction, 14, (4, 6), NetacctConfig().internal_networks(), local)
+        spec = program.spec(direction, 14, (4, 6), NetacctConfig().internal_networks(), local, addresses)
         progs[direction] = bpf.prog_load(bpf.PROG_SCHED_CLS, program.build(spec).assemble(maps), spec.name, attach)
     empty = asm.Asm()
     empty.movi(asm.R0, -1)

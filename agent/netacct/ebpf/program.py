@@ -143,9 +143,10 @@ def pod_prefixes(pods: Iterable[Address], families: Iterable[int]) -> tuple[Netw
         values = [int(a) for a in pods if a.version == family]
         if not values:
             continue
-        bits = 32 if family == 4 else 128
+        kind = ipaddress.IPv4Network if family == 4 else ipaddress.IPv6Network
+        bits = kind(0).max_prefixlen
         prefix = bits - (min(values) ^ max(values)).bit_length()  # what min and max share, everything between does
-        out.append(ipaddress.ip_network((min(values) >> (bits - prefix) << (bits - prefix), prefix)))
+        out.append(kind((min(values) >> (bits - prefix) << (bits - prefix), prefix)))  # not ip_network: ::/0 is v6
     return tuple(out)
 
 

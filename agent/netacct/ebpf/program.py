@@ -21,10 +21,14 @@ Programs (BPF_PROG_TYPE_SCHED_CLS, one per hook direction and link-layer header 
   its *destination side* counted here, after DNAT and conntrack's reverse NAT, where its destination is the one
   the forward hook sees (internet-out scope=pod, the destination pod's rx-* entry, cluster-in scope=pod).
 
-So a forwarded packet is counted once on each side, in the same series as the nft layout's forward chains. The
+So a forwarded packet is counted once on each side, in the same series as the nft layout's forward chains. A pod
+entry is looked up only for an address inside the prefix all pod entries share (`pod_prefixes`, the node's pod
+CIDR in practice, compared inline): the internet side of a forwarded packet, or a pod on another node, costs a
+compare instead of a hash lookup, so pod <-> internet traffic does one lookup per packet. The
 internal CIDRs and the node's addresses are compared inline (a second hash lookup per forwarded packet costs
 about as much as the hook itself: reference ebpf-accounting §8); a change of them builds new programs, which the
-layout swaps into the same links (no gap, no double count: the counts live in the maps).
+layout swaps into the same links (no gap, no double count: the counts live in the maps); so does a change of the
+pods' prefix, made in the sync that adds the entries.
 
 Bytes are IP-level, as netfilter counts them: `__sk_buff.len` covers the link-layer header at tc, so the
 program subtracts its length (14 on Ethernet, 0 on L3 devices). Every program returns -1 (TCX_NEXT /

@@ -189,7 +189,7 @@ def test_the_program_counts_what_the_rules_count(maps: dict[str, int], case: Cas
     for address, role in case.pods:
         bpf.map_update(maps["pods"], program.pod_key(address, role), bytes(16 * bpf.possible_cpus()))
     told = [ipaddress.ip_address(a) for a, _ in case.pods] if case.told else None
-    s = program.spec(case.direction, 14, (4, 6), case.nets, case.local, told)
+    s = program.spec(case.direction, 14, (4, 6), case.nets, case.local, pods=told)
     prog = bpf.prog_load(bpf.PROG_SCHED_CLS, program.build(s).assemble(maps), s.name,
                          bpf.TCX_INGRESS if case.direction == program.INGRESS else bpf.TCX_EGRESS)
     ctx = bytearray(SK_BUFF_SIZE)
@@ -224,7 +224,7 @@ def test_a_forwarded_packet_looks_up_only_addresses_that_can_be_a_pods(maps: dic
     struct.pack_into("<I", ctx, program.SKB_INGRESS_IFINDEX, 7)
     progs = []
     for direction, attach in ((program.INGRESS, bpf.TCX_INGRESS), (program.EGRESS, bpf.TCX_EGRESS)):
-        s = program.spec(direction, 14, (4, 6), nets, (), pods)
+        s = program.spec(direction, 14, (4, 6), nets, (), pods=pods)
         progs.append((bpf.prog_load(bpf.PROG_SCHED_CLS, program.build(s).assemble(maps), s.name, attach),
                       bytes(ctx) if direction == program.EGRESS else None))
     try:

@@ -181,7 +181,7 @@ class Objects:
         fams, nets = tuple(families), list(internal)
         local = bpf_tc.addresses(self.netns)
         pods = None if self._pods is None else [ipaddress.ip_address(a) for a in self._pods]
-        return {(d, l2): program.spec(d, l2, fams, nets, local, pods) for d in (INGRESS, EGRESS) for l2 in (0, 14)}
+        return {(d, l2): program.spec(d, l2, fams, nets, local, pods=pods) for d in (INGRESS, EGRESS) for l2 in (0, 14)}
 
     def load(self, spec: program.Spec, clsact: bool) -> int:
         """The fd of the program for `spec`, loaded once per process (VerifierError: the kernel refused it)."""

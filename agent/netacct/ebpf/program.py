@@ -124,7 +124,7 @@ class Spec:
 
 
 def spec(direction: str, l2_len: int, families: Iterable[int], internal: Iterable[Network],
-         local: Iterable[Address] = (), pods: Iterable[Address] | None = None) -> Spec:
+         local: Iterable[Address] = (), *, pods: Iterable[Address] | None = None) -> Spec:
     """A Spec with its CIDRs collapsed and addresses sorted, so equal inputs give one program name. `pods`: every
     address the pods map holds (None: unknown, every address is looked up)."""
     fams = tuple(sorted(set(families)))
@@ -216,7 +216,7 @@ def _count_node(a: Asm, family: int, key: str) -> None:
     a.label(skip)
 
 
-def _count_pod(a: Asm, s: Spec, family: int, address_at: int, role: str, node_key: str | None) -> None:
+def _count_pod(a: Asm, s: Spec, family: int, address_at: int, role: str, *, node_key: str | None = None) -> None:
     """Count the packet for the pod owning the address at `address_at` in `role` (and the node series `node_key`
     when a pod owns it: cluster traffic is the node's pod-scope traffic only for this node's pods)."""
     skip = a.fresh("no_pod")
@@ -289,10 +289,10 @@ def _egress(a: Asm, s: Spec, family: int, dst: int) -> None:
     a.label(to_internet_done)
     src_internal = a.fresh("src_internal")
     a.jmpi(asm.JSET, R8, SRC_INTERNAL, src_internal)
-    _count_pod(a, s, family, dst, "rx-inet", None)
+    _count_pod(a, s, family, dst, "rx-inet")
     a.ja("out")
     a.label(src_internal)
-    _count_pod(a, s, family, dst, "rx-clus", "traffic=cluster-in scope=pod")
+    _count_pod(a, s, family, dst, "rx-clus", node_key="traffic=cluster-in scope=pod")
     a.ja("out")
 
 
@@ -378,10 +378,10 @@ def _ingress(a: Asm, s: Spec, family: int, src: int, dst: int) -> None:
     a.label(from_internet_done)
     dst_internal = a.fresh("dst_internal")
     a.jmpi(asm.JSET, R8, DST_INTERNAL, dst_internal)
-    _count_pod(a, s, family, src, "tx-inet", None)
+    _count_pod(a, s, family, src, "tx-inet")
     a.ja(out)
     a.label(dst_internal)
-    _count_pod(a, s, family, src, "tx-clus", "traffic=cluster-out scope=pod")
+    _count_pod(a, s, family, src, "tx-clus", node_key="traffic=cluster-out scope=pod")
     a.ja(out)
 
 

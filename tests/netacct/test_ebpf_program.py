@@ -219,6 +219,7 @@ def test_a_forwarded_packet_looks_up_only_addresses_that_can_be_a_pods(maps: dic
     assert program.pod_prefixes(pods, (4, 6)) == (ipaddress.ip_network("10.245.0.0/23"),)
     assert program.pod_prefixes([ipaddress.ip_address("::"), ipaddress.ip_address("ffff::")], (4, 6)) == \
         (ipaddress.ip_network("::/0"),)  # an IPv6 /0, not 0.0.0.0/0: the family's lookups stay in the program
+    assert program.pod_prefixes([ipaddress.ip_address("10.244.1.2")], (4,)) == (ipaddress.ip_network("10.244.1.0/24"),)
     nets = [ipaddress.ip_network("10.0.0.0/8")]
     ctx = bytearray(SK_BUFF_SIZE)
     struct.pack_into("<I", ctx, program.SKB_INGRESS_IFINDEX, 7)

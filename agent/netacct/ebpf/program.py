@@ -62,6 +62,7 @@ NODE_SLOTS = 2 * len(NODE_KEYS)
 VALUE_SIZE = 16  # u64 packets, u64 bytes
 POD_KEY_SIZE = 20  # 16-byte address + u32 role
 ROLES = ipsets.COUNTED  # rx-inet, tx-inet, rx-clus, tx-clus
+MAX_POD_PREFIX = {4: 24, 6: 112}  # the pods' shared prefix is widened to this at least (fewer program swaps)
 RETURN_NEXT = -1  # TCX_NEXT and TC_ACT_UNSPEC: let the next program on the hook decide
 
 # struct __sk_buff offsets (uapi linux/bpf.h)
@@ -150,6 +151,7 @@ def pod_prefixes(pods: Iterable[Address], families: Iterable[int]) -> tuple[Netw
         kind = ipaddress.IPv4Network if family == 4 else ipaddress.IPv6Network
         bits = kind(0).max_prefixlen
         prefix = bits - (min(values) ^ max(values)).bit_length()  # what min and max share, everything between does
+        prefix = min(prefix, MAX_POD_PREFIX[family])  # so the first pods do not each swap programs
         out.append(kind((min(values) >> (bits - prefix) << (bits - prefix), prefix)))  # not ip_network: ::/0 is v6
     return tuple(out)
 

@@ -1,12 +1,13 @@
 """What the eBPF layout's programs cost per packet, measured by the kernel itself (BPF_PROG_TEST_RUN, repeat N).
 
-The programs as the layout builds them (default internal CIDRs, the node's addresses compared inline, a pods map
-holding `--pods` pods x 2 families x 4 roles) run on one 64-byte packet of each kind the node sees. A forwarded
-packet runs the ingress program where it arrives (source side) and the egress program where it leaves
-(destination side, `ingress_ifindex` set as the kernel sets it): both are timed and summed. Host input to a UDP
-socket (one socket lookup) and an empty program (return -1: the harness's own share) are beside them. Figures are
-ns per run as the kernel reports them (median of `--rounds`), without the hooks' dispatch, which
-bench/netacct_forwarding.py --layout ebpf measures through real forwarding.
+The programs as the layout builds them (default internal CIDRs, the node's addresses and the prefix the pods
+share compared inline, a pods map holding `--pods` pods x 2 families x 4 roles) run on one 64-byte packet of each
+kind the node sees. A forwarded packet runs the ingress program where it arrives (source side) and the egress
+program where it leaves (destination side, `ingress_ifindex` set as the kernel sets it): both are timed and
+summed. Host input to a UDP socket (one socket lookup) and an empty program (return -1: the harness's own share)
+are beside them. Figures are ns per run as the kernel reports them (median of `--rounds`), on a cache-hot packet
+and without the hooks' dispatch: bench/ebpf_forwarding_stats.py times the programs in real forwarding, and
+bench/netacct_forwarding.py --layout ebpf measures the whole.
 
     python bench/ebpf_program_cost.py [--pods 500] [--repeat 200000] [--rounds 5]     (root)
 """
@@ -67,6 +68,7 @@ def main() -> int:
     maps = {"node": bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, 16, program.NODE_SLOTS, name="bench_node"),
             "pods": bpf.map_create(bpf.MAP_PERCPU_HASH, 20, 16, 1 << 16, name="bench_pods",
                                    flags=bpf.F_NO_PREALLOC)}
+    addresses = [ipaddress.ip_address(pod_address(i, family)) for i in range(args.pods) for family in (4, 6)]
     for i in range(args.pods):
         for family in (4, 6):
             for role in program.ROLES:
@@ -75,7 +77,7 @@ def main() -> int:
     local = [ipaddress.ip_address(a) for a in NODE_ADDRESSES]
     progs = {}
     for direction, attach in ((program.INGRESS, bpf.TCX_INGRESS), (program.EGRESS, bpf.TCX_EGRESS)):
-        spec = program.spec(direction, 14, (4, 6), NetacctConfig().internal_networks(), local)
+        spec = program.spec(direction, 14, (4, 6), NetacctConfig().internal_networks(), local, pods=addresses)
         progs[direction] = bpf.prog_load(bpf.PROG_SCHED_CLS, program.build(spec).assemble(maps), spec.name, attach)
     empty = asm.Asm()
     empty.movi(asm.R0, -1)

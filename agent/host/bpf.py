@@ -384,3 +384,19 @@ def prog_test_run(prog_fd: int, packet: bytes, repeat: int = 1, ctx: bytes | Non
     retval, = struct.unpack_from("<i", attr, 4)
     duration, = struct.unpack_from("<I", attr, 36)
     return retval, duration
+
+
+ENABLE_STATS, STATS_RUN_TIME = 32, 0
+_NAMES[ENABLE_STATS] = "ENABLE_STATS"
+
+
+def enable_stats() -> int:
+    """Have the kernel time every program run while the returned fd is open (kernel 5.8; global, like the
+    kernel.bpf_stats_enabled sysctl, but undone when the fd closes, even if the process dies)."""
+    return _bpf(ENABLE_STATS, _attr(("I", 0, STATS_RUN_TIME)))
+
+
+def prog_run_stats(fd: int) -> tuple[int, int]:
+    """(run_time_ns, run_cnt) of a program: what it ran while stats were enabled."""
+    run_time, runs = struct.unpack_from("<QQ", _info(fd, 256), 192)
+    return run_time, runs

@@ -122,6 +122,7 @@ class Case:
     forwarded: bool
     proto: int
     payload: int
+    told: bool = False  # the spec is told the pods' addresses (it compares their shared prefix before a lookup)
 
 
 def _model(case: Case) -> list[object]:
@@ -177,7 +178,7 @@ def cases(draw: st.DrawFn) -> Case:
     pods = {(a.packed, role) for a in (src, dst) if draw(st.booleans()) for role in program.ROLES}
     direction = draw(st.sampled_from([program.INGRESS, program.EGRESS]))
     return Case(nets, local, src, dst, pods, direction, draw(st.booleans()), draw(st.sampled_from([1, 6, 17])),
-                draw(st.integers(0, 1400)))
+                draw(st.integers(0, 1400)), draw(st.booleans()))
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -187,7 +188,8 @@ def test_the_program_counts_what_the_rules_count(maps: dict[str, int], case: Cas
         bpf.map_delete(maps["pods"], key)
     for address, role in case.pods:
         bpf.map_update(maps["pods"], program.pod_key(address, role), bytes(16 * bpf.possible_cpus()))
-    s = program.spec(case.direction, 14, (4, 6), case.nets, case.local)
+    told = [ipaddress.ip_address(a) for a, _ in case.pods] if case.told else None
+    s = program.spec(case.direction, 14, (4, 6), case.nets, case.local, pods=told)
     prog = bpf.prog_load(bpf.PROG_SCHED_CLS, program.build(s).assemble(maps), s.name,
                          bpf.TCX_INGRESS if case.direction == program.INGRESS else bpf.TCX_EGRESS)
     ctx = bytearray(SK_BUFF_SIZE)
@@ -202,3 +204,39 @@ def test_the_program_counts_what_the_rules_count(maps: dict[str, int], case: Cas
     bumped = {k: (after[k][0] - before.get(k, (0, 0))[0], after[k][1] - before.get(k, (0, 0))[1])
               for k in after if after[k] != before.get(k, (0, 0))}
     assert bumped == {k: (1, len(packet) - 14) for k in _model(case)}
+
+
+def test_a_forwarded_packet_looks_up_only_addresses_that_can_be_a_pods(maps: dict[str, int]) -> None:
+    """An address outside the prefix the pods share is not looked up (one hash lookup per forwarded packet, not
+    two): an entry planted for the internet side stays at zero while the pod's own entries count."""
+    for key in bpf.map_keys(maps["pods"], 20):
+        bpf.map_delete(maps["pods"], key)
+    pods = [ipaddress.ip_address("10.245.0.2"), ipaddress.ip_address("10.245.1.200")]
+    peer = ipaddress.ip_address("203.0.113.9")
+    for address in (*pods, peer):
+        for role in program.ROLES:
+            bpf.map_update(maps["pods"], program.pod_key(address.packed, role), bytes(16 * bpf.possible_cpus()))
+    assert program.pod_prefixes(pods, (4, 6)) == (ipaddress.ip_network("10.245.0.0/23"),)
+    assert program.pod_prefixes([ipaddress.ip_address("::"), ipaddress.ip_address("ffff::")], (4, 6)) == \
+        (ipaddress.ip_network("::/0"),)  # an IPv6 /0, not 0.0.0.0/0: the family's lookups stay in the program
+    assert program.pod_prefixes([ipaddress.ip_address("10.244.1.2")], (4,)) == (ipaddress.ip_network("10.244.1.0/24"),)
+    nets = [ipaddress.ip_network("10.0.0.0/8")]
+    ctx = bytearray(SK_BUFF_SIZE)
+    struct.pack_into("<I", ctx, program.SKB_INGRESS_IFINDEX, 7)
+    progs = []
+    for direction, attach in ((program.INGRESS, bpf.TCX_INGRESS), (program.EGRESS, bpf.TCX_EGRESS)):
+        s = program.spec(direction, 14, (4, 6), nets, (), pods=pods)
+        progs.append((bpf.prog_load(bpf.PROG_SCHED_CLS, program.build(s).assemble(maps), s.name, attach),
+                      bytes(ctx) if direction == program.EGRESS else None))
+    try:
+        before = _snapshot(maps)
+        for src, dst in ((pods[0], peer), (peer, pods[1])):
+            for prog, run_ctx in progs:
+                bpf.prog_test_run(prog, _packet(src, dst, 36, 17), ctx=run_ctx)
+        after = _snapshot(maps)
+    finally:
+        for prog, _ in progs:
+            os.close(prog)
+    bumped = {k: after[k][0] - before.get(k, (0, 0))[0] for k in after if after[k] != before.get(k, (0, 0))}
+    assert bumped == {(pods[0].packed, "tx-inet"): 1, (pods[1].packed, "rx-inet"): 1,
+                      (4, "traffic=internet-out scope=pod"): 1, (4, "traffic=internet-in scope=pod"): 1}

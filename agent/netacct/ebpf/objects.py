@@ -70,6 +70,7 @@ class Objects:
     _progs: dict[str, int] = field(default_factory=dict)
     _links: dict[tuple[int, str], tuple[int, str]] = field(default_factory=dict)  # (ifindex, dir) -> (fd, prog)
     _cpus: int = field(default_factory=bpf.possible_cpus)
+    _pods: set[bytes] | None = None  # the addresses set_pods last wrote (None: not yet, programs look up any)
     _room: int = 1024  # pods map entries per batch call
 
     # -- paths and presence -------------------------------------------------------------------------------------
@@ -129,7 +130,7 @@ class Objects:
 
     def set_pods(self, wanted: Mapping[PodEntry, Counts | None]) -> tuple[int, int]:
         """Make the pod entries exactly `wanted` (a value: created holding it; existing entries keep their
-        counts). (added, removed)."""
+        counts). (added, removed). The programs compare the prefix these addresses share: sync_hooks next."""
         fd = self.maps["pods"]
         have = set(self.pod_keys())
         want = {program.pod_key(address, role): value for (address, role), value in wanted.items()}
@@ -138,6 +139,7 @@ class Objects:
             if key not in have:
                 added += bpf.map_update(fd, key, _value(value or (0, 0), self._cpus), bpf.NOEXIST)
         removed = sum(bpf.map_delete(fd, key) for key in have - set(want))
+        self._pods = {address for address, _ in wanted}
         return added, removed
 
     def pod_keys(self) -> list[bytes]:
@@ -174,10 +176,12 @@ class Objects:
 
     def specs(self, families: Iterable[int],
               internal: Iterable[program.Network]) -> dict[tuple[str, int], program.Spec]:
-        """The program each (direction, link-layer length) needs now (ingress compares the node's addresses)."""
+        """The program each (direction, link-layer length) needs now (ingress compares the node's addresses; both
+        compare the prefix the pod entries share before looking one up, so a sync after set_pods may swap them)."""
         fams, nets = tuple(families), list(internal)
         local = bpf_tc.addresses(self.netns)
-        return {(d, l2): program.spec(d, l2, fams, nets, local) for d in (INGRESS, EGRESS) for l2 in (0, 14)}
+        pods = None if self._pods is None else [ipaddress.ip_address(a) for a in self._pods]
+        return {(d, l2): program.spec(d, l2, fams, nets, local, pods=pods) for d in (INGRESS, EGRESS) for l2 in (0, 14)}
 
     def load(self, spec: program.Spec, clsact: bool) -> int:
         """The fd of the program for `spec`, loaded once per process (VerifierError: the kernel refused it)."""
@@ -313,6 +317,8 @@ class Objects:
 
     def sync_hooks(self, families: Iterable[int], internal: Iterable[program.Network]) -> list[str]:
         """Every interface's hooks run the current programs; links of interfaces that are gone are removed."""
+        if self._pods is None and "pods" in self.maps:  # no set_pods in this process yet: the map says
+            self._pods = {_parse(key)[0] for key in self.pod_keys()}
         specs = self.specs(families, internal)
         ifaces = bpf_tc.interfaces(self.netns)
         changes = [change for iface in ifaces for direction in (INGRESS, EGRESS)

@@ -21,10 +21,14 @@ Programs (BPF_PROG_TYPE_SCHED_CLS, one per hook direction and link-layer header 
   its *destination side* counted here, after DNAT and conntrack's reverse NAT, where its destination is the one
   the forward hook sees (internet-out scope=pod, the destination pod's rx-* entry, cluster-in scope=pod).
 
-So a forwarded packet is counted once on each side, in the same series as the nft layout's forward chains. The
+So a forwarded packet is counted once on each side, in the same series as the nft layout's forward chains. A pod
+entry is looked up only for an address inside the prefix all pod entries share (`pod_prefixes`, the node's pod
+CIDR in practice, compared inline): the internet side of a forwarded packet, or a pod on another node, costs a
+compare instead of a hash lookup, so pod <-> internet traffic does one lookup per packet. The
 internal CIDRs and the node's addresses are compared inline (a second hash lookup per forwarded packet costs
 about as much as the hook itself: reference ebpf-accounting §8); a change of them builds new programs, which the
-layout swaps into the same links (no gap, no double count: the counts live in the maps).
+layout swaps into the same links (no gap, no double count: the counts live in the maps); so does a change of the
+pods' prefix, made in the sync that adds the entries.
 
 Bytes are IP-level, as netfilter counts them: `__sk_buff.len` covers the link-layer header at tc, so the
 program subtracts its length (14 on Ethernet, 0 on L3 devices). Every program returns -1 (TCX_NEXT /
@@ -58,6 +62,7 @@ NODE_SLOTS = 2 * len(NODE_KEYS)
 VALUE_SIZE = 16  # u64 packets, u64 bytes
 POD_KEY_SIZE = 20  # 16-byte address + u32 role
 ROLES = ipsets.COUNTED  # rx-inet, tx-inet, rx-clus, tx-clus
+MAX_POD_PREFIX = {4: 24, 6: 112}  # the pods' shared prefix is widened to this at least (fewer program swaps)
 RETURN_NEXT = -1  # TCX_NEXT and TC_ACT_UNSPEC: let the next program on the hook decide
 
 # struct __sk_buff offsets (uapi linux/bpf.h)
@@ -109,18 +114,20 @@ class Spec:
     families: tuple[int, ...]
     internal: tuple[Network, ...]
     local: tuple[Address, ...] = ()  # the node's addresses (ingress only)
+    pods: tuple[Network, ...] | None = None  # per family, the prefix every pod address shares (None: unknown)
 
     @property
     def name(self) -> str:
         """The program's name (15 characters at most): direction, and a digest of everything it compares."""
         text = f"{self.direction}|{self.l2_len}|{self.families}|{sorted(map(str, self.internal))}|" \
-               f"{sorted(map(str, self.local))}"
+               f"{sorted(map(str, self.local))}|{None if self.pods is None else sorted(map(str, self.pods))}"
         return f"gna_{'in' if self.direction == INGRESS else 'eg'}_{hashlib.sha256(text.encode()).hexdigest()[:8]}"
 
 
 def spec(direction: str, l2_len: int, families: Iterable[int], internal: Iterable[Network],
-         local: Iterable[Address] = ()) -> Spec:
-    """A Spec with its CIDRs collapsed and addresses sorted, so equal inputs give one program name."""
+         local: Iterable[Address] = (), *, pods: Iterable[Address] | None = None) -> Spec:
+    """A Spec with its CIDRs collapsed and addresses sorted, so equal inputs give one program name. `pods`: every
+    address the pods map holds (None: unknown, every address is looked up)."""
     fams = tuple(sorted(set(families)))
     nets = [n for n in internal if n.version in fams]
     v4 = [n for n in nets if isinstance(n, ipaddress.IPv4Network)]
@@ -128,7 +135,25 @@ def spec(direction: str, l2_len: int, families: Iterable[int], internal: Iterabl
     collapsed: list[Network] = [*ipaddress.collapse_addresses(v4), *ipaddress.collapse_addresses(v6)]
     addrs = sorted({a for a in local if a.version in fams and not (a.version == 6 and a.is_link_local)},
                    key=lambda a: (a.version, int(a)))
-    return Spec(direction, l2_len, fams, tuple(collapsed), tuple(addrs) if direction == INGRESS else ())
+    return Spec(direction, l2_len, fams, tuple(collapsed), tuple(addrs) if direction == INGRESS else (),
+                None if pods is None else pod_prefixes(pods, fams))
+
+
+def pod_prefixes(pods: Iterable[Address], families: Iterable[int]) -> tuple[Network, ...]:
+    """Per family, the longest prefix all the pods' addresses share (none for a family without pods). A pod's
+    addresses come from the node's pod CIDR, so this is about that CIDR: an address outside it is not looked up,
+    which takes the hash lookup of a forwarded packet's internet (or remote pod) side off the path (§8)."""
+    out: list[Network] = []
+    for family in sorted(set(families)):
+        values = [int(a) for a in pods if a.version == family]
+        if not values:
+            continue
+        kind = ipaddress.IPv4Network if family == 4 else ipaddress.IPv6Network
+        bits = kind(0).max_prefixlen
+        prefix = bits - (min(values) ^ max(values)).bit_length()  # what min and max share, everything between does
+        prefix = min(prefix, MAX_POD_PREFIX[family])  # so the first pods do not each swap programs
+        out.append(kind((min(values) >> (bits - prefix) << (bits - prefix), prefix)))  # not ip_network: ::/0 is v6
+    return tuple(out)
 
 
 def _words(packed: bytes) -> list[int]:
@@ -193,10 +218,19 @@ def _count_node(a: Asm, family: int, key: str) -> None:
     a.label(skip)
 
 
-def _count_pod(a: Asm, family: int, address_at: int, role: str, node_key: str | None) -> None:
+def _count_pod(a: Asm, s: Spec, family: int, address_at: int, role: str, *, node_key: str | None = None) -> None:
     """Count the packet for the pod owning the address at `address_at` in `role` (and the node series `node_key`
     when a pod owns it: cluster traffic is the node's pod-scope traffic only for this node's pods)."""
     skip = a.fresh("no_pod")
+    if s.pods is not None:
+        prefix = next((n for n in s.pods if n.version == family), None)
+        if prefix is None:
+            return  # no pod of this family: nothing to look up
+        if prefix.prefixlen:
+            maybe = a.fresh("maybe_pod")
+            _match(a, address_at, prefix.network_address.packed, prefix.prefixlen, maybe)
+            a.ja(skip)
+            a.label(maybe)
     for i in range(4):
         if i < WORDS[family]:
             a.ldx(4, R1, R7, address_at + 4 * i)
@@ -231,12 +265,12 @@ def _family(a: Asm, s: Spec, family: int) -> None:
     _classify(a, src, nets, SRC_INTERNAL)
     _classify(a, dst, nets, DST_INTERNAL)
     if s.direction == EGRESS:
-        _egress(a, family, dst)
+        _egress(a, s, family, dst)
     else:
         _ingress(a, s, family, src, dst)
 
 
-def _egress(a: Asm, family: int, dst: int) -> None:
+def _egress(a: Asm, s: Spec, family: int, dst: int) -> None:
     """Egress: what the node itself sends (`ingress_ifindex` 0) is host output by destination class; a forwarded
     packet has its destination side counted here, after routing and DNAT (and conntrack's reverse NAT of replies),
     where its destination is the one netfilter's forward hook sees."""
@@ -257,10 +291,10 @@ def _egress(a: Asm, family: int, dst: int) -> None:
     a.label(to_internet_done)
     src_internal = a.fresh("src_internal")
     a.jmpi(asm.JSET, R8, SRC_INTERNAL, src_internal)
-    _count_pod(a, family, dst, "rx-inet", None)
+    _count_pod(a, s, family, dst, "rx-inet")
     a.ja("out")
     a.label(src_internal)
-    _count_pod(a, family, dst, "rx-clus", "traffic=cluster-in scope=pod")
+    _count_pod(a, s, family, dst, "rx-clus", node_key="traffic=cluster-in scope=pod")
     a.ja("out")
 
 
@@ -346,10 +380,10 @@ def _ingress(a: Asm, s: Spec, family: int, src: int, dst: int) -> None:
     a.label(from_internet_done)
     dst_internal = a.fresh("dst_internal")
     a.jmpi(asm.JSET, R8, DST_INTERNAL, dst_internal)
-    _count_pod(a, family, src, "tx-inet", None)
+    _count_pod(a, s, family, src, "tx-inet")
     a.ja(out)
     a.label(dst_internal)
-    _count_pod(a, family, src, "tx-clus", "traffic=cluster-out scope=pod")
+    _count_pod(a, s, family, src, "tx-clus", node_key="traffic=cluster-out scope=pod")
     a.ja(out)
 
 

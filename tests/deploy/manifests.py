@@ -34,6 +34,7 @@ CRD_GROUPS = ("monitoring.coreos.com/",)
 AGENT_METRICS: dict[str, str] = {
     "gpu_node_agent_build_info": "gauge {version}: 1",
     "gpu_node_agent_subsystem_up": "gauge {subsystem}: 1 running, 0 failed",
+    "gpu_node_agent_hardware_rescans_total": "counter: full rescans, at most one a second",
     "gpu_node_agent_xid_errors_total": "counter {gpu,uuid,pci_bus_id,xid}",
     "gpu_node_agent_ecc_errors_total": "counter {gpu,uuid,pci_bus_id,error_type,counter_type}",
     "gpu_node_agent_retired_pages": "gauge {gpu,uuid,pci_bus_id,cause}",
@@ -56,6 +57,7 @@ AGENT_METRICS: dict[str, str] = {
     "gpu_node_agent_gpus_present": "gauge",
     "gpu_node_agent_gpus_healthy": "gauge: GPUs present and Healthy",
     "gpu_node_agent_incidents_total": "counter: new fault findings recorded on the Node",
+    "gpu_node_agent_nvsentinel_events_total": "counter {outcome}: health events for NVSentinel's connector",
     "gpu_node_agent_nvlink_links_active": "gauge {gpu,uuid,pci_bus_id}",
     "gpu_node_agent_nvlink_links_inactive": "gauge {gpu,uuid,pci_bus_id}",
     "gpu_node_agent_nvlink_links_down": "gauge {gpu,uuid,pci_bus_id}: inactive links its peers have active",

@@ -86,7 +86,8 @@ async def _acting(directory: Path) -> str:
         with DcgmExporterServer(SimulatedDcgmExporter.for_profile(PROFILE)) as dcgm:
             agent, api, _ = await start_on_api_double(directory, "lint-node", "--pod-resources-socket", str(socket),
                                                       "--dcgm-exporter-url", dcgm.url, "--dcgm-scrape-interval",
-                                                      "0.5", profile=PROFILE)
+                                                      "0.5", "--nvsentinel-socket", str(directory / "nvs.sock"),
+                                                      profile=PROFILE)  # no connector listens: failed, counted
             try:
                 return await _scrape_once_showing(agent, OWNERSHIP, DCGM, "gpu_node_agent_apiserver_requests_total{",
                                                   'gpu_node_agent_subsystem_up{subsystem="device-plugin"} 1.0')

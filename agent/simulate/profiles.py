@@ -7,6 +7,7 @@ Schema (unknown keys are errors, so typos fail loudly):
       "name": "dgx-h100",                    # must equal the file's stem
       "description": "one line for humans",
       "topology_xml": "vm-flat.xml",         # optional: NCCL topology XML next to the JSON file
+      "sources": {"bus ids": "NVIDIA ... guide (URL)", "V3": "synthetic"},  # optional: where values come from
       "models": {                            # device kinds, referenced by name below
         "h100": {
           "vendor": "0x10de", "device": "0x2330", "class": "0x030200",
@@ -40,6 +41,8 @@ a bridge all on one bus above the bridge's, and the bus ranges of sibling subtre
 is required for network models; VFs are expanded from `vfs` (VF i: devfn = PF devfn + 1 + i, netdev
 `<pf netdev>v<i>`). GPUs (class 0x03xxxx) get `uuid` or a stable `GPU-<uuid5(profile/bus id)>`; `mig` puts a GPU
 in MIG mode with `count` MIG devices of one profile (NVIDIA's name, `<G>g.<GB>gb`), which the simulated NVML serves.
+`sources` names, per value or group of values, the public capture it comes from, or says `synthetic` or
+`[inference]`: a profile standing in for real hardware shows which of its numbers are real.
 `vpd` gives any function a PCI VPD (identifier string and VPD-R keywords: two characters, at most 255 ASCII bytes
 each), written as its binary `vpd` file: a ConnectX-8 PF and its Data Direct DMA function pair by equal `V3`.
 """
@@ -233,7 +236,11 @@ class _Parser:
         self.name = ""
 
     def profile(self, data: object, expect_name: str | None) -> Profile:
-        top = _obj(data, "top level", {"name", "description", "models", "root_complexes"}, {"topology_xml"})
+        top = _obj(data, "top level", {"name", "description", "models", "root_complexes"},
+                   {"topology_xml", "sources"})
+        for what, source in _typed(top.get("sources", {}), dict, "sources").items():
+            if not isinstance(source, str) or not source.strip():
+                raise _Invalid(f"sources.{what}", "expected the public source (or 'synthetic', '[inference]')")
         self.name = _typed(top["name"], str, "name")
         if expect_name is not None and self.name != expect_name:
             raise _Invalid("name", f"{self.name!r} does not match the file name {expect_name!r}")

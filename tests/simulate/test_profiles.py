@@ -13,6 +13,7 @@ import pytest
 
 from agent.host.busid import normalize_bus_id
 from agent.simulate.profiles import (
+    PROFILE_DIR,
     ProfileError,
     UnknownProfileError,
     list_profiles,
@@ -65,6 +66,15 @@ def test_only_vm_flat_has_a_topology_xml() -> None:
     assert xml is not None
     assert xml.is_file()
     assert xml.name == "vm-flat.xml"
+
+
+@pytest.mark.parametrize("name", ["gb200-cx7", "gb300-cx8", "hgx-b300-cx8"])
+def test_hardware_stand_ins_name_their_sources(name: str) -> None:
+    """Each names a public capture for its layout, and says which values are synthetic or inferred."""
+    load_profile(name)  # the schema accepts them
+    sources = json.loads((PROFILE_DIR / f"{name}.json").read_text())["sources"]
+    assert any("@" in source or "#" in source or "docs.nvidia.com" in source for source in sources.values())
+    assert any(source.startswith(("synthetic", "[inference]")) for source in sources.values())
 
 
 def test_vm_flat_xml_pairs_gpu_n_with_nic_n_under_synthetic_bridges() -> None:
@@ -203,6 +213,7 @@ NIC = (*PORT, "children", 1)
 BROKEN = {
     "missing description": (_drop("description"), "missing description"),
     "unknown top key": (_set("colour", value="red"), "unknown key(s) colour"),
+    "empty source": (_set("sources", value={"bus ids": " "}), "sources.bus ids"),
     "name mismatch": (_set("name", value="other"), "does not match the file name"),
     "bad vendor": (_set("models", "gpu", "vendor", value="10de"), "models.gpu.vendor"),
     "uppercase class": (_set("models", "gpu", "class", value="0x0302AB"), "models.gpu.class"),

@@ -185,6 +185,31 @@ def test_vpd_round_trip_and_damage():
             vpd_keywords(bad)
 
 
+def _pci_spec_sample_vpd() -> bytes:
+    """The sample VPD of the PCI Local Bus Specification, Rev. 3.0, Appendix I ("VPD Example"), byte for byte:
+    identifier string, VPD-R (PN, EC, SN, MN, then RV padding to offset 128), VPD-W (V1, Y1, RW), end tag at 255.
+    The spec prints "Checksum" for RV's first byte; it is computed here as the spec defines it."""
+    image = bytearray(
+        b"\x82" + (0x21).to_bytes(2, "little") + b"ABCD Super-Fast Widget Controller"
+        + b"\x90" + (0x59).to_bytes(2, "little")
+        + b"PN\x08" + b"6181682A" + b"EC\x0a" + b"4950262536" + b"SN\x08" + b"00000194" + b"MN\x04" + b"1037"
+        + b"RV\x2c" + b"\x00" * 0x2C
+        + b"\x91" + (0x7C).to_bytes(2, "little")
+        + b"V1\x05" + b"65A01" + b"Y1\x0d" + b"Error Code 26" + b"RW\x61" + b"\x00" * 0x61
+        + b"\x78")
+    assert len(image) == 256 and image[36] == 0x90 and image[81:83] == b"RV" and image[128] == 0x91
+    image[84] = -sum(image[:84]) & 0xFF
+    return bytes(image)
+
+
+def test_vpd_parser_reads_the_pci_spec_sample():
+    """The parser meets a layout it did not write: the spec's own sample, VPD-W and all."""
+    image = _pci_spec_sample_vpd()
+    assert vpd_keywords(image) == {"PN": b"6181682A", "EC": b"4950262536", "SN": b"00000194", "MN": b"1037"}
+    with pytest.raises(VpdError):
+        vpd_keywords(image[:84] + bytes([(image[84] + 1) & 0xFF]) + image[85:])
+
+
 def test_doctor_warns_about_an_unreadable_vpd(tmp_path, capsys):
     root = _tree(tmp_path, "gb300-cx8")
     assert cli.main(["doctor", "--sysfs-root", str(root), "--json"]) in (0, 1)

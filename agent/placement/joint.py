@@ -162,7 +162,7 @@ class JointAllocator:
         self._offered(resource, request.served, offer, must_include)
         levels = self._preference_started(kind, context)
         self._calls += 1
-        decision = Decision(resource=resource, kind=kind, offered=offer, partner=partner,
+        decision = Decision(resource=resource, offered=offer, partner=partner,
                             completes=completes, stamp=self._calls, at=self._clock(),
                             pix_possible=self._pix_offered(pool.topology, kind, context, checked.offered,
                                                            checked.size))

@@ -136,7 +136,6 @@ class Decision:
     """
 
     resource: str
-    kind: DeviceKind
     offered: frozenset[str]  # the kubelet's offer (available and must_include): the Allocate takes from it
     partner: frozenset[str] | None
     completes: bool

@@ -248,7 +248,7 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
         pool = self._pool
         lock = self._policy_lock
         await lock.acquire()
-        if len(asked.available) + len(asked.must_include) <= OFFLOAD_IDS:
+        if len(asked.available) <= OFFLOAD_IDS:  # must_include is among them (else the policy refuses at once)
             try:
                 return self._policy(pool, asked)
             finally:

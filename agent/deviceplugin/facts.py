@@ -45,8 +45,7 @@ class OwnershipFacts:
         self._pools = pools
         self.gpu_resource_name = gpu_resource_name
 
-    def _resources(self, kind: DeviceKind) -> list[str]:
-        pools = list(self._pools())
+    def _resources(self, kind: DeviceKind, pools: Sequence[ResourcePool]) -> list[str]:
         names = [p.resource_name for p in pools if p.kind == kind.value]
         if kind is DeviceKind.GPU and not names:
             names.append(self.gpu_resource_name)  # GPUs served by another plugin, with its MIG resources (mixed)
@@ -67,8 +66,10 @@ class OwnershipFacts:
             groups = {switch_groups(pool.topology, other is DeviceKind.GPU, c.partner_ids) for c in candidates}
             return len(groups) == 1 and None not in groups
 
-        found = await self.service.lookup(pool.resource_name, self._resources(other), alike=same_switches)
-        free = self._free(other)
+        pools = list(self._pools())  # once per call: the lookup and the free devices read the same pools
+        resources = self._resources(other, pools)
+        found = await self.service.lookup(pool.resource_name, resources, alike=same_switches)
+        free = self._free(resources, [p for p in pools if p.kind == other.value])
         if found.found is not None:
             return Partner(held=found.found.partner_ids, free=free)
         held = [c.partner_ids for c in found.candidates]
@@ -85,13 +86,13 @@ class OwnershipFacts:
             return Partner(held=frozenset(), reason=found.reason, candidates=candidates, free=free)
         return Partner(reason=found.reason, candidates=candidates, free=free)
 
-    def _free(self, kind: DeviceKind) -> frozenset[str] | None:
-        """The kubelet's free devices of `kind` at the last reading; None when it was never read, or (for a kind
-        served here) the reading is too old to beat the allocator's own estimate."""
+    def _free(self, resources: Sequence[str], served: Sequence[ResourcePool]) -> frozenset[str] | None:
+        """The kubelet's free devices of the other kind (its `resources`, those `served` here) at the last reading;
+        None when it was never read, or (a kind served here) the reading is too old to beat the allocator's own
+        estimate."""
         latest, read_at = self.service.latest, self.service.read_at
         if latest is None or read_at is None:
             return None
-        served = [p for p in self._pools() if p.kind == kind.value]
         if served and self.service.monotonic() - read_at > STALE_POLLS * self.service.poll_interval:
             return None  # the allocator's own estimate of its own devices is better than an old reading
         if served:
@@ -99,10 +100,10 @@ class OwnershipFacts:
             # the allocatable reading may predate this agent's registration (right after a restart the kubelet
             # has none of a disconnected plugin's devices as healthy until its successor's first ListAndWatch).
             # In the servers' own IDs, as the allocator's estimate: a time-sliced GPU's replicas, not its UUID
-            held = {i for resource in self._resources(kind) for i in latest.held(resource)}
+            held = {i for resource in resources for i in latest.held(resource)}
             return frozenset(i for p in served for i in p.ids) - held
         free: set[str] = set()
-        for resource in self._resources(kind):
+        for resource in resources:
             of_resource = latest.free(resource)
             if of_resource is None:
                 return None

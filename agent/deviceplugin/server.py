@@ -13,7 +13,8 @@ resources, and its Allocate hook. With a `partner_lookup` (the kubelet's PodReso
 of the other kind (a `placement.policy.Partner` value, handed to the policy with the request); the lookup bounds
 itself with a short deadline and says when it cannot tell in time, and then the policy guesses as before. What
 the policy decided (`Preference.decision`) is kept until this resource's next Allocate, which hands it back to
-the hook; the hook checks that it is still that container's (see `placement.joint`).
+the hook, or its next preference call, which replaces it (with none when that call decided nothing: invalid, or
+the policy failed); the hook checks that it is still that container's (see `placement.joint`).
 
 A big offer (time-sliced replicas: up to 28,672 IDs) is chosen in a worker thread, so that no preference call
 holds the event loop (every plugin, health, DRA, remediation) for more than a few ms; a small one, the common
@@ -224,6 +225,7 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
                 served=self._pool.ids, available=tuple(container.available_deviceIDs),
                 must_include=tuple(container.must_include_deviceIDs), size=container.allocation_size,
                 unhealthy=unhealthy, partner=partner)
+            self._decision = None  # a call that decides nothing (invalid, failed) leaves none for the Allocate
             try:
                 preference = await self._choose(asked)
             except Exception:
@@ -231,8 +233,7 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
                 self._failed(POLICY_ERROR)
                 return api_pb2.PreferredAllocationResponse()
             self._count(preference.levels)
-            if preference.decision is not None:
-                self._decision = preference.decision
+            self._decision = preference.decision
             if preference.reason is not Reason.OK:
                 log.warning("%s: GetPreferredAllocation: %s: %s", self.resource_name, preference.reason.value,
                             preference.detail)
@@ -248,7 +249,7 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
         pool = self._pool
         lock = self._policy_lock
         await lock.acquire()
-        if len(asked.available) + len(asked.must_include) <= OFFLOAD_IDS:
+        if len(asked.available) <= OFFLOAD_IDS:  # must_include is among them (else the policy refuses at once)
             try:
                 return self._policy(pool, asked)
             finally:

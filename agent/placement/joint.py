@@ -158,11 +158,11 @@ class JointAllocator:
             partner = context = self._mapped(pool.topology, kind, request.partner.held)
         elif request.partner is not None:
             log.debug("%s: partner not known (%s)", resource, request.partner.reason or "unknown")
-        offer = frozenset(request.available) | frozenset(must_include)
+        offer = frozenset(request.available)  # every must_include is in it (`check_request` refuses it otherwise)
         self._offered(resource, request.served, offer, must_include)
         levels = self._preference_started(kind, context)
         self._calls += 1
-        decision = Decision(resource=resource, kind=kind, offered=offer, partner=partner,
+        decision = Decision(resource=resource, offered=offer, partner=partner,
                             completes=completes, stamp=self._calls, at=self._clock(),
                             pix_possible=self._pix_offered(pool.topology, kind, context, checked.offered,
                                                            checked.size))
@@ -307,8 +307,8 @@ class JointAllocator:
 
     def _offered(self, resource: str, served: Sequence[str], offer: frozenset[str],
                  must_include: Sequence[str]) -> None:
-        """The kubelet's offer (available and must_include): what it left out is taken; a device of ours in it,
-        not a must_include, ended its container."""
+        """The kubelet's offer (`available`, must_include among it): what it left out is taken; a device of ours
+        in it, not a must_include, ended its container."""
         must = frozenset(must_include)
         for device_id in offer:
             container = self._holder.get(device_id)

@@ -136,8 +136,7 @@ class Decision:
     """
 
     resource: str
-    kind: DeviceKind
-    offered: frozenset[str]  # the kubelet's offer (available and must_include): the Allocate takes from it
+    offered: frozenset[str]  # the kubelet's offer (`available`, must_include among it): the Allocate takes from it
     partner: frozenset[str] | None
     completes: bool
     pix_possible: bool

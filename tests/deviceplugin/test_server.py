@@ -19,6 +19,7 @@ from agent.deviceplugin.registration import PluginServer, check_socket_path
 from agent.deviceplugin.server import DevicePlugin
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.host.unixsocket import SocketPathError
+from agent.placement.policy import AllocationLevel, Decision, Preference, Reason
 from agent.signals import DeviceHealthEvent
 from tests.deviceplugin.conftest import GPU_UUIDS, first_list, small_topology
 
@@ -208,3 +209,37 @@ async def test_allocate_names_a_device_once_and_echoes_a_bounded_list(served) ->
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     details = caught.value.details()
     assert "0000:ff:00.0" in details and "and 1993 more" in details and len(details) < 1000
+
+
+async def test_a_preference_that_decided_nothing_leaves_no_decision_for_the_allocate(sockdir: str) -> None:
+    """The decision handed to the Allocate hook is the last preference call's only: one after it that decided
+    nothing (an invalid request, a policy failure) drops it, so it is never applied to another container."""
+    decision = Decision(resource=RDMA, offered=frozenset(VFS), partner=None, completes=False, pix_possible=False,
+                        stamp=1, at=0.0)
+    answers: list[Preference | Exception] = [Preference((VFS[0],), decision=decision),
+                                             Preference((), Reason.INVALID_REQUEST, "bad"),
+                                             Preference((VFS[0],), decision=decision), RuntimeError("policy bug")]
+    handed: list[Decision | None] = []
+
+    def policy(*_: object) -> Preference:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def hook(_pool: object, _ids: object, given: Decision | None) -> list[AllocationLevel]:
+        handed.append(given)
+        return []
+
+    plugin = DevicePlugin(_plugin().pool, policy=policy, on_allocate=hook)
+    server = PluginServer(plugin, sockdir, "d.sock")
+    await server.start()
+    async with grpc.aio.insecure_channel(f"unix://{server.path}") as channel:
+        stub = api_pb2_grpc.DevicePluginStub(channel)
+        for _ in range(2):
+            await stub.GetPreferredAllocation(_preference(list(VFS), [], 1))  # decided
+            await stub.GetPreferredAllocation(_preference(list(VFS), [], 1))  # decided nothing
+            await stub.Allocate(api_pb2.AllocateRequest(container_requests=[
+                api_pb2.ContainerAllocateRequest(devices_ids=[VFS[0]])]))
+    await server.stop()
+    assert handed == [None, None]

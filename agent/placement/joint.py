@@ -148,6 +148,7 @@ class JointAllocator:
         Allocate takes back (`allocated`)."""
         checked = check_request(request)
         if not checked.proceed:
+            self._calls += 1  # a call came between: an earlier decision is stale even to a direct caller
             return checked.answered(())
         kind, resource = DeviceKind(pool.kind), pool.resource_name
         must_include = request.must_include

@@ -329,13 +329,9 @@ class Engine:
         already saying this (a restarted agent) records nothing: those findings were recorded when it was set."""
         findings = frozenset((verdict.reason, device) for device in verdict.devices or ("",))
         fresh = findings - self._findings
-        current = self.actions.condition()
-        status = "True" if problem else "False"
-        changed = current is None or (current.status, current.reason, current.message) != (status, verdict.reason,
-                                                                                            message)
         extra = incidents.recorded(self.actions.node.annotations, self.config.prefix, self.clock.now(), verdict.reason,
                                    findings=len(fresh), window_seconds=self.config.latch_window_seconds) \
-            if fresh and changed else None
+            if fresh and self.actions.condition_differs(problem, verdict.reason, message) else None
         await self.actions.ensure_condition(problem, verdict.reason, message, annotations=extra)
         self._findings = findings
         if extra:

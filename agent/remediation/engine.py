@@ -206,7 +206,7 @@ class Engine:
             if slot is None:
                 self.deferred_until = now + self.config.slot_retry_seconds * self._jitter()
                 self.counter.count("cordon", "deferred")
-                await self.events.emit("RemediationDeferred", f"{verdict.reason}: all {self.config.slots} "
+                await self.events.emit(state.DEFERRED, f"{verdict.reason}: all {self.config.slots} "
                                        f"remediation slots are held by other nodes; will retry", WARNING)
                 return
             self.deferred_until = None
@@ -312,7 +312,7 @@ class Engine:
             await self._fault_condition(False, verdict, "device isolated, node schedulable: "
                                         + verdict.describe() + await self._pods(verdict))
         elif verdict.severity >= Severity.DEGRADED:
-            deferred = "RemediationDeferred (no free slot): " if self.deferred_until is not None else ""
+            deferred = f"{state.DEFERRED} (no free slot): " if self.deferred_until is not None else ""
             message = deferred + verdict.describe() + await self._pods(verdict)
             await self._fault_condition(True, verdict, message)
             repeat = was_problem and before is not None and before.reason == verdict.reason

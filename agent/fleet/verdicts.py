@@ -26,10 +26,9 @@ from agent.kube.nodelist import NodeCondition, NodeSummary
 from agent.remediation import incidents
 from agent.remediation.isolate import IsolationKeys
 from agent.remediation.latch import LatchKeys
-from agent.remediation.state import Keys
+from agent.remediation.state import DEFERRED, Keys
 
 VERDICTS = ("healthy", "degraded", "isolate", "cordon", "drain", "unknown")
-DEFERRED_PREFIX = "RemediationDeferred"
 _COUNT = re.compile(r"[0-9]{1,18}")  # a label value is at most 63 characters; a GPU count is far below 10**18
 
 
@@ -102,7 +101,7 @@ def verdict_of(node: NodeSummary, keys: FleetKeys, condition: NodeCondition | No
     intact = cordon_intact(node, keys)
     if intact and keys.state.drain in node.annotations:
         return "drain"
-    if intact or condition.message.startswith(DEFERRED_PREFIX):
+    if intact or condition.message.startswith(DEFERRED):
         return "cordon"
     return "degraded"
 

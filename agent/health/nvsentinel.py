@@ -18,7 +18,6 @@ severity (isolate: COMPONENT_RESET, cordon and drain: RESTART_BM, degraded: NONE
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
@@ -26,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter
 
+from agent import aio
 from agent.health.findings import Finding
 from agent.host.nvsentinel import Entity, HealthEventData, NvsentinelError, NvsentinelPort
 from agent.signals import GpuRecoveryAction, Severity
@@ -126,28 +126,20 @@ class NvsentinelReporter:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Send queued events in batches until `stop`; each call bounded by the deadline."""
-        stopping = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
                 getting = asyncio.ensure_future(self.queue.get())
-                await asyncio.wait({getting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                if not getting.done():
-                    getting.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await getting
+                await aio.wait_any(stop, getting)
+                if getting.cancelled():
                     return
                 batch = [getting.result()]
                 while len(batch) < BATCH and not self.queue.empty():
                     batch.append(self.queue.get_nowait())
                 sending = asyncio.ensure_future(self._send(batch))
-                await asyncio.wait({sending, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                if not sending.done():  # stopping: a call in flight is abandoned, not waited for
-                    sending.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await sending
+                await aio.wait_any(stop, sending)
+                if sending.cancelled():  # stopping: a call in flight is abandoned, not waited for
                     return
         finally:
-            stopping.cancel()
             await self.port.aclose()
 
     async def _send(self, batch: list[HealthEventData]) -> None:

@@ -178,15 +178,10 @@ class NodeLabelService:
                 full_at = now + self.settings.interval
             await self.step(full=full)
             health = asyncio.ensure_future(self.device_health.wait_newer(seen))
-            waits = [health, asyncio.ensure_future(stop.wait())]
-            if self.health_ready is not None and not self.health_ready.is_set():  # health's first verdicts are in
-                waits.append(asyncio.ensure_future(self.health_ready.wait()))
-            try:
-                await asyncio.wait(waits, timeout=max(0.0, full_at - self.clock.monotonic()),
-                                   return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                changed = any(w.done() and not w.cancelled() for w in waits[::2])
-                await aio.cancel_and_wait(*waits)
-            if changed:
+            # also wake when health's first verdicts are in
+            ready = self.health_ready if self.health_ready is not None and not self.health_ready.is_set() else None
+            await aio.wait_any(stop, health, *((ready,) if ready is not None else ()),
+                               timeout=max(0.0, full_at - self.clock.monotonic()))
+            if not health.cancelled() or (ready is not None and ready.is_set()):
                 await self.clock.wait(stop, SETTLE)
                 seen = self.device_health.version

@@ -125,6 +125,12 @@ class NodeActions:
             return None
         return current.last_heartbeat + self._heartbeat
 
+    def condition_differs(self, problem: bool, reason: str, message: str, condition_type: str = "") -> bool:
+        """Whether setting this condition would change it (status, reason or message), not only beat its heart."""
+        current = self.condition(condition_type or self.condition_type)
+        status = "True" if problem else "False"
+        return current is None or (current.status, current.reason, current.message) != (status, reason, message)
+
     async def ensure_condition(self, problem: bool, reason: str, message: str, condition_type: str = "",
                                annotations: Mapping[str, str | None] | None = None) -> bool:
         """Set the condition (default: the agent's main one) if it differs or its heartbeat is due; True when a
@@ -134,7 +140,7 @@ class NodeActions:
         now = self._clock.now()
         status = "True" if problem else "False"
         current = self.condition(kind)
-        changed = current is None or (current.status, current.reason, current.message) != (status, reason, message)
+        changed = self.condition_differs(problem, reason, message, kind)
         due = self.heartbeat_due_at(kind)
         if not changed and due is not None and now < due:
             return False

@@ -206,7 +206,7 @@ class Engine:
             if slot is None:
                 self.deferred_until = now + self.config.slot_retry_seconds * self._jitter()
                 self.counter.count("cordon", "deferred")
-                await self.events.emit("RemediationDeferred", f"{verdict.reason}: all {self.config.slots} "
+                await self.events.emit(state.DEFERRED, f"{verdict.reason}: all {self.config.slots} "
                                        f"remediation slots are held by other nodes; will retry", WARNING)
                 return
             self.deferred_until = None
@@ -312,7 +312,7 @@ class Engine:
             await self._fault_condition(False, verdict, "device isolated, node schedulable: "
                                         + verdict.describe() + await self._pods(verdict))
         elif verdict.severity >= Severity.DEGRADED:
-            deferred = "RemediationDeferred (no free slot): " if self.deferred_until is not None else ""
+            deferred = f"{state.DEFERRED} (no free slot): " if self.deferred_until is not None else ""
             message = deferred + verdict.describe() + await self._pods(verdict)
             await self._fault_condition(True, verdict, message)
             repeat = was_problem and before is not None and before.reason == verdict.reason
@@ -329,13 +329,9 @@ class Engine:
         already saying this (a restarted agent) records nothing: those findings were recorded when it was set."""
         findings = frozenset((verdict.reason, device) for device in verdict.devices or ("",))
         fresh = findings - self._findings
-        current = self.actions.condition()
-        status = "True" if problem else "False"
-        changed = current is None or (current.status, current.reason, current.message) != (status, verdict.reason,
-                                                                                            message)
         extra = incidents.recorded(self.actions.node.annotations, self.config.prefix, self.clock.now(), verdict.reason,
                                    findings=len(fresh), window_seconds=self.config.latch_window_seconds) \
-            if fresh and changed else None
+            if fresh and self.actions.condition_differs(problem, verdict.reason, message) else None
         await self.actions.ensure_condition(problem, verdict.reason, message, annotations=extra)
         self._findings = findings
         if extra:

@@ -20,6 +20,8 @@ from typing import Any
 from agent.kube.model import NodeView, Taint, format_time, parse_time
 
 OWNER = "gpu-node-agent"
+# the Event, and the start of the condition message, while a cordon waits for a free slot (read back by `fleet`)
+DEFERRED = "RemediationDeferred"
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,11 @@ GPU_INTERCONNECT: dict[str, tuple[int, bool]] = {"0x2330": (18, True), "0x1db1":
 # What the driver reports for the GPU models the profiles use, by PCI device id: NVML name, memory.total in MiB
 # (nvidia-smi prints 81559MiB for an H100 SXM5 80GB, 16160MiB for a V100 SXM2 16GB), compute capability and
 # whether nvmlDeviceGetMigMode answers (MIG needs compute capability 8.0 or later).
+# Sources: H100's name and 81559MiB are in the nvidia-smi sample of NVIDIA's MIG User Guide (v580, "Getting Started
+# with MIG", https://docs.nvidia.com/datacenter/tesla/mig-user-guide/getting-started-with-mig.html); its compute
+# capability 9.0 and MIG support in its "Supported GPUs" table (supported-gpus.html there); V100's 7.0 in
+# https://developer.nvidia.com/cuda-gpus. The V100's 16160MiB is what public nvidia-smi captures of V100 16GB
+# boards print (no NVIDIA document states it).
 GPU_MODELS: dict[str, SimGpuModel] = {
     "0x2330": SimGpuModel("NVIDIA H100 80GB HBM3", 81559, (9, 0), True),
     "0x1db1": SimGpuModel("Tesla V100-SXM2-16GB", 16160, (7, 0), False),
@@ -64,11 +69,19 @@ _DEFAULT_MEMORY_MIB = 81559
 # nvmlDeviceGetAttributes of H100 80GB MIG devices, as `nvidia-smi mig -lgip` prints the profiles (memory 9.75 and
 # 79.25 GiB; SMs; copy engines, NVDEC, NVENC, JPEG, OFA). Only profiles seen in independent captures are listed:
 # the simulated driver refuses to describe another rather than invent its figures.
+# Sources: memory, SMs and NVENC 0 from an H100 80GB `nvidia-smi mig -lgip` capture published at
+# https://jbarrow.ai/field_notes/nvidia-mig/ (1g.10gb: 9.75 GiB, 16 SMs; 7g.80gb: 79.25 GiB, 132 SMs); copy
+# engines, NVDEC, JPEG and OFA also in the MIG User Guide's "GPU Instance Profiles on H100" table (Table 7,
+# https://docs.nvidia.com/datacenter/tesla/mig-user-guide/supported-mig-profiles.html): 1g.10gb 1 CE, 1 NVDEC,
+# 1 JPEG, 0 OFA; 7g.80gb 8 CE, 7 NVDEC, 7 JPEG, 1 OFA.
 H100_MIG_PROFILES: dict[str, SimMigProfile] = {
     "1g.10gb": SimMigProfile(9984, 16, 1, 1, 0, 1, 0),
     "7g.80gb": SimMigProfile(81152, 132, 8, 7, 0, 7, 1),
 }
-DRIVER_VERSION, CUDA_DRIVER_VERSION = "550.54.15", 12040  # the pair nvidia-smi shows (CUDA 12.4); dcgm's too
+# The pair nvidia-smi shows (dcgm's too): R550 data-center driver 550.54.15, the driver CUDA 12.4 Update 1 ships
+# with ("CUDA 12.4 Update 1 >=550.54.15" in the CUDA Toolkit Release Notes' driver table,
+# https://docs.nvidia.com/cuda/cuda-toolkit-release-notes/), so the CUDA version it supports is 12.4 (12040).
+DRIVER_VERSION, CUDA_DRIVER_VERSION = "550.54.15", 12040
 _MIG_NAMESPACE = uuid.UUID("2f0c7d4e-8d3a-4d8e-9c51-6b1f0e2a7c33")
 
 

@@ -37,7 +37,7 @@ class SimDriver:
     """The simulated driver: its version, the CUDA version it supports (NVML's integer), its GPU models by bus
     id and MIG profile attributes by profile name."""
 
-    version: str = "550.54.15"
+    version: str = "550.54.15"  # the default pair, sourced at agent.simulate.node.DRIVER_VERSION
     cuda_version: int = 12040
     models: Mapping[str, SimGpuModel] = field(default_factory=dict)
     mig_profiles: Mapping[str, SimMigProfile] = field(default_factory=dict)

@@ -88,7 +88,7 @@ class Objects:
         return sorted(n for n in names if n in ("node", "pods") or n.startswith("link_"))
 
     def present(self) -> bool:
-        """Whether any pinned map or link of this layout exists (cls_bpf filters: `cls_present`)."""
+        """Whether any pinned map or link of this layout exists (cls_bpf filters hold no pins: not seen here)."""
         return bool(self.pins())
 
     # -- maps ---------------------------------------------------------------------------------------------------
@@ -364,8 +364,3 @@ class Objects:
         self.maps.clear()
         self._progs.clear()
         self._links.clear()
-
-
-def internal_networks(cidrs: Iterable[str]) -> list[program.Network]:
-    """Parsed CIDRs (already validated by the config)."""
-    return [ipaddress.ip_network(c, strict=False) for c in cidrs]

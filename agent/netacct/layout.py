@@ -17,13 +17,13 @@ that `holds_carry` already counts what the old one counted (finish: remove the o
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from agent.netacct import ipsets
 from agent.netacct.carry import Carry, OldRaw
-from agent.netacct.counters import PodKey
+from agent.netacct.counters import CounterBook, PodKey
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,17 @@ class Desired:
     synced: Mapping[int, set[ipsets.Member]]
     installed_here: bool
     carry: Carry | None = None
+
+
+def sync_members(desired: Desired, book: CounterBook, held: Callable[[], Members], *, keep_synced: bool) -> Members:
+    """The pod addresses a sync installs: the pod list's (the book learns their owners); before it is known, those of
+    the last sync when `keep_synced` (a repair: a deleted element stays), else what the objects hold now (`held`)."""
+    if desired.pods is not None:
+        book.set_pods(desired.pods.owners)
+        return desired.pods.members
+    if keep_synced:
+        return {f: set(m) for f, m in desired.synced.items()}
+    return held()
 
 
 class Layout(Protocol):

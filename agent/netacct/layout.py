@@ -3,9 +3,9 @@
 Why a protocol: the engine's work (one lock, the counter book, migrations carrying totals, repairs) is the same
 whichever kernel objects count. A layout only says whether its objects exist, reads them into the book, brings
 them in line with the pods (preloaded with a migration's carry), and removes them; the engine picks one layout
-once (`choose`) and migrates from any other it finds installed. Implementations: `nft_table.NftLayout` (one
-native nftables table) and `iptables_table.IptablesLayout` (mangle chains and ipsets); a further layout is one more
-class.
+once (`choose`) and migrates from any other it finds installed. Implementations: `ebpf_table.EbpfLayout` (tc
+programs counting into pinned maps), `nft_table.NftLayout` (one native nftables table) and
+`iptables_table.IptablesLayout` (mangle chains and ipsets); a further layout is one more class.
 
 A migration between two layouts, as the engine runs it: the old one's `final_read` (into the book, returning the
 raw values by layout-neutral identity), the new one's `begin_carry`, its `sync` with the carry, the old one's

@@ -249,7 +249,9 @@ class EbpfLayout:
         if added or removed or changes:
             log.info("netacct: eBPF layout: %d pod entries added, %d removed%s", added, removed,
                      f"; {'; '.join(changes)}" if changes else "")
-        if carry is not None and self._marker(CARRYING, create=False):
+        if carry is None:
+            self.end_carry()  # a finished migration's markers are stale (as the nft sync drops its marker counter)
+        elif self._marker(CARRYING, create=False):
             self._marker(CARRIED, create=True)
         return {f: set(m) for f, m in members.items() if f in self.families}
 

@@ -15,7 +15,6 @@ preloaded, `carried` once everything is) say how far an interrupted migration go
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -28,8 +27,8 @@ from agent.netacct.carry import OldRaw
 from agent.netacct.counters import CounterBook, Counts, Source
 from agent.netacct.ebpf import program
 from agent.netacct.ebpf.objects import Objects, PodEntry, Read
-from agent.netacct.layout import Desired, Members, NotReady
-from agent.netacct.repair import Repairs
+from agent.netacct.layout import Desired, Members, NotReady, sync_members
+from agent.netacct.repair import Repairs, missing_elements
 
 log = logging.getLogger(__name__)
 
@@ -219,27 +218,21 @@ class EbpfLayout:
         if existed:
             self._read()  # what was counted so far goes to the owners it had (a moved address changes owner next)
         _, vanished = self.book.take_vanished()
-        if desired.pods is not None:
-            members = desired.pods.members
-            self.book.set_pods(desired.pods.owners)
-        elif desired.installed_here:
-            members = {f: set(m) for f, m in desired.synced.items()}
-        else:
-            members = self._members()
+        members = sync_members(desired, self.book, self._members, keep_synced=desired.installed_here)
         carried_elements: dict[PodEntry, Counts] = {}
         if repairing:  # entries someone deleted: re-created holding the counts last read
             have = set(self.objects.pod_keys())
             gone: list[str] = []
             for family, held in desired.synced.items():
-                for member in held & members.get(family, set()):
-                    for role in ipsets.COUNTED:
-                        if program.pod_key(member[0], role) in have:
-                            continue
-                        name = set_name(role, family)
-                        gone.append(f"{name} {ipaddress.ip_address(member[0])}")
-                        if (value := vanished.get(name, {}).get(member)) is not None:
-                            carried_elements[(member[0], role)] = value
-                            self.book.elements_created_with(name, {member: value})
+                want = held & members.get(family, set())
+                for role in ipsets.COUNTED:
+                    name = set_name(role, family)
+                    present = (m[0] for m in want if program.pod_key(m[0], role) in have)
+                    names, restored = missing_elements(name, want, present, vanished)
+                    gone += names
+                    carried_elements.update({(m[0], role): v for m, v in restored.items()})
+                    if restored:
+                        self.book.elements_created_with(name, restored)
             self.repairs.note("ebpf_element", gone)
         if carry is not None and not existed:
             self.objects.preload_node({f: v for f, v in carry.rules.items() if f in self.families})
@@ -256,7 +249,9 @@ class EbpfLayout:
         if added or removed or changes:
             log.info("netacct: eBPF layout: %d pod entries added, %d removed%s", added, removed,
                      f"; {'; '.join(changes)}" if changes else "")
-        if carry is not None and self._marker(CARRYING, create=False):
+        if carry is None:
+            self.end_carry()  # a finished migration's markers are stale (as the nft sync drops its marker counter)
+        elif self._marker(CARRYING, create=False):
             self._marker(CARRIED, create=True)
         return {f: set(m) for f, m in members.items() if f in self.families}
 

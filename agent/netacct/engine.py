@@ -9,10 +9,12 @@ Scrapes wait at most one sync (tens of milliseconds).
 keeps the kernel's counters. `remove_all` removes exactly what netacct creates, in both layouts, on both iptables
 backends and both families, whatever the current configuration says.
 
-Two layouts count the same series, each an implementation of `layout.Layout`, chosen once (`layout.choose`):
-`nft` (one native table, nft_table) and `iptables` (mangle chains and ipsets, iptables_table); the engine never
-asks which one it holds. Migration: when the configured layout differs from the one found in the kernel (typically after
-a restart with another `layout`), a sync with the pod list known reads the old layout a final time into the book,
+Three layouts count the same series, each an implementation of `layout.Layout`, chosen once (`layout.choose`):
+`ebpf` (tc programs and pinned maps, ebpf_table), `nft` (one native table, nft_table) and `iptables` (mangle
+chains and ipsets, iptables_table); the engine never asks which one it holds.
+
+Migration: when the configured layout differs from the one found in the kernel (typically after a restart
+with another `layout`), a sync with the pod list known reads the old layout a final time into the book,
 installs the new one with its counters created holding the book's exported totals (carry: named counters and
 elements for nft, elements and IPv4 rules for iptables), tells the book those are their last raw values, then
 removes the old layout and forgets it. The totals neither jump at the migration nor drop at a later restart: the
@@ -107,7 +109,7 @@ class Netacct:
 
     @property
     def layout(self) -> str:
-        """nft or iptables: the chosen layout's name."""
+        """ebpf, nft or iptables: the chosen layout's name."""
         return self.chosen.name
 
     @property

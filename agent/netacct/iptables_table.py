@@ -21,7 +21,7 @@ from agent.host.netfilter import FAMILIES, MODES, CommandError, Host, Snapshot
 from agent.netacct import ipsets, repair, rules
 from agent.netacct.carry import OldRaw
 from agent.netacct.counters import CounterBook, Counts
-from agent.netacct.layout import Desired, Members, NotReady, SyncError
+from agent.netacct.layout import Desired, Members, NotReady, SyncError, sync_members
 from agent.netacct.repair import Repairs
 
 log = logging.getLogger(__name__)
@@ -193,14 +193,9 @@ class IptablesLayout:
         carry = desired.carry
         repairing = desired.installed_here and carry is None and not bad
         synced = desired.synced
-        if desired.pods is not None:
-            members = desired.pods.members
-            self.book.set_pods(desired.pods.owners)
-        elif repairing:
-            members = {f: set(m) for f, m in synced.items()}  # what the sets held: a deleted element stays
-        else:
-            members = {f: {m for role in ipsets.COUNTED if (d := snap.sets.get(ipsets.set_name(role, f)))
-                           for m in d.members} for f in self.families}
+        members = sync_members(desired, self.book, lambda: {
+            f: {m for role in ipsets.COUNTED if (d := snap.sets.get(ipsets.set_name(role, f))) for m in d.members}
+            for f in self.families}, keep_synced=repairing)
         restore: dict[str, dict[ipsets.Member, Counts]] = {}
         if repairing:
             restore = repair.sets_to_restore(self.repairs, snap.sets, members, synced, families=self.families,

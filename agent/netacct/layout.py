@@ -3,9 +3,9 @@
 Why a protocol: the engine's work (one lock, the counter book, migrations carrying totals, repairs) is the same
 whichever kernel objects count. A layout only says whether its objects exist, reads them into the book, brings
 them in line with the pods (preloaded with a migration's carry), and removes them; the engine picks one layout
-once (`choose`) and migrates from any other it finds installed. Implementations: `nft_table.NftLayout` (one
-native nftables table) and `iptables_table.IptablesLayout` (mangle chains and ipsets); a further layout is one more
-class.
+once (`choose`) and migrates from any other it finds installed. Implementations: `ebpf_table.EbpfLayout` (tc
+programs counting into pinned maps), `nft_table.NftLayout` (one native nftables table) and
+`iptables_table.IptablesLayout` (mangle chains and ipsets); a further layout is one more class.
 
 A migration between two layouts, as the engine runs it: the old one's `final_read` (into the book, returning the
 raw values by layout-neutral identity), the new one's `begin_carry`, its `sync` with the carry, the old one's
@@ -17,13 +17,13 @@ that `holds_carry` already counts what the old one counted (finish: remove the o
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from agent.netacct import ipsets
 from agent.netacct.carry import Carry, OldRaw
-from agent.netacct.counters import PodKey
+from agent.netacct.counters import CounterBook, PodKey
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,17 @@ class Desired:
     synced: Mapping[int, set[ipsets.Member]]
     installed_here: bool
     carry: Carry | None = None
+
+
+def sync_members(desired: Desired, book: CounterBook, held: Callable[[], Members], *, keep_synced: bool) -> Members:
+    """The pod addresses a sync installs: the pod list's (the book learns their owners); before it is known, those of
+    the last sync when `keep_synced` (a repair: a deleted element stays), else what the objects hold now (`held`)."""
+    if desired.pods is not None:
+        book.set_pods(desired.pods.owners)
+        return desired.pods.members
+    if keep_synced:
+        return {f: set(m) for f, m in desired.synced.items()}
+    return held()
 
 
 class Layout(Protocol):

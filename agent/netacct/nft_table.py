@@ -17,7 +17,7 @@ from agent.netacct import ipsets, nft_layout, nft_probe
 from agent.netacct.carry import Carry, OldRaw, rule_keys
 from agent.netacct.carry import plan as carry_plan
 from agent.netacct.counters import CounterBook, Counts, Source
-from agent.netacct.layout import Desired, Members, NotReady
+from agent.netacct.layout import Desired, Members, NotReady, sync_members
 from agent.netacct.nft_layout import NftPlan, NftState
 from agent.netacct.repair import Repairs, missing_elements
 
@@ -151,13 +151,7 @@ class NftLayout:
         carry = desired.carry
         repairing = desired.installed_here and carry is None
         synced = desired.synced
-        if desired.pods is not None:
-            members = desired.pods.members
-            self.book.set_pods(desired.pods.owners)
-        elif repairing:
-            members = {f: set(m) for f, m in synced.items()}  # what the table held: a deleted element stays
-        else:
-            members = self.members(state)
+        members = sync_members(desired, self.book, lambda: self.members(state), keep_synced=repairing)
         restore: dict[str, dict[ipsets.Member, Counts]] = {}
         gone: list[str] = []
         tampered: list[str] = []

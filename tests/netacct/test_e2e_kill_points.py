@@ -94,6 +94,7 @@ def test_no_scrape_shows_more_than_was_sent_at_any_kill_point(topology: netns.To
         assert delta(series(registry), before) == complete(more)
         sent.update(more)
         assert series(registry) == complete(sent), f"killed after command {point} of {total}"
+        assert not restarted.chosen.holds_carry(), f"killed after command {point} of {total}: marker left"
         restarted.remove_all()
         first.close()
         restarted.close()

@@ -9,6 +9,7 @@ import os
 import pytest
 
 from agent.host import bpf, bpf_tc
+from agent.netacct.engine import SyncError
 from tests.netacct import netns
 from tests.netacct.conftest import EngineFactory
 from tests.netacct.test_e2e_counts import complete, delta, pods, send_all, series
@@ -90,3 +91,29 @@ def test_an_interface_that_appears_later_is_hooked_at_the_next_sync(topology: ne
         netns.sh("ip", "link", "del", "v-late", ns=topology.node, check=False)
     engine.sync(pods())  # the device is gone: its defunct links are detached and unpinned
     assert not {f"link_{index}_in", f"link_{index}_eg"} & set(os.listdir(bpffs))
+
+
+@pytest.mark.usefixtures("nft_works")
+def test_a_migration_killed_before_removing_nft_leaves_no_marker(topology: netns.Topology,
+                                                                  make_engine: EngineFactory, bpffs: str) -> None:
+    old, old_registry = make_engine(layout="nft")
+    old.sync(pods())
+    send_all(topology)
+    carried = series(old_registry)
+    old.close()
+    dying, _ = make_engine(layout="ebpf")
+
+    def killed() -> list[str]:
+        raise OSError("the agent was killed")
+
+    dying.nft.remove = killed  # type: ignore[method-assign]
+    with pytest.raises(SyncError):
+        dying.sync(pods())  # the maps hold the carry; the nft table is still there
+    assert "carried" in os.listdir(bpffs)
+    dying.close()
+    restarted, registry = make_engine(layout="ebpf")
+    restarted.sync(None)  # finished at once: the table goes, the eBPF layout counts alone
+    assert netns.nft_table(topology.node) is None
+    assert not {"carrying", "carried"} & set(os.listdir(bpffs))  # or a later migration would finish unread
+    restarted.sync(pods())
+    assert series(registry) == carried  # the maps hold the old layout's totals

@@ -64,7 +64,7 @@ class Insn:
 
 
 def decode(data: bytes) -> list[Insn]:
-    """Slots back from bytes (for tests and the doctor)."""
+    """Slots back from bytes (for tests)."""
     if len(data) % INSN_SIZE:
         raise AsmError(f"{len(data)} bytes is not a whole number of instructions")
     out = []

@@ -87,8 +87,21 @@ class Objects:
             return []
         return sorted(n for n in names if n in ("node", "pods") or n.startswith("link_"))
 
+    def _link_path(self, index: int, direction: str) -> str:
+        """The pin of our tcx link on an interface (by index) and direction."""
+        return self.path(f"link_{index}_{SHORT[direction]}")
+
+    def _pinned_links(self) -> list[tuple[int, str]]:
+        """(ifindex, direction) of every link pin present now."""
+        out = []
+        for name in self.pins():
+            if name.startswith("link_"):
+                _, index, short = name.split("_")
+                out.append((int(index), INGRESS if short == SHORT[INGRESS] else EGRESS))
+        return out
+
     def present(self) -> bool:
-        """Whether any pinned map or link of this layout exists (cls_bpf filters: `cls_present`)."""
+        """Whether any pinned map or link of this layout exists (cls_bpf filters hold no pins: not seen here)."""
         return bool(self.pins())
 
     # -- maps ---------------------------------------------------------------------------------------------------
@@ -197,7 +210,7 @@ class Objects:
         if (iface.index, direction) in self._links:
             return self._links[(iface.index, direction)]
         try:
-            fd = bpf.obj_get(self.path(f"link_{iface.index}_{SHORT[direction]}"))
+            fd = bpf.obj_get(self._link_path(iface.index, direction))
         except FileNotFoundError:
             return None
         info = bpf.link_info(fd)
@@ -240,7 +253,7 @@ class Objects:
                     self.tcx = False
                 else:
                     self.tcx = True
-                    path = self.path(f"link_{iface.index}_{SHORT[direction]}")
+                    path = self._link_path(iface.index, direction)
                     bpf.obj_pin(fd, path)
                     self._links[(iface.index, direction)] = (fd, spec.name)
                     return f"{iface.name} {direction}: tcx link {spec.name}"
@@ -268,7 +281,7 @@ class Objects:
 
     def _unpin_link(self, index: int, direction: str) -> None:
         cached = self._links.pop((index, direction), None)
-        path = self.path(f"link_{index}_{SHORT[direction]}")
+        path = self._link_path(index, direction)
         fd = cached[0] if cached else None
         try:
             if fd is None:
@@ -300,7 +313,7 @@ class Objects:
         that is gone is not checked here) or unpinned (the link would detach with this process)."""
         broken = []
         for (index, direction), (fd, _) in self._links.items():
-            pinned = os.path.exists(self.path(f"link_{index}_{SHORT[direction]}"))
+            pinned = os.path.exists(self._link_path(index, direction))
             if pinned and bpf.link_info(fd).ifindex == index:
                 continue
             try:
@@ -324,12 +337,10 @@ class Objects:
         changes = [change for iface in ifaces for direction in (INGRESS, EGRESS)
                    if (change := self.hook(iface, direction, specs[(direction, iface.l2_len)])) is not None]
         live = {i.index for i in ifaces}
-        for name in self.pins():
-            if name.startswith("link_"):
-                _, index, short = name.split("_")
-                if int(index) not in live:
-                    self._unpin_link(int(index), INGRESS if short == "in" else EGRESS)
-                    changes.append(f"ifindex {index}: defunct link removed")
+        for index, direction in self._pinned_links():
+            if index not in live:
+                self._unpin_link(index, direction)
+                changes.append(f"ifindex {index}: defunct link removed")
         return changes
 
     # -- removal ------------------------------------------------------------------------------------------------
@@ -337,12 +348,10 @@ class Objects:
     def remove(self) -> list[str]:
         """Detach every link and filter of ours, unlink every pin, drop the directory if empty: what was removed."""
         removed = []
-        for name in self.pins():
-            if name.startswith("link_"):
-                _, index, short = name.split("_")
-                with entered(self.netns):
-                    self._unpin_link(int(index), INGRESS if short == "in" else EGRESS)
-                removed.append(f"tcx link ifindex {index} {short}")
+        for index, direction in self._pinned_links():
+            with entered(self.netns):
+                self._unpin_link(index, direction)
+            removed.append(f"tcx link ifindex {index} {SHORT[direction]}")
         try:
             ifaces = bpf_tc.interfaces(self.netns)
         except OSError:
@@ -364,8 +373,3 @@ class Objects:
         self.maps.clear()
         self._progs.clear()
         self._links.clear()
-
-
-def internal_networks(cidrs: Iterable[str]) -> list[program.Network]:
-    """Parsed CIDRs (already validated by the config)."""
-    return [ipaddress.ip_network(c, strict=False) for c in cidrs]

@@ -6,11 +6,12 @@ dgx-h100 --kubeconfig K --node-name N --remediation --no-dry-run --kmsg FILE`) a
 tests, waits for its first verdict on the Node, then records every call from one `agent.*` module into another
 (`sys.setprofile` on the loop's thread, `threading.setprofile` for worker threads): first for `--control` seconds
 with nothing happening (what the agent does anyway), then from appending an Xid 79 line to the kmsg file until
-`agent.kube.cluster`'s `patch_node` is called with `spec.unschedulable: true`. Printed:
+`agent.kube.cluster`'s `patch_node` is called with `spec.unschedulable: true` and that PATCH reaches the HTTP
+transport (`agent.kube.transport.handle_async_request`). Printed:
 
 - the module chain (consecutive `agent.*` modules on the stack, outermost first) at the first call into
-  `agent.health.kmsg_watch._dispatch` (the Xid parsed, in the kernel-log task) and at the cordon's `patch_node`
-  (in the remediation task): the hops of the two ends of the flow;
+  `agent.health.kmsg_watch._dispatch` (the Xid parsed, in the kernel-log task), at the cordon's `patch_node`
+  and at its request in the transport (in the remediation task): the hops of the two ends of the flow;
 - the cross-module call edges (caller function -> callee function) seen in the Xid window but not in the control
   window, their module pairs, and the tasks (outermost `agent.*` frame below the supervisor) they ran in, each with
   the deepest module chain it reached in the Xid window.
@@ -107,8 +108,11 @@ class Recorder:
             patch = frame.f_locals.get("patch") or {}
             if (patch.get("spec") or {}).get("unschedulable") is True:
                 self.chains["cordon"] = _chain(_stack(frame))
-                self.on = False
-                self.cordoned.set()
+        if "cordon" in self.chains and module == "agent.kube.transport" and name == "handle_async_request" \
+                and "request" not in self.chains:
+            self.chains["request"] = _chain(_stack(frame))  # the cordon's PATCH leaving through the transport
+            self.on = False
+            self.cordoned.set()
         if caller is None or _module(caller) == module:
             return
         edge = (_module(caller), caller.f_code.co_name, module, name)
@@ -134,7 +138,7 @@ def _config(directory: Path, api: ApiServerDouble, kmsg: Path) -> config.AgentCo
 def _report(recorder: Recorder, took: float, control: float) -> None:
     flow = {edge: count for edge, count in recorder.edges["xid"].items() if edge not in recorder.edges["control"]}
     print(f"Xid 79 line -> cordon patch_node: {took * 1000:.0f} ms under the profiler")
-    for end in ("xid", "cordon"):
+    for end in ("xid", "cordon", "request"):
         chain = recorder.chains.get(end, [])
         print(f"module chain at the {end} end: {len(chain) - 1 if chain else '-'} hops: {' -> '.join(chain)}")
     print(f"cross-module call edges in the Xid window: {len(recorder.edges['xid'])}, of which not seen in the "

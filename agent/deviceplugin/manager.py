@@ -176,9 +176,13 @@ class DevicePluginManager:
         plugin = DevicePlugin(pool, self._options, policy=self._policy, on_allocate=self.allocator.allocated,
                               metrics=self.metrics, device_info=self.device_info, device_health=self.device_health,
                               partner_lookup=self.facts.partner if self.facts is not None else None,
-                              policy_lock=self._policy_lock)
+                              policy_lock=self._policy_lock, policy_reads=self._served_ids)
         self.metrics.add_resource(pool.resource_name)
         return plugin
+
+    def _served_ids(self) -> int:
+        """Devices served by all this manager's resources: what its shared policy may read in one call."""
+        return sum(len(plugin.pool.devices) for plugin in self._plugins.values())
 
     async def start(self) -> None:
         """Validate the config, start every server and the registration loop and the health consumer.

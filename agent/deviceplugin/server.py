@@ -16,11 +16,13 @@ the policy decided (`Preference.decision`) is kept until this resource's next Al
 the hook, or its next preference call, which replaces it (with none when that call decided nothing: invalid, or
 the policy failed); the hook checks that it is still that container's (see `placement.joint`).
 
-A big offer (time-sliced replicas: up to 28,672 IDs) is chosen in a worker thread, so that no preference call
-holds the event loop (every plugin, health, DRA, remediation) for more than a few ms; a small one, the common
-case, is chosen inline as before. The policy's state is shared by the manager's servicers, so every policy call
-and every Allocate hook holds one lock (`policy_lock`, shared by the manager); a call that waits for it waits
-at most one big choice (~0.1 s), never the loop.
+A big offer (time-sliced replicas: up to 28,672 IDs), or any offer beside big pools (a NIC's choice reads the
+GPUs' replicas), is read and chosen in a worker thread, so that no preference call holds the event loop (every
+plugin, health, DRA, remediation) for more than a few ms: what is left on the loop is gRPC's decoding and
+encoding and the reply's IDs. A small one beside small pools, the common case, is chosen inline as before.
+The policy's state is shared by the manager's servicers, so every policy call and every Allocate hook holds one
+lock (`policy_lock`, shared by the manager); a call that waits for it waits at most one big choice (~0.1 s),
+never the loop.
 """
 
 from __future__ import annotations
@@ -60,8 +62,9 @@ AllocationHook = Callable[[ResourcePool, Sequence[str], Decision | None], Iterab
 # (pool) during a preference call -> the kubelet's facts about the container under admission; None: none to give
 PartnerLookup = Callable[[ResourcePool], Awaitable[Partner | None]]
 
-# IDs in one container request above which the policy runs in a worker thread: 2,048 offered replicas are chosen
-# inline in ~3 ms; 28,672 (1024 replicas of 28 MIG devices) take ~60 ms, too long to hold the event loop
+# IDs in one container request and the pools the policy reads, above which the policy runs in a worker thread:
+# 2,048 offered replicas are chosen inline in ~3 ms; 28,672 (1024 replicas of 28 MIG devices) take ~60 ms, and a
+# NIC's choice beside them ~30 ms (it counts the GPUs' free replicas): too long to hold the event loop
 OFFLOAD_IDS = 2048
 
 
@@ -69,6 +72,15 @@ def simple_policy(pool: ResourcePool, request: ContainerRequest) -> Preference:
     """`must_include` first, then available devices in pool order (VFs of one PF together) up to the size."""
     return simple_preference(request)
 
+
+
+def _asked(pool: ResourcePool, container: api_pb2.ContainerPreferredAllocationRequest, unhealthy: frozenset[str],
+           partner: Partner | None) -> ContainerRequest:
+    """One container request as the policy reads it."""
+    return ContainerRequest(
+        served=pool.ids, available=tuple(container.available_deviceIDs),
+        must_include=tuple(container.must_include_deviceIDs), size=container.allocation_size,
+        unhealthy=unhealthy, partner=partner)
 
 
 ECHO_IDS = 8  # device IDs quoted back in an error or a log line
@@ -90,8 +102,12 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
                  on_allocate: AllocationHook | None = None,
                  metrics: AllocationMetrics | None = None,
                  device_info: DeviceInfoWriter | None = None, device_health: DeviceHealth | None = None,
-                 partner_lookup: PartnerLookup | None = None, policy_lock: asyncio.Lock | None = None) -> None:
+                 partner_lookup: PartnerLookup | None = None, policy_lock: asyncio.Lock | None = None,
+                 policy_reads: Callable[[], int] | None = None) -> None:
         self._pool = pool
+        # how many served IDs the policy may read besides the request's: a shared policy reads every pool of the
+        # manager (a NIC's preference counts the free replicas of the GPUs), so a small offer is no small choice
+        self._policy_reads = policy_reads
         # held by every policy call and Allocate hook: the manager's servicers share one (and one policy state)
         self._policy_lock = policy_lock if policy_lock is not None else asyncio.Lock()
         self.partner_lookup = partner_lookup
@@ -221,13 +237,9 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
         partner = await self._partner() if len(request.container_requests) == 1 else None
         unhealthy = self._unhealthy_ids()
         for container in request.container_requests:
-            asked = ContainerRequest(
-                served=self._pool.ids, available=tuple(container.available_deviceIDs),
-                must_include=tuple(container.must_include_deviceIDs), size=container.allocation_size,
-                unhealthy=unhealthy, partner=partner)
             self._decision = None  # a call that decides nothing (invalid, failed) leaves none for the Allocate
             try:
-                preference = await self._choose(asked)
+                preference = await self._choose(container, unhealthy, partner)
             except Exception:
                 log.exception("%s: GetPreferredAllocation policy failed; no preference", self.resource_name)
                 self._failed(POLICY_ERROR)
@@ -243,19 +255,27 @@ class DevicePlugin(api_pb2_grpc.DevicePluginServicer):
             response.container_responses.add(deviceIDs=preference.devices)
         return response
 
-    async def _choose(self, asked: ContainerRequest) -> Preference:
+    async def _choose(self, container: api_pb2.ContainerPreferredAllocationRequest, unhealthy: frozenset[str],
+                      partner: Partner | None) -> Preference:
         """The policy's answer: inline for a small request, in a worker thread for a big one (see the module
-        docstring); either way under the policy lock."""
+        docstring); either way under the policy lock. A big request is also read in the thread: copying its IDs
+        out of the message and the pool's IDs (built at the first call) cost as much as a choice did."""
         pool = self._pool
         lock = self._policy_lock
         await lock.acquire()
-        if len(asked.available) <= OFFLOAD_IDS:  # must_include is among them (else the policy refuses at once)
+        # len() of a repeated field is O(1); no request is read on the loop in proportion to its size
+        reads = len(container.available_deviceIDs) + len(container.must_include_deviceIDs)
+        if reads + (self._policy_reads() if self._policy_reads is not None else len(pool.devices)) <= OFFLOAD_IDS:
             try:
-                return self._policy(pool, asked)
+                return self._policy(pool, _asked(pool, container, unhealthy, partner))
             finally:
                 lock.release()
+
+        def choose() -> Preference:
+            return self._policy(pool, _asked(pool, container, unhealthy, partner))
+
         try:
-            chosen = asyncio.get_running_loop().run_in_executor(None, self._policy, pool, asked)
+            chosen = asyncio.get_running_loop().run_in_executor(None, choose)
         except BaseException:
             lock.release()
             raise

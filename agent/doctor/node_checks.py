@@ -53,6 +53,32 @@ def device_plugin_dir(ctx: Context) -> Check:
                 "kubelet restart's new socket is seen")
 
 
+def sriov_dp_config(ctx: Context) -> Check:
+    """The SR-IOV device plugin's config file, read and checked as `run` reads it at start (which refuses it with
+    exit 2): the same bounded, non-blocking read and the same name-collision check."""
+    from agent.deviceplugin import sriovdp
+
+    name = "sriov-dp-config"
+    dp = ctx.cfg.device_plugin
+    if not dp.enabled:
+        return skip(name, "device plugin off")
+    path = dp.sriov_dp_config
+    if not path:
+        return skip(name, "none set: the NIC pools come from the agent's own config")
+    try:
+        read = sriovdp.read_config(path, sriovdp.default_prefix(dp))
+        sriovdp.with_pools(dp, read)
+    except sriovdp.SriovConfigError as exc:
+        detail = str(exc) if path in str(exc) else f"{path}: {exc}"
+        return fail(name, detail, "`run` refuses this file at start (exit 2): fix it; "
+                                  "`gpu-node-agent config --sriov-dp-config PATH --pools` shows what it serves")
+    pools = ", ".join(f"{p.resource_prefix}/{p.resource_name}" for p in read.pools) or "none"
+    if read.warnings:
+        return warn(name, f"{path}: pools {pools}; ignored: {'; '.join(read.warnings)}",
+                    "the agent serves the pools and ignores the rest: see `gpu-node-agent config`")
+    return ok(name, f"{path}: pools {pools}")
+
+
 def plugin_registry(ctx: Context) -> Check:
     """The kubelet plugin-watcher directory: needed by DRA and by plugin-watcher registration."""
     needed = ctx.cfg.dra.enabled or (ctx.cfg.device_plugin.enabled

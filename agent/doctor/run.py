@@ -81,6 +81,7 @@ def _plan(ctx: Context, *, has_credentials: bool, local_only: bool) -> list[tupl
 
         plan += [
             (("kubelet.device-plugins",), in_thread(_one(lambda: node_checks.device_plugin_dir(ctx)))),
+            (("sriov-dp-config",), in_thread(_one(lambda: node_checks.sriov_dp_config(ctx)))),
             (("kubelet.plugins-registry",), in_thread(_one(lambda: node_checks.plugin_registry(ctx)))),
             (("kubelet.pod-resources",), _async_one(node_checks.pod_resources(ctx))),
             (("cdi",), in_thread(_one(lambda: node_checks.cdi(ctx)))),

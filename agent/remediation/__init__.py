@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from agent.remediation.service import RemediationService
 from agent.signals import HEALTHY, Latest, NodeVerdict
 
 if TYPE_CHECKING:
@@ -23,9 +22,20 @@ if TYPE_CHECKING:
     from agent.remediation.gpu_reset import Resetter
     from agent.remediation.isolate import PodsOf
     from agent.remediation.preflight import PreflightCheck
+    from agent.remediation.service import RemediationService
     from agent.signals import GpuResetListener
 
 __all__ = ["HEALTHY", "NodeVerdict", "RemediationService", "build_service", "connect_cluster", "simulated_cluster"]
+
+
+def __getattr__(name: str) -> object:
+    """`RemediationService` on first use: the service pulls in the whole engine (config, reset, drain, reboot),
+    which `fleet` and the other readers of this package's small modules (`state`, `incidents`) never run."""
+    if name == "RemediationService":
+        from agent.remediation.service import RemediationService
+
+        return RemediationService
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def connect_cluster(node_name: str, registry: CollectorRegistry, kubeconfig: str | None = None,
@@ -55,6 +65,8 @@ def build_service(config: RemediationConfig, node_name: str, verdicts: Latest[No
 
     Whoever made the cluster closes it (`service.cluster.aclose()`) after `run`.
     """
+    from agent.remediation.service import RemediationService
+
     if simulate:
         node_name = node_name or "simulated-node"
     if cluster is None:

@@ -20,6 +20,8 @@ older commit as is (run from this tree; the older tree first on the path; a few 
     git -C /work/main worktree add --detach /tmp/base 1b51839
     PYTHONPATH=/tmp/base python tests/placement/golden_answers.py tests/placement/fixtures/answers-1b51839.json
 
+(`PYTHONPATH=.` records this tree's answers; at 78db72d they equal 1b51839's, entry for entry.)
+
 The fixture: `source` (commit, command) and one run per profile and mode, with the devices served per resource
 (sorted IDs) and a log whose entries refer to them by index: `{"pod": c, "q": [[resource, size], ...]}` (a
 container's requests in the kubelet's order), `{"c", "r", "n", "t", "a", "m", "p", "x"}` (container, resource,

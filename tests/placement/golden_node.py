@@ -103,6 +103,14 @@ class Node:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)  # the agent's metrics
 
     async def __aenter__(self) -> Node:
+        try:
+            await self._start()
+        except BaseException:
+            await self.__aexit__()  # what started stops, the scratch directory goes
+            raise
+        return self
+
+    async def _start(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r}: one of {', '.join(MODES)}")
         strategy, resources = PROFILES[self.profile]
@@ -148,7 +156,6 @@ class Node:
                                            and kubelet.plugins[r].connected for r in wanted))
         if self.service is not None:
             await self.service.refresh()  # what the ownership subsystem does first
-        return self
 
     async def __aexit__(self, *exc: object) -> None:
         if self.manager is not None:

@@ -22,7 +22,7 @@ _NAME_KEYED = frozenset({"containers", "initContainers", "env", "volumes", "volu
                          "imagePullSecrets"})
 EVERYTHING_ON: dict[str, Any] = {"metrics": {"serviceMonitor": {"enabled": True}},
                                  "prometheusRule": {"enabled": True}, "dropIn": {"enabled": True},
-                                 "dra": {"enabled": True}}
+                                 "dra": {"enabled": True}, "nvsentinel": {"enabled": True}}
 # Every optional part on and every value of item 2 given: for lint and strict validation.
 FULL: dict[str, Any] = {
     **EVERYTHING_ON,
@@ -43,6 +43,7 @@ FULL: dict[str, Any] = {
                                           "serviceMonitor": {"enabled": True}},
     "dropIn": {"enabled": True, "sriovDpConfig": {"resourceList": [{"resourceName": "ib", "selectors": {
         "isRdma": True}}]}},
+    "nvsentinel": {"enabled": True, "hostSocketDir": "/run/nvsentinel-site", "socketName": "connector.sock"},
 }
 
 Doc = dict[str, Any]

@@ -26,6 +26,7 @@ TREES: dict[str, tuple[list[str], list[str]]] = {
     "monitoring": (["deploy"], ["deploy/monitoring"]),
     "dra": (["deploy"], ["deploy/dra"]),
     "gfd-read": (["deploy", "deploy/gfd-read"], []),
+    "nvsentinel": (["deploy"], ["deploy/nvsentinel"]),
 }
 CLUSTER_SCOPED = frozenset({"Namespace", "ClusterRole", "ClusterRoleBinding", "DeviceClass",
                             "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"})

@@ -38,6 +38,7 @@ TREE_VALUES: dict[str, dict[str, Any]] = {
     "monitoring": {"metrics": {"serviceMonitor": {"enabled": True}}, "prometheusRule": {"enabled": True}},
     "dra": {"dra": {"enabled": True}},
     "gfd-read": {"nodeLabels": {"gfdReadNamespaces": ["gpu-operator"]}},
+    "nvsentinel": {"nvsentinel": {"enabled": True}},
 }
 
 

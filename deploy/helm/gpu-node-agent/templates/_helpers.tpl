@@ -89,3 +89,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $merged -}}
 {{- end -}}
 {{- end -}}
+
+{{/* NVSentinel's socket directory on the host, mounted at the same path in the container, and the socket the agent
+     is told: both from these two helpers, so the mount and the flag cannot disagree. */}}
+{{- define "gpu-node-agent.nvsentinelDir" -}}
+{{- clean .Values.nvsentinel.hostSocketDir -}}
+{{- end -}}
+
+{{- define "gpu-node-agent.nvsentinelSocket" -}}
+{{- printf "%s/%s" (include "gpu-node-agent.nvsentinelDir" .) .Values.nvsentinel.socketName -}}
+{{- end -}}

@@ -76,19 +76,33 @@ def _without_one(topology: Topology, mig: bool) -> Topology:
     return replace(topology, gpus=gpus)
 
 
-@pytest.mark.parametrize("mig", [False, True], ids=["dgx-h100-8x1024", "dgx-h100-mig-28x1024"])
+@dataclass(frozen=True)
+class Offer:
+    """A node, its time-slicing file, the resource it serves and how many replicas."""
+
+    topology: Topology
+    text: str
+    resource: str
+    served: int
+    mig: bool
+
+
+@pytest.fixture(params=[False, True], ids=["dgx-h100-8x1024", "dgx-h100-mig-28x1024"])
+def offer(request: pytest.FixtureRequest, dgx: Topology, mig_node: Topology) -> Offer:
+    if request.param:
+        return Offer(mig_node, "version: v1\nflags:\n  migStrategy: mixed\nsharing:\n  timeSlicing:\n    resources:\n"
+                               "    - name: mig-1g.10gb\n      replicas: 1024\n", "nvidia.com/mig-1g.10gb", 28 * 1024,
+                     mig=True)
+    return Offer(dgx, "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n"
+                      "      replicas: 1024\n", "nvidia.com/gpu", 8 * 1024, mig=False)
+
+
 async def test_building_the_biggest_replica_pools_never_holds_the_loop(
-        kubelet_process: KubeletProcess, sockdir: str, make_manager: MakeManager, dgx: Topology,
-        mig_node: Topology, tmp_path: Path, mig: bool) -> None:
-    if mig:
-        topology, resource, served = mig_node, "nvidia.com/mig-1g.10gb", 28 * 1024
-        text = ("version: v1\nflags:\n  migStrategy: mixed\nsharing:\n  timeSlicing:\n    resources:\n"
-                "    - name: mig-1g.10gb\n      replicas: 1024\n")
-    else:
-        topology, resource, served = dgx, "nvidia.com/gpu", 8 * 1024
-        text = "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 1024\n"
-    config = nvidia_config(write(tmp_path, text), sockdir)
-    smaller = _without_one(topology, mig)
+        kubelet_process: KubeletProcess, sockdir: str, make_manager: MakeManager, offer: Offer,
+        tmp_path: Path) -> None:
+    config = nvidia_config(write(tmp_path, offer.text), sockdir)
+    topology, resource, served = offer.topology, offer.resource, offer.served
+    smaller = _without_one(topology, offer.mig)
     turns: dict[str, float] = {}
     gaps: list[float] = []
     took: dict[str, float] = {}
@@ -107,21 +121,20 @@ async def test_building_the_biggest_replica_pools_never_holds_the_loop(
             await ticker
         turns[what] = max(cpu)
 
-    async def start() -> None:
-        manager = await make_manager(config, topology)
-        holder.append(manager)
+    managers: list[DevicePluginManager] = []
+
+    async def start() -> None:  # construction included: `run` builds the manager on the loop too
+        managers.append(await make_manager(config, topology))
         await kubelet_process.wait_for(resource, served)
 
-    holder: list[DevicePluginManager] = []
     await measured("start", start)
-    manager = holder[0]
     lists = kubelet_process.lists[resource][0]
 
     async def unchanged() -> None:
-        await manager.update_topology(topology)
+        await managers[0].update_topology(topology)
 
     async def changed() -> None:
-        await manager.update_topology(smaller)
+        await managers[0].update_topology(smaller)
         await kubelet_process.wait_for(resource, served - 1024, after=lists)
 
     await measured("rescan, nothing changed", unchanged)

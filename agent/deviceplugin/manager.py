@@ -8,6 +8,10 @@ device can go Unhealthy and come back, and its health survives rescans), and `re
 All servers of one manager share one `placement.joint.JointAllocator` (and so one admission context): serving GPUs
 and NICs from one process is what lets the NIC call of a container see the GPUs it just got, and the other
 way round. Its metrics go to the `registry` handed in (the agent's /metrics registry).
+
+Pools are built, indexed and compared with the served ones in a worker thread (1024 replicas of 28 MIG devices:
+~0.1 s), then swapped in on the loop; a rescan whose topology and config are those the pools were built from
+builds nothing (issue 37: no turn of the event loop over ~20 ms of CPU).
 """
 
 from __future__ import annotations

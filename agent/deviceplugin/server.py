@@ -20,6 +20,8 @@ A big offer (time-sliced replicas: up to 28,672 IDs), or any offer beside big po
 GPUs' replicas), is read and chosen in a worker thread, so that no preference call holds the event loop (every
 plugin, health, DRA, remediation) for more than a few ms: what is left on the loop is gRPC's decoding and
 encoding and the reply's IDs. A small one beside small pools, the common case, is chosen inline as before.
+A big pool's ListAndWatch list (over 2,048 devices: 28,672 replicas take ~90 ms) is built in a worker thread
+from a snapshot of the pool and its Unhealthy IDs taken on the loop.
 The policy's state is shared by the manager's servicers, so every policy call and every Allocate hook holds one
 lock (`policy_lock`, shared by the manager); a call that waits for it waits at most one big choice (~0.1 s),
 never the loop.

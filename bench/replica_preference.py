@@ -4,7 +4,10 @@ allows (1024 replicas of 8 GPUs), half of the replicas taken, for 1 and 8 replic
 container's NICs known (the rank by PCIe level). Prints the median and p99 of 200 calls per case, in ms.
 Then the big requests of issue 37 (every replica offered, no NIC known): 1000 / 4000 / 8000 of 8192 replicas on
 dgx-h100 and 25,088 of 28,672 on dgx-h100-mig (1024 replicas of each 1g.10gb device), 20 calls each (they took
-2.8 / 10.4 / 19.7 s and over 60 s per call before the heap).
+2.8 / 10.4 / 19.7 s and over 60 s per call before the heap). Last, building those two pools as a start or a
+changed rescan does (`build_pools` and the pool's lookups, then the ListAndWatch list), 10 times each: work the
+device-plugin manager does in a worker thread, off the event loop (the loop's share is asserted by
+tests/deviceplugin/test_replica_pools.py: <= 20 ms CPU a turn).
 
     python bench/replica_preference.py
 """
@@ -15,14 +18,18 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from agent.config.load import load
+from agent.deviceplugin.pools import build_pools
+from agent.deviceplugin.server import DevicePlugin
 from agent.placement.policy import achieved_levels
 from agent.placement.replicas import preferred_replicas
 from agent.simulate.node import simulated_topology
-from agent.topology.model import Level
+from agent.topology.model import Level, Topology
 
 CALLS = 200
 BIG_CALLS = 20
@@ -61,6 +68,31 @@ def main() -> None:
                 times.append((time.perf_counter() - start) * 1000)
             assert len(got) == size
             print(f"{len(served):>16} {size:>6} {statistics.median(times):>10.3f} {max(times):>8.3f}")
+    pools(topology, mig)
+
+
+def pools(dgx: Topology, mig: Topology) -> None:
+    """Median ms to build, index and list the biggest replica pools (in a worker thread in the agent)."""
+    directory = Path(tempfile.mkdtemp(prefix="gnabench"))
+    print(f"{'pool':>24} {'replicas':>8} {'build+index ms':>15} {'list ms':>8}")
+    for node, text, resource in (
+            (dgx, "sharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 1024\n",
+             "nvidia.com/gpu"),
+            (mig, "flags:\n  migStrategy: mixed\nsharing:\n  timeSlicing:\n    resources:\n"
+                  "    - name: mig-1g.10gb\n      replicas: 1024\n", "nvidia.com/mig-1g.10gb")):
+        path = directory / "nvidia-dp.yaml"
+        path.write_text("version: v1\n" + text)
+        config = replace(load(None, {"GPU_NODE_AGENT_NVIDIA_DP_CONFIG": str(path)}).device_plugin, serve_gpus=True)
+        built, listed = [], []
+        for _ in range(10):
+            start = time.perf_counter()
+            pool = build_pools(node, config).by_name()[resource].indexed()
+            built.append((time.perf_counter() - start) * 1000)
+            start = time.perf_counter()
+            DevicePlugin(pool).device_list()
+            listed.append((time.perf_counter() - start) * 1000)
+        print(f"{resource:>24} {len(pool.devices):>8} {statistics.median(built):>15.1f} "
+              f"{statistics.median(listed):>8.1f}")
 
 
 if __name__ == "__main__":

@@ -100,6 +100,13 @@ class ResourcePool:
             grouped.setdefault(device.physical_id, []).append(device.id)
         return {physical_id: tuple(ids) for physical_id, ids in grouped.items()}
 
+    def indexed(self) -> ResourcePool:
+        """The pool with its lookups (IDs, by ID, by physical device) built now rather than at the first call
+        that reads them: the manager builds a big pool's in a worker thread, before the loop serves it."""
+        for lookup in ("ids", "_by_id", "_by_physical"):
+            getattr(self, lookup)
+        return self
+
     def device(self, device_id: str) -> PoolDevice | None:
         """The device with this ID, or None."""
         return self._by_id.get(device_id)
@@ -286,10 +293,12 @@ def _candidates(topology: Topology, skipped: list[str], counts: Counter[str]) ->
     return found
 
 
-def build_pools(topology: Topology, config: DevicePluginConfig) -> PoolScan:
+def build_pools(topology: Topology, config: DevicePluginConfig, *, expand: bool = True) -> PoolScan:
     """All pools for this topology. Every configured pool is present, even when it has no devices.
 
-    Raises PoolConfigError for names the kubelet would refuse (`check_config`).
+    `expand=False`: time-sliced pools keep their served name but list each device once, not as its replicas
+    (enough to check names and socket paths, at a 1024th of the cost). Raises PoolConfigError for names the
+    kubelet would refuse (`check_config`).
     """
     check_config(config)
     skipped: list[str] = []
@@ -305,21 +314,25 @@ def build_pools(topology: Topology, config: DevicePluginConfig) -> PoolScan:
                           devices=tuple(devices), exclude_topology=pool.exclude_topology, topology=topology)
              for pool, devices in zip(config.pools, members, strict=True)]
     if config.serve_gpus:
-        pools.extend(share(gpu_pools(topology, config, skipped, counts), config.time_slicing))
+        pools.extend(share(gpu_pools(topology, config, skipped, counts), config.time_slicing, expand=expand))
     return PoolScan(pools=tuple(pools), skipped=tuple(skipped), not_served=dict(counts))
 
 
-def share(pools: list[ResourcePool], sharing: TimeSlicingConfig) -> list[ResourcePool]:
+def share(pools: list[ResourcePool], sharing: TimeSlicingConfig, *, expand: bool = True) -> list[ResourcePool]:
     """GPU pools named in `sharing` with each device served as replicas `<id>::0` .. `<id>::<replicas-1>`, under
-    `<name>.shared` with renameByDefault (NVIDIA's `updateDeviceMapWithReplicas`: every device is replicated)."""
+    `<name>.shared` with renameByDefault (NVIDIA's `updateDeviceMapWithReplicas`: every device is replicated).
+    `expand=False` renames the pools but keeps one record per device (see `build_pools`)."""
     out = []
     for pool in pools:
         replicas = sharing.replicas(pool.resource_name)
         if replicas is None:
             out.append(pool)
             continue
-        devices = tuple(replace(device, id=f"{device.id}::{n}", replica=n)
-                        for device in pool.devices for n in range(replicas))
+        # up to 28,672 replicas: each shares its device's records (GPU, MIG device), only its ID and number are
+        # its own; the constructor, not dataclasses.replace, which costs twice as much per replica
+        devices = tuple(PoolDevice(id=f"{device.id}::{n}", bus_id=device.bus_id, numa=device.numa, gpu=device.gpu,
+                                   mig=device.mig, function=device.function, pf=device.pf, replica=n)
+                        for device in pool.devices for n in range(replicas)) if expand else pool.devices
         out.append(replace(pool, name=sharing.served_name(pool.resource_name).rpartition("/")[2], devices=devices,
                            fail_requests_greater_than_one=sharing.fail_requests_greater_than_one))
     return out

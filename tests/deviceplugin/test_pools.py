@@ -81,13 +81,13 @@ def test_gpu_pool_off_by_default() -> None:
     assert "nvidia.com/gpu" not in _pools()
 
 
-def test_manager_warns_once_about_gpus_without_uuid(caplog: pytest.LogCaptureFixture) -> None:
+async def test_manager_warns_once_about_gpus_without_uuid(caplog: pytest.LogCaptureFixture) -> None:
     from agent.deviceplugin.manager import DevicePluginManager
 
     manager = DevicePluginManager(DevicePluginConfig(serve_gpus=True), small_topology(gpu_without_uuid=True))
     with caplog.at_level(logging.WARNING):
-        manager._scan(small_topology(gpu_without_uuid=True))
-        manager._scan(small_topology(gpu_without_uuid=True))
+        await manager._scan(small_topology(gpu_without_uuid=True))
+        await manager._scan(small_topology(gpu_without_uuid=True))
     assert sum("has no UUID" in r.getMessage() for r in caplog.records) == 1
 
 

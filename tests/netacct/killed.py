@@ -86,7 +86,8 @@ def _instrument(counter: _Counter, bpffs_dir: str) -> None:
     bpf_tc.cls_detach = counted_tc("cls_detach", bpf_tc.cls_detach)  # type: ignore[assignment]
 
 
-def run_agent(config: NetacctConfig, netns: str, pods: list[Pod], kill_after: int | None = None) -> tuple[int, list[str]]:
+def run_agent(config: NetacctConfig, netns: str, pods: list[Pod],
+              kill_after: int | None = None) -> tuple[int, list[str]]:
     """One agent process that syncs `pods` with `config` (a migration when another layout is installed), killed
     right after its `kill_after`th state change (None: never). (exit status, the state changes it made)."""
     with tempfile.TemporaryFile() as trace:
@@ -100,7 +101,7 @@ def run_agent(config: NetacctConfig, netns: str, pods: list[Pod], kill_after: in
                 host.counter = counter
                 Netacct(config, host).sync(pods)
                 status = 0
-            except BaseException:  # noqa: BLE001 (reported to the parent through the trace)
+            except BaseException:  # reported to the parent through the trace
                 os.write(trace.fileno(), f"error {traceback.format_exc()!r}\n".encode())
             finally:
                 os._exit(status)

@@ -262,22 +262,32 @@ class IptablesLayout:
         return removed
 
     def _remove_objects(self) -> list[str]:
-        removed = [item for mode in MODES for family in FAMILIES for item in self._remove_chains(mode, family)]
-        if not self.host.has_ipset():
-            return removed
-        names = self.host.ipset_names()
-        self.host.ipset_restore(ipsets.destroy_payload(names))
-        removed.extend(f"set {name}" for name in sorted(names) if ipsets.is_ours(name))
+        # A migration marker goes last: killed half-way through removing a half-installed layout (a migration being
+        # redone), the sets left behind must still say "interrupted", or the next start would adopt them (their
+        # preloaded counts beside the old layout's: counted twice).
+        marked: list[str] = []
+        removed = [item for mode in MODES for family in FAMILIES
+                   for item in self._remove_chains(mode, family, keep=rules.MARKERS, kept=marked)]
+        if self.host.has_ipset():
+            names = self.host.ipset_names()
+            self.host.ipset_restore(ipsets.destroy_payload(names))
+            removed.extend(f"set {name}" for name in sorted(names) if ipsets.is_ours(name))
+        for mode in marked:
+            removed.extend(self._remove_chains(mode, 4))
         return removed
 
-    def _remove_chains(self, mode: str, family: int) -> list[str]:
-        """Remove netacct's chains and the jumps into them from one backend and family; what was removed."""
+    def _remove_chains(self, mode: str, family: int, keep: Sequence[str] = (),
+                       kept: list[str] | None = None) -> list[str]:
+        """Remove netacct's chains (but `keep`; the mode goes to `kept` when one of them is there) and the jumps
+        into them from one backend and family; what was removed."""
         try:
             state = rules.parse(self.host.save_full(mode, family))
         except CommandError as exc:  # that backend is not installed or not usable here
             log.debug("netacct: skipping iptables-%s IPv%d: %s", mode, family, exc)
             return []
-        ours = state.ours()
+        ours = state.ours() - set(keep)
+        if kept is not None and set(keep) & state.ours() and mode not in kept:
+            kept.append(mode)
         for payload in rules.removal_payloads(state, ours):
             self.host.restore(mode, family, payload)
         if ours:

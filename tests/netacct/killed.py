@@ -10,7 +10,9 @@ and links vanish, pinned ones stay). Nothing of the project's own logic is repla
 
 from __future__ import annotations
 
+import ctypes
 import os
+import struct
 import tempfile
 import traceback
 from collections.abc import Callable, Sequence
@@ -19,6 +21,7 @@ from typing import Any
 from agent.config.netacct import NetacctConfig
 from agent.host import bpf, bpf_tc
 from agent.host.netfilter import Host
+from agent.netacct import rules
 from agent.netacct.engine import Netacct
 from agent.pods.model import Pod
 
@@ -52,7 +55,8 @@ class _CountingHost(Host):
         out = super().run(argv, stdin, timeout)
         tool = os.path.basename(argv[0])
         if tool.endswith("-restore") or (tool == "ipset" and "restore" in argv) or (tool == "nft" and "-f" in argv):
-            self.counter.done(f"{tool} {argv[1] if tool == 'nft' else ''}".strip())
+            marker = " carried" if stdin and rules.CARRIED in stdin else ""  # the complete-install marker
+            self.counter.done(f"{tool} {argv[1] if tool == 'nft' else ''}".strip() + marker)
         return out
 
 
@@ -63,7 +67,10 @@ def _instrument(counter: _Counter, bpffs_dir: str) -> None:
 
     def counted_bpf(cmd: int, attr: Any) -> int:
         ret = syscall(cmd, attr)
-        if cmd in CHANGING:
+        if cmd == bpf.OBJ_PIN:  # named by the pin (its path is the attr's first field)
+            pin = os.path.basename(ctypes.string_at(struct.unpack_from("<Q", attr, 0)[0]).decode())
+            counter.done(f"OBJ_PIN {pin.split('_')[0]}")
+        elif cmd in CHANGING:
             counter.done(CHANGING[cmd])
         return ret
 

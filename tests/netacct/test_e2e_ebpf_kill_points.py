@@ -25,7 +25,7 @@ from agent.config.netacct import NetacctConfig
 from tests.netacct import netns
 from tests.netacct.conftest import EngineFactory
 from tests.netacct.killed import KILLED, kill_points, run_agent
-from tests.netacct.test_e2e_counts import complete, delta, pods, send_all, series
+from tests.netacct.test_e2e_counts import Series, complete, delta, pods, send_all, series
 from tests.netacct.test_e2e_kill_points import _over
 from tests.netacct.test_e2e_nft import nft_works
 
@@ -34,48 +34,90 @@ __all__ = ["nft_works"]  # the fixture
 STRIDE = 1
 
 
+def _config(layout: str, bpffs: str) -> NetacctConfig:
+    return NetacctConfig(enabled=True, layout=layout, backend="nft", bpffs_dir=bpffs)
+
+
+def _trace(topology: netns.Topology, make_engine: EngineFactory, bpffs: str, old: str, new: str, *,
+           first_kill: int | None = None) -> list[str]:
+    """The state changes of a whole migration from `old` (traffic counted before it, so the node series are
+    preloaded too), after a first agent was killed after `first_kill` of its own; everything removed after."""
+    assert run_agent(_config(old, bpffs), topology.node, pods())[0] == 0
+    send_all(topology)
+    if first_kill is not None:
+        assert run_agent(_config(new, bpffs), topology.node, pods(), kill_after=first_kill)[0] == KILLED
+    status, trace = run_agent(_config(new, bpffs), topology.node, pods())
+    assert status == 0, trace[-1:]
+    engine, _ = make_engine(layout=new, backend="nft")
+    engine.remove_all()
+    engine.close()
+    return trace
+
+
+def _restart_and_check(topology: netns.Topology, make_engine: EngineFactory, new: str, sent: Series,
+                       where: str) -> None:
+    """A restarted agent: scrapes while the pod list is unknown never show more than was sent (traffic goes on
+    meanwhile), then the totals are exact and count on exactly; everything removed after."""
+    restarted, registry = make_engine(layout=new, backend="nft")
+    for _ in range(3):  # the pod list is not known yet: syncs and scrapes meanwhile
+        restarted.sync(None)
+        seen = series(registry)
+        assert not _over(seen, sent), f"{where}: {_over(seen, sent)}"
+    sent.update(send_all(topology))  # counted while the pod list is still unknown
+    for _ in range(2):
+        restarted.sync(None)
+        seen = series(registry)
+        assert not _over(seen, sent), f"{where}: {_over(seen, sent)}"
+    restarted.sync(pods())
+    assert series(registry) == complete(sent), where
+    before = series(registry)
+    more = send_all(topology)
+    assert delta(series(registry), before) == complete(more), where
+    assert not restarted.chosen.holds_carry(), f"{where}: marker left"
+    restarted.remove_all()
+    restarted.close()
+
+
 @pytest.mark.usefixtures("nft_works")
 @pytest.mark.parametrize(("old", "new"), [("nft", "ebpf"), ("ebpf", "nft"), ("iptables", "ebpf"),
                                           ("ebpf", "iptables")])
 def test_no_scrape_shows_more_than_was_sent_at_any_ebpf_kill_point(topology: netns.Topology, bpffs: str,
                                                                    make_engine: EngineFactory, old: str,
                                                                    new: str) -> None:
-    def config(layout: str) -> NetacctConfig:
-        return NetacctConfig(enabled=True, layout=layout, backend="nft", bpffs_dir=bpffs)
-
-    def cleanup() -> None:
-        engine, _ = make_engine(layout=new, backend="nft")
-        engine.remove_all()
-        engine.close()
-
-    # the whole migration once, with traffic counted before it (the node series are preloaded too), for its trace
-    assert run_agent(config(old), topology.node, pods())[0] == 0
-    send_all(topology)
-    status, trace = run_agent(config(new), topology.node, pods())
-    assert status == 0, trace[-1:]
-    cleanup()
+    trace = _trace(topology, make_engine, bpffs, old, new)
     assert any(op.startswith("LINK_") for op in trace) and any(op.startswith("unlink") for op in trace)
     for point in kill_points(trace, STRIDE):
         where = f"killed after change {point} of {len(trace)} ({trace[point - 1]})"
-        assert run_agent(config(old), topology.node, pods())[0] == 0
+        assert run_agent(_config(old, bpffs), topology.node, pods())[0] == 0
         sent = send_all(topology)
-        status, done = run_agent(config(new), topology.node, pods(), kill_after=point)
+        status, done = run_agent(_config(new, bpffs), topology.node, pods(), kill_after=point)
         assert (status, len(done)) == (KILLED, point), f"{where}: exit {status}, {done[-1:]}"
-        restarted, registry = make_engine(layout=new, backend="nft")
-        for _ in range(3):  # the pod list is not known yet: syncs and scrapes meanwhile
-            restarted.sync(None)
-            seen = series(registry)
-            assert not _over(seen, sent), f"{where}: {_over(seen, sent)}"
-        sent.update(send_all(topology))  # counted while the pod list is still unknown
-        for _ in range(2):
-            restarted.sync(None)
-            seen = series(registry)
-            assert not _over(seen, sent), f"{where}: {_over(seen, sent)}"
-        restarted.sync(pods())
-        assert series(registry) == complete(sent), where
-        before = series(registry)
-        more = send_all(topology)
-        assert delta(series(registry), before) == complete(more), where
-        assert not restarted.chosen.holds_carry(), f"{where}: marker left"
-        restarted.remove_all()
-        restarted.close()
+        _restart_and_check(topology, make_engine, new, sent, where)
+
+
+@pytest.mark.usefixtures("nft_works")
+@pytest.mark.parametrize(("old", "new"), [("nft", "ebpf"), ("iptables", "ebpf"), ("nft", "iptables"),
+                                          ("ebpf", "iptables")])
+def test_a_redone_migration_killed_again_at_any_point(topology: netns.Topology, bpffs: str,
+                                                      make_engine: EngineFactory, old: str, new: str) -> None:
+    """The first agent is killed just before the new layout's complete-install marker (everything preloaded and
+    counting, the old layout whole): the restart removes the new layout and migrates again. That agent is killed
+    in turn after each state change of its removal of the half-installed layout, and after the first two of the
+    migration that follows (from there on it is a first migration from a whole old layout: the test above).
+    Found: killed between the iptables layout's chain removal and its `ipset destroy`, the sets left behind (holding
+    the preloaded carry) were adopted at the next start beside the old layout's final counts: counted twice."""
+    first = _trace(topology, make_engine, bpffs, old, new)
+    first_kill = next(i for i, op in enumerate(first) if op.endswith(" carried"))
+    if first[first_kill - 1] == "MAP_CREATE":  # the eBPF marker: a map, then its pin
+        first_kill -= 1
+    trace = _trace(topology, make_engine, bpffs, old, new, first_kill=first_kill)
+    assert trace[len(trace) - len(first):] == first  # the half-installed layout's removal, then a migration
+    for point in range(1, len(trace) - len(first) + 3):
+        where = f"killed after change {first_kill} of the migration, then {point} of {len(trace)} of its redo " \
+                f"({trace[point - 1]})"
+        assert run_agent(_config(old, bpffs), topology.node, pods())[0] == 0
+        sent = send_all(topology)
+        assert run_agent(_config(new, bpffs), topology.node, pods(), kill_after=first_kill)[0] == KILLED
+        status, done = run_agent(_config(new, bpffs), topology.node, pods(), kill_after=point)
+        assert (status, len(done)) == (KILLED, point), f"{where}: exit {status}, {done[-1:]}"
+        _restart_and_check(topology, make_engine, new, sent, where)

@@ -12,6 +12,10 @@ entries, program loads, links and their pins, the `carried` marker, the old layo
 and every `STRIDE`th operation inside longer runs. With STRIDE 1 that is every state change: here 53 (nft ->
 ebpf), 57 (iptables -> ebpf), 12 (ebpf -> nft) and 16 (ebpf -> iptables), iptables on its nft backend.
 
+Second kills: an agent killed just before (redo) or just after (finish) the new layout's complete-install marker,
+then the restarted agent killed after each state change of its redo's removal of the half-installed layout (and
+the first two of the migration after it) or of its finish (old layout's removal, markers' drop).
+
 Found: ebpf -> iptables killed after the first LINK_DETACH of the eBPF layout's removal lost what the detached hook
 no longer counted (the iptables layout's marker said "redo from the old layout", which was half removed); the
 iptables layout now marks a complete install (rules.CARRIED) and the restart finishes the migration instead.
@@ -114,6 +118,30 @@ def test_a_redone_migration_killed_again_at_any_point(topology: netns.Topology, 
     assert trace[len(trace) - len(first):] == first  # the half-installed layout's removal, then a migration
     for point in range(1, len(trace) - len(first) + 3):
         where = f"killed after change {first_kill} of the migration, then {point} of {len(trace)} of its redo " \
+                f"({trace[point - 1]})"
+        assert run_agent(_config(old, bpffs), topology.node, pods())[0] == 0
+        sent = send_all(topology)
+        assert run_agent(_config(new, bpffs), topology.node, pods(), kill_after=first_kill)[0] == KILLED
+        status, done = run_agent(_config(new, bpffs), topology.node, pods(), kill_after=point)
+        assert (status, len(done)) == (KILLED, point), f"{where}: exit {status}, {done[-1:]}"
+        _restart_and_check(topology, make_engine, new, sent, where)
+
+
+@pytest.mark.usefixtures("nft_works")
+@pytest.mark.parametrize(("old", "new"), [("nft", "ebpf"), ("iptables", "ebpf"), ("ebpf", "nft"),
+                                          ("ebpf", "iptables"), ("nft", "iptables")])
+def test_a_finished_migration_killed_again_at_any_point(topology: netns.Topology, bpffs: str,
+                                                        make_engine: EngineFactory, old: str, new: str) -> None:
+    """The first agent is killed right after the new layout's complete-install marker (it holds the carry, the old
+    layout is whole): the restart finishes the migration (removes the old layout, drops the markers). That agent is
+    killed in turn after each of its state changes."""
+    first = _trace(topology, make_engine, bpffs, old, new)
+    first_kill = next(i for i, op in enumerate(first) if op.endswith(" carried") or op == "nft -f") + 1
+    trace = _trace(topology, make_engine, bpffs, old, new, first_kill=first_kill)
+    # the rest of the migration: the old layout's removal, then the markers' drop (iptables: flush, then delete)
+    assert trace[:len(first) - first_kill - 1] == first[first_kill:-1]
+    for point in range(1, len(trace) + 1):
+        where = f"killed after change {first_kill} of the migration, then {point} of {len(trace)} of its finish " \
                 f"({trace[point - 1]})"
         assert run_agent(_config(old, bpffs), topology.node, pods())[0] == 0
         sent = send_all(topology)

@@ -24,10 +24,13 @@ count them twice, but then the read comes after the install and the install cann
 layout (adopted) keeps its own counts and the old one's final counts are carried in the book only. Markers make a
 migration cut short safe: a preloaded nft table holds a marker counter until the iptables layout is gone (found
 at a start with the iptables layout still there: remove it, its counts are in the table); the iptables layout has
-a marker chain while it is being installed (found with the nft table still there: remove the iptables layout and
-migrate again). Until the pod list is known the old layout keeps counting, scrapes read it, and nothing moves;
-except that a preloaded table with its marker is finished at once (its counts already include the old layout's,
-and scrapes of the old layout followed by the finish would count them twice).
+a marker chain while it is being installed (found alone with the old layout still there: remove the iptables layout
+and migrate again) and a second one once it holds the whole carry (then finish: the old layout may be half
+removed, as the eBPF layout goes link by link, and a redo would lose what its detached hooks did not count); the
+eBPF layout has the same two marker pins. Until the pod list is known the old layout keeps counting, scrapes read
+it, and nothing moves; except that a new layout that holds the carry is finished at once (its counts already
+include the old layout's, and scrapes of the old layout followed by the finish would count them twice). Every kill
+point of every migration between two layouts is tested (test_e2e_kill_points, test_e2e_ebpf_kill_points).
 
 Repairs (repair): what differs from the state this process installed was changed by someone else. A sync puts it
 back holding the counts the book last read for the deleted objects (the book keeps the last raw values of rules

@@ -8,7 +8,8 @@ moved since they were written). Removal covers both backends and both families, 
 
 Carrying a migration's totals: elements are created holding them (`ipset restore`), rules with `[packets:bytes]`
 lines restored with `--counters`; ip6tables-nft 1.8.9 drops the counters of IPv6 rule lines, so each node total is
-carried in the IPv4 rule alone. A marker chain exists while a migration installs this layout (`begin_carry`).
+carried in the IPv4 rule alone. A marker chain exists while a migration installs this layout (`begin_carry`), and
+a second one once every object holds its carry (`holds_carry`: the old layout may be half removed, finish it).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class IptablesLayout:
         self.networks = list(networks)
         self.repairs = repairs
         self._mode: str | None = None if config.backend == "auto" else config.backend
+        self._carried = False  # this process's migration created the CARRIED marker
 
     @property
     def mode(self) -> str:
@@ -152,16 +154,24 @@ class IptablesLayout:
         self.host.restore(self.mode, 4, rules.marker_payload(create=True))
 
     def end_carry(self) -> None:
-        """The old layout is gone: remove the marker chain."""
-        self.host.restore(self.mode, 4, rules.marker_payload(create=False))
+        """The old layout is gone: remove the marker chains."""
+        chains = rules.MARKERS if self._carried else (rules.MARKER,)
+        self.host.restore(self.mode, 4, rules.marker_payload(create=False, chains=chains))
+        self._carried = False
+
+    def _markers(self) -> set[str]:
+        return set(rules.MARKERS) & set(rules.parse(self.host.save(self.mode, 4, counters=False)).chains)
 
     def holds_carry(self) -> bool:
-        """Never complete before the old layout is gone (its marker says the opposite: install_interrupted)."""
-        return False
+        """The CARRIED marker is there: every object was created holding its carry and the kernel kept it, while
+        the old layout may be half removed (the eBPF layout goes link by link: redoing from it would lose what the
+        detached hooks no longer count)."""
+        return rules.CARRIED in self._markers()
 
     def install_interrupted(self) -> bool:
-        """The marker chain is there: a migration into this layout stopped before it was complete."""
-        if rules.MARKER not in rules.parse(self.host.save(self.mode, 4, counters=False)).chains:
+        """The marker chain is there without CARRIED: a migration into this layout stopped before it was complete
+        (the old layout is still whole: it is removed only after CARRIED)."""
+        if self._markers() != {rules.MARKER}:
             return False
         log.warning("netacct: a migration to the iptables layout stopped before it was complete; installing it "
                     "again from the old layout's counts")
@@ -206,6 +216,7 @@ class IptablesLayout:
         for name, elements in plan.carried.items():
             self.book.elements_created_with(name, elements)
         dropped: dict[str, Counts] = {}
+        kept_all = True  # every carried rule counter was kept by the kernel
         for family in self.families:
             state = rules.parse(snap.saves[family])
             carried = carry.rules.get(family, {}) if carry else None
@@ -217,12 +228,17 @@ class IptablesLayout:
                 if index == 0 and rule_plan.reset_keys:
                     self.book.rules_restarted(family, rule_plan.reset_keys)
                     kept = self._check_carried(family, rule_plan.carried, quiet=repairing)
+                    kept_all = kept_all and len(kept) == len(rule_plan.carried)
                     self.book.rules_created_with(family, kept)
                     if repairing:
                         dropped.update({k: v for k, v in rule_plan.carried.items() if k not in kept})
                     log.info("netacct: wrote %d IPv%d rules", len(rule_plan.reset_keys), family)
         if dropped and 4 in self.families:
             repair.move_into_ipv4(self.host, self.mode, self.book, dropped)
+        if carry is not None and kept_all and rules.MARKER in rules.parse(snap.saves.get(4, "")).chains:
+            # The kernel holds the whole carry: a migration cut short from here on is finished, not redone.
+            self.host.restore(self.mode, 4, rules.marker_payload(create=True, chains=(rules.CARRIED,)))
+            self._carried = True
         return {f: set(m) for f, m in members.items()}
 
     def _check_carried(self, family: int, carried: dict[str, Counts], quiet: bool = False) -> dict[str, Counts]:
@@ -246,22 +262,32 @@ class IptablesLayout:
         return removed
 
     def _remove_objects(self) -> list[str]:
-        removed = [item for mode in MODES for family in FAMILIES for item in self._remove_chains(mode, family)]
-        if not self.host.has_ipset():
-            return removed
-        names = self.host.ipset_names()
-        self.host.ipset_restore(ipsets.destroy_payload(names))
-        removed.extend(f"set {name}" for name in sorted(names) if ipsets.is_ours(name))
+        # A migration marker goes last: killed half-way through removing a half-installed layout (a migration being
+        # redone), the sets left behind must still say "interrupted", or the next start would adopt them (their
+        # preloaded counts beside the old layout's: counted twice).
+        marked: list[str] = []
+        removed = [item for mode in MODES for family in FAMILIES
+                   for item in self._remove_chains(mode, family, keep=rules.MARKERS, kept=marked)]
+        if self.host.has_ipset():
+            names = self.host.ipset_names()
+            self.host.ipset_restore(ipsets.destroy_payload(names))
+            removed.extend(f"set {name}" for name in sorted(names) if ipsets.is_ours(name))
+        for mode in marked:
+            removed.extend(self._remove_chains(mode, 4))
         return removed
 
-    def _remove_chains(self, mode: str, family: int) -> list[str]:
-        """Remove netacct's chains and the jumps into them from one backend and family; what was removed."""
+    def _remove_chains(self, mode: str, family: int, keep: Sequence[str] = (),
+                       kept: list[str] | None = None) -> list[str]:
+        """Remove netacct's chains (but `keep`; the mode goes to `kept` when one of them is there) and the jumps
+        into them from one backend and family; what was removed."""
         try:
             state = rules.parse(self.host.save_full(mode, family))
         except CommandError as exc:  # that backend is not installed or not usable here
             log.debug("netacct: skipping iptables-%s IPv%d: %s", mode, family, exc)
             return []
-        ours = state.ours()
+        ours = state.ours() - set(keep)
+        if kept is not None and set(keep) & state.ours() and mode not in kept:
+            kept.append(mode)
         for payload in rules.removal_payloads(state, ours):
             self.host.restore(mode, family, payload)
         if ours:

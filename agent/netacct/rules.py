@@ -32,6 +32,11 @@ PER_POD = "pods="  # comment key of the rules that only feed per-pod set counter
 # (ipsets, then each family's rules: several commits). Found at a start while the nft table still exists, it says
 # the install may be incomplete: the engine removes it and migrates again from the table.
 MARKER = f"{CHAIN_PREFIX}CARRY"
+# A second empty chain, created once every object holds its carry (the kernel kept every carried counter): found
+# at a start while the old layout still exists, the install is complete and the old layout may already be half
+# removed (the eBPF layout is removed link by link), so the engine finishes the migration rather than redoing it.
+CARRIED = f"{CHAIN_PREFIX}CARRIED"
+MARKERS = (MARKER, CARRIED)
 
 _RULE = re.compile(r"^(?:\[(\d+):(\d+)\] )?-A (\S+) (.*)$")
 _COMMENT = re.compile(r'--comment (?:"((?:[^"\\]|\\.)*)"|(\S+))')
@@ -200,15 +205,15 @@ def plan(state: Mangle, family: int, carry: Mapping[str, tuple[int, int]] | None
         lines.extend(f"-D {hook} {r.text}" for r in jumps[1:])
         if not jumps:
             lines.append(f'-I {hook} 1 -m comment --comment "{JUMP_COMMENT}" -j {chain}')
-    stale = state.ours() - set(CHAINS.values()) - ({MARKER} if migrating else set())
+    stale = state.ours() - set(CHAINS.values()) - (set(MARKERS) if migrating else set())
     removal = removal_payloads(state, stale)
     result.payloads = [p for p in (_table(lines), *removal) if p]
     return result
 
 
-def marker_payload(create: bool) -> str:
-    """Create (or delete) the migration marker chain."""
-    return _table([f":{MARKER} - [0:0]" if create else f"-X {MARKER}"])
+def marker_payload(create: bool, chains: Iterable[str] = (MARKER,)) -> str:
+    """Create (or delete) migration marker chains (MARKER, CARRIED)."""
+    return _table([f":{chain} - [0:0]" if create else f"-X {chain}" for chain in chains])
 
 
 def removal_payloads(state: Mangle, chains: Iterable[str]) -> list[str]:

@@ -124,6 +124,10 @@ def test_the_iptables_plans_preload_fresh_chains_and_sets_only() -> None:
     marked = rules.parse(f"*mangle\n:{rules.MARKER} - [0:0]\nCOMMIT\n")
     assert any(f"-X {rules.MARKER}" in p for p in rules.plan(marked, 4).payloads)  # stale outside a migration
     assert not any(rules.MARKER in p for p in rules.plan(marked, 4, {}).payloads)  # kept during one
+    both = rules.parse(f"*mangle\n:{rules.MARKER} - [0:0]\n:{rules.CARRIED} - [0:0]\nCOMMIT\n")
+    assert any(f"-X {rules.CARRIED}" in p for p in rules.plan(both, 4).payloads)  # the complete-install marker too
+    assert not any(rules.CARRIED in p for p in rules.plan(both, 4, {}).payloads)
+    assert rules.marker_payload(create=False, chains=rules.MARKERS).count("-X ") == 2
 
     sets = ipsets.plan({}, {4: {M4}}, NETWORKS, (4,), {("rx-inet", 4): {M4: (5, 500)}})
     assert "add gna-rx-inet4 10.244.1.2 packets 5 bytes 500" in sets.payload.splitlines()

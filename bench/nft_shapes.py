@@ -66,11 +66,13 @@ SHAPES: dict[str, str | None] = {
 
 class EbpfShapes:
     """The eBPF shapes: one tcx program on the forward path's ingress (the pod's veth on the node), alone in the
-    namespace like the nft shapes. "tcx hook, empty program" is the hook's own cost; "tcx + per-CPU hash lookup" one
-    lookup of the source address in a 500-pod map (what counting a pod side costs); "ebpf layout programs" the
-    layout's own ingress and egress programs on every interface."""
+    namespace like the nft shapes. "tcx hook, empty program" is the hook's own cost; "tcx every hook, empty
+    programs" the cost of the layout's hooks (ingress and egress on every interface) without their work; "tcx +
+    per-CPU hash lookup" one lookup of the source address in a 500-pod map (what counting a pod side costs);
+    "ebpf layout programs" the layout's own ingress and egress programs on every interface."""
 
-    NAMES = ("tcx hook, empty program", "tcx + per-CPU hash lookup", "ebpf layout programs")
+    NAMES = ("tcx hook, empty program", "tcx every hook, empty programs", "tcx + per-CPU hash lookup",
+             "ebpf layout programs")
 
     def __init__(self, topo: netns.Topology) -> None:
         self.topo = topo
@@ -86,7 +88,7 @@ class EbpfShapes:
         bpf.mount_bpffs(self.bpffs)
         self.layout = Objects(self.bpffs, netns=topo.node)
 
-    def _program(self, lookup: bool) -> int:
+    def _program(self, lookup: bool, attach: int = bpf.TCX_INGRESS) -> int:
         a = asm.Asm()
         if lookup:  # key: the IPv4 source address (packet offset 26) and role tx-inet, as the layout builds it
             a.mov(asm.R6, asm.R1)
@@ -110,7 +112,7 @@ class EbpfShapes:
         a.label("out")
         a.movi(asm.R0, -1)
         a.exit()
-        return bpf.prog_load(bpf.PROG_SCHED_CLS, a.assemble(self.maps), "gna_shape", bpf.TCX_INGRESS)
+        return bpf.prog_load(bpf.PROG_SCHED_CLS, a.assemble(self.maps), "gna_shape", attach)
 
     def apply(self, name: str) -> None:
         """Take every shape off, then put `name` on (a name not of these shapes: nothing)."""
@@ -121,6 +123,13 @@ class EbpfShapes:
         if name == "ebpf layout programs":
             self.layout.open_maps(create=True)
             self.layout.sync_hooks((4, 6), NetacctConfig().internal_networks())
+        elif name == "tcx every hook, empty programs":  # the layout's hooks: ingress and egress, every interface
+            for attach in (bpf.TCX_INGRESS, bpf.TCX_EGRESS):
+                prog = self._program(lookup=False, attach=attach)
+                for iface in bpf_tc.interfaces(self.topo.node):
+                    with netns.entered(self.topo.node):
+                        self.links.append(bpf.link_create(prog, iface.index, attach))
+                os.close(prog)
         elif name in self.NAMES:
             prog = self._program(lookup=name != "tcx hook, empty program")
             ifindex = next(i.index for i in bpf_tc.interfaces(self.topo.node) if i.name == "v-node-pod")

@@ -69,10 +69,10 @@ class EbpfShapes:
     namespace like the nft shapes. "tcx hook, empty program" is the hook's own cost; "tcx every hook, empty
     programs" the cost of the layout's hooks (ingress and egress on every interface) without their work; "tcx +
     per-CPU hash lookup" one lookup of the source address in a 500-pod map (what counting a pod side costs);
-    "ebpf layout programs" the layout's own ingress and egress programs on every interface."""
+    "ebpf layout, N pods" the layout's own ingress and egress programs on every interface, N pods in its map."""
 
     NAMES = ("tcx hook, empty program", "tcx every hook, empty programs", "tcx + per-CPU hash lookup",
-             "ebpf layout programs")
+             "ebpf layout, 0 pods", "ebpf layout, 500 pods")
 
     def __init__(self, topo: netns.Topology) -> None:
         self.topo = topo
@@ -81,8 +81,9 @@ class EbpfShapes:
         self.maps = {"node": bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, 16, program.NODE_SLOTS, name="shape_node"),
                      "pods": bpf.map_create(bpf.MAP_PERCPU_HASH, 20, 16, 4096, name="shape_pods",
                                             flags=bpf.F_NO_PREALLOC)}
-        for i in range(500):
-            address = ipaddress.ip_address(POD4).packed if i == 0 else bytes([10, 245, i // 250, i % 250 + 1])
+        self.addresses = [ipaddress.ip_address(POD4).packed] + [bytes([10, 245, i // 250, i % 250 + 1])
+                                                               for i in range(1, 500)]
+        for address in self.addresses:
             bpf.map_update(self.maps["pods"], program.pod_key(address, "tx-inet"), bytes(16 * self.cpus))
         self.bpffs = tempfile.mkdtemp(prefix="gna-shapes-bpffs-")
         bpf.mount_bpffs(self.bpffs)
@@ -120,8 +121,11 @@ class EbpfShapes:
             os.close(fd)  # unpinned links detach with their last fd
         self.links.clear()
         self.layout.remove()
-        if name == "ebpf layout programs":
+        if name.startswith("ebpf layout"):
             self.layout.open_maps(create=True)
+            count = 500 if name.endswith("500 pods") else 0
+            self.layout.set_pods({(address, role): None for address in self.addresses[:count]
+                                  for role in program.ROLES})
             self.layout.sync_hooks((4, 6), NetacctConfig().internal_networks())
         elif name == "tcx every hook, empty programs":  # the layout's hooks: ingress and egress, every interface
             for attach in (bpf.TCX_INGRESS, bpf.TCX_EGRESS):
@@ -175,10 +179,10 @@ def main() -> int:
         bench.close()
         netns.destroy(topo)
     base = statistics.median(rates["none"])
-    print(f"  {'shape':<28}{'UDP-64 kpps':>12} {'/none':>6} {'+ns/pkt':>8}   rounds")
+    print(f"  {'shape':<32}{'UDP-64 kpps':>12} {'/none':>6} {'+ns/pkt':>8}   rounds")
     for name, values in rates.items():
         median = statistics.median(values)
-        print(f"  {name:<28}{median:>12.1f} {median / base:>6.2f} {1e6 / median - 1e6 / base:>8.0f}   "
+        print(f"  {name:<32}{median:>12.1f} {median / base:>6.2f} {1e6 / median - 1e6 / base:>8.0f}   "
               f"{' '.join(f'{v:.0f}' for v in values)}")
     print(f"  load average after the run: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0

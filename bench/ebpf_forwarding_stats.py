@@ -57,7 +57,7 @@ def main() -> int:
         print("needs root (bpf(2), namespaces)", file=sys.stderr)
         return 2
     topo = netns.build()
-    bench = Bench(topo, "ebpf", "nft", args.seconds)
+    bench = Bench(topo, [("ebpf", "nft")], args.seconds, 1)
     empty = asm.Asm()
     empty.movi(asm.R0, -1)
     empty.exit()
@@ -69,14 +69,14 @@ def main() -> int:
         for pods in args.pods:
             results: dict[str, list[float]] = {}
             for _ in range(args.rounds):
-                bench.configure("netacct", pods)
+                bench.configure("ebpf", pods)
                 with netns.entered(topo.node):
                     link = bpf.link_create(baseline, pod_side, bpf.TCX_INGRESS)
                 progs = attached(topo)
                 stats = bpf.enable_stats()
                 try:
                     before = {name: bpf.prog_run_stats(fd) for name, fd in progs.items()}
-                    bench.udp_kpps()
+                    bench.udp_kpps(args.seconds)
                     after = {name: bpf.prog_run_stats(fd) for name, fd in progs.items()}
                 finally:
                     os.close(stats)

@@ -10,14 +10,16 @@ as the end-to-end tests:
 - UDP: 64-byte datagrams from one Python sender, forwarded packets/s counted by the node (`ForwDatagrams`);
   small packets make the per-packet rule cost visible.
 
-Configurations are interleaved round by round in a shuffled order and the median is reported, to damp the
-noise of a shared VM.
+All layouts named run in one topology against one `none`: their configurations are interleaved round by round
+in a shuffled order; in each round a configuration runs `--batches` short batches and the fastest counts (other
+work on a shared VM only ever slows a batch), and the median of the rounds is reported.
 
-    python bench/netacct_forwarding.py [--seconds 2] [--rounds 5] [--layout auto ebpf nft iptables]
-                                       [--backend nft legacy]
+    python bench/netacct_forwarding.py [--seconds 2] [--rounds 5] [--batches 4]
+                                       [--layout auto ebpf nft iptables] [--backend nft legacy]
 
 The `+ns/pkt` column is the time each configuration adds per forwarded 64-byte packet (1/rate against none): the
-eBPF layout's goal (issue 40) is at most 0.4 of what the nft layout adds.
+eBPF layout's goals (issue 40) are 500 pods >= 0.97 of none, TCP and UDP-64, and at most 0.4 of the time the nft
+layout adds (run `--layout ebpf nft` for the share).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -71,36 +74,58 @@ def naive_payload(count: int) -> str:
 class Bench:
     """Switches the node between configurations and measures traffic through it."""
 
-    def __init__(self, topo: netns.Topology, layout: str, mode: str, seconds: float) -> None:
+    def __init__(self, topo: netns.Topology, layouts: list[tuple[str, str]], seconds: float, batches: int) -> None:
         self.topo = topo
-        self.mode = mode
         self.seconds = seconds
+        self.batches = batches
         self.host = Host(netns=topo.node)
         # the eBPF layout's pins on a bpffs of the bench's own (pins name interfaces by index: never share one)
         self.bpffs = tempfile.mkdtemp(prefix="gna-bench-bpffs-")
         bpf.mount_bpffs(self.bpffs)
-        self.engine = Netacct(NetacctConfig(enabled=True, layout=layout, backend=mode, bpffs_dir=self.bpffs),
-                              self.host)
+        self.engines: dict[str, Netacct] = {}
+        self.modes: dict[str, str] = {}
+        for layout, mode in layouts:
+            engine = Netacct(NetacctConfig(enabled=True, layout=layout, backend=mode, bpffs_dir=self.bpffs),
+                             self.host)
+            chosen = engine.layout  # auto: probed here, in the node namespace
+            name = chosen + (f"-{mode}" if chosen == "iptables" else "") + (" [auto]" if layout == "auto" else "")
+            if any(n.split(" ")[0] == name.split(" ")[0] for n in self.engines):
+                engine.close()  # auto chose a layout also asked for by name: measure it once
+                continue
+            self.engines[name] = engine
+            self.modes[name] = mode
 
     def close(self) -> None:
-        """Close the engine and unmount the bench's bpffs."""
-        self.engine.close()
+        """Close the engines and unmount the bench's bpffs."""
+        for engine in self.engines.values():
+            engine.close()
         netns.sh("umount", self.bpffs, check=False)
         os.rmdir(self.bpffs)
 
     def configure(self, kind: str, count: int) -> None:
-        """Remove everything, then install one configuration."""
-        save = self.host.save(self.mode, 4, counters=False)
-        if f":{NAIVE} " in save:
-            self.host.restore(self.mode, 4, f"*mangle\n-D FORWARD -j {NAIVE}\n:{NAIVE} - [0:0]\n-X {NAIVE}\nCOMMIT\n")
-        self.engine.remove_all()
-        if kind == "netacct":
-            self.engine.sync(pods(count))
+        """Remove everything, then install one configuration: `none`, a layout's name, or `naive` (its iptables
+        rules beside the first iptables layout's internal ipset)."""
+        for name, engine in self.engines.items():
+            mode = self.modes[name]
+            if name.startswith("iptables"):
+                save = self.host.save(mode, 4, counters=False)
+                if f":{NAIVE} " in save:
+                    self.host.restore(mode, 4, f"*mangle\n-D FORWARD -j {NAIVE}\n:{NAIVE} - [0:0]\n-X {NAIVE}\n"
+                                               "COMMIT\n")
+            engine.remove_all()
+        if kind in self.engines:
+            self.engines[kind].sync(pods(count))
         elif kind == "naive":
-            self.engine.sync([])
-            self.host.restore(self.mode, 4, naive_payload(count))
+            name = next(n for n in self.engines if n.startswith("iptables"))
+            self.engines[name].sync([])
+            self.host.restore(self.modes[name], 4, naive_payload(count))
 
-    def tcp_gbits(self) -> float:
+    def best(self, measure: Callable[[float], float]) -> float:
+        """The best of `batches` short batches: interference from other work on a shared VM only ever slows a
+        batch, so the fastest one is the closest to the configuration's own cost."""
+        return max(measure(self.seconds / self.batches) for _ in range(self.batches))
+
+    def tcp_gbits(self, seconds: float) -> float:
         """One TCP stream pod -> internet for `seconds`; Gbit/s received."""
         with netns.entered(self.topo.inet):
             server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -122,7 +147,7 @@ class Bench:
         client.connect((INET4, server.getsockname()[1]))
         payload = b"\x5a" * (256 << 10)
         start = time.perf_counter()
-        while time.perf_counter() - start < self.seconds:
+        while time.perf_counter() - start < seconds:
             client.sendall(payload)
         client.close()
         thread.join()
@@ -135,7 +160,7 @@ class Bench:
             head, values = [line.split() for line in handle.readlines()[:2]]
         return int(values[head.index("ForwDatagrams")])
 
-    def udp_kpps(self) -> float:
+    def udp_kpps(self, seconds: float) -> float:
         """64-byte datagrams pod -> internet for `seconds`; thousands of packets/s the node forwarded."""
         with netns.entered(self.topo.inet):
             sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -145,7 +170,7 @@ class Bench:
         target, payload = (INET4, sink.getsockname()[1]), b"\x5a" * 64
         before = self._forwarded()
         start = time.perf_counter()
-        while time.perf_counter() - start < self.seconds:
+        while time.perf_counter() - start < seconds:
             for _ in range(1000):
                 sender.sendto(payload, target)
         elapsed = time.perf_counter() - start
@@ -155,12 +180,15 @@ class Bench:
         return forwarded / elapsed / 1e3
 
 
-def run(layout: str, mode: str, seconds: float, rounds: int) -> None:
-    """All configurations, interleaved, for one layout (and iptables backend)."""
+def run(layouts: list[tuple[str, str]], seconds: float, rounds: int, batches: int) -> None:
+    """All configurations of every layout, interleaved in one topology against one `none`."""
     topo = netns.build()
-    bench = Bench(topo, layout, mode, seconds)
-    chosen = bench.engine.layout  # auto: probed here, in the node namespace
-    configs = CONFIGS + (NAIVE_CONFIGS if chosen == "iptables" else [])
+    bench = Bench(topo, layouts, seconds, batches)
+    configs = [("none", 0)]
+    for name in bench.engines:
+        configs += [(name, 0), (name, 100), (name, 500)]
+    if any(name.startswith("iptables") for name in bench.engines):
+        configs += NAIVE_CONFIGS
     tcp: dict[tuple[str, int], list[float]] = {c: [] for c in configs}
     udp: dict[tuple[str, int], list[float]] = {c: [] for c in configs}
     try:
@@ -168,30 +196,38 @@ def run(layout: str, mode: str, seconds: float, rounds: int) -> None:
         for _ in range(rounds):
             for config in order.sample(configs, len(configs)):  # no configuration always runs first or last
                 bench.configure(*config)
-                tcp[config].append(bench.tcp_gbits())
-                udp[config].append(bench.udp_kpps())
+                tcp[config].append(bench.best(bench.tcp_gbits))
+                udp[config].append(bench.best(bench.udp_kpps))
         bench.configure("none", 0)
     finally:
         bench.close()
         netns.destroy(topo)
     none_tcp, none_udp = statistics.median(tcp[("none", 0)]), statistics.median(udp[("none", 0)])
-    base_tcp, base_udp = statistics.median(tcp[("netacct", 0)]), statistics.median(udp[("netacct", 0)])
-    where = f"layout {chosen}" + (f" (iptables-{mode})" if chosen == "iptables" else "") + \
-        (" [auto]" if layout == "auto" else "")
-    print(f"\n{where}: median of {rounds} rounds x {seconds:g} s; ratios against no accounting (none) and "
-          f"against netacct with 0 pods")
-    print(f"  {'config':<8}{'pods':>5}  {'TCP Gbit/s':>10} {'/none':>6} {'/0pods':>6}   {'UDP-64 kpps':>11} "
+    print(f"\nmedian of {rounds} rounds, each the best of {batches} batches x {seconds / batches:g} s; ratios "
+          f"against no accounting (none) and against the same layout with 0 pods")
+    print(f"  {'config':<22}{'pods':>5}  {'TCP Gbit/s':>10} {'/none':>6} {'/0pods':>6}   {'UDP-64 kpps':>11} "
           f"{'/none':>6} {'/0pods':>6} {'+ns/pkt':>8}")
+    added: dict[tuple[str, int], float] = {}
     for config in configs:
+        base = (config[0], 0) if config[0] in bench.engines else ("none", 0)
         t, u = statistics.median(tcp[config]), statistics.median(udp[config])
+        base_tcp, base_udp = statistics.median(tcp[base]), statistics.median(udp[base])
         # the sender's thread runs the veth receive and the forward path: 1/rate is its time per packet
-        added = 1e6 / u - 1e6 / none_udp
-        print(f"  {config[0]:<8}{config[1]:>5}  {t:>10.2f} {t / none_tcp:>6.2f} {t / base_tcp:>6.2f}   "
-              f"{u:>11.1f} {u / none_udp:>6.2f} {u / base_udp:>6.2f} {added:>8.0f}")
-    goal_tcp = statistics.median(tcp[("netacct", 500)]) / none_tcp
-    goal_udp = statistics.median(udp[("netacct", 500)]) / none_udp
-    verdict = "met" if min(goal_tcp, goal_udp) >= 0.95 else "NOT met"
-    print(f"  goal 500 pods >= 0.95 x none: TCP {goal_tcp:.2f}, UDP-64 {goal_udp:.2f} -> {verdict}")
+        added[config] = 1e6 / u - 1e6 / none_udp
+        print(f"  {config[0]:<22}{config[1]:>5}  {t:>10.2f} {t / none_tcp:>6.2f} {t / base_tcp:>6.2f}   "
+              f"{u:>11.1f} {u / none_udp:>6.2f} {u / base_udp:>6.2f} {added[config]:>8.0f}")
+    for name in bench.engines:
+        goal_tcp = statistics.median(tcp[(name, 500)]) / none_tcp
+        goal_udp = statistics.median(udp[(name, 500)]) / none_udp
+        floor = 0.97 if name.startswith("ebpf") else 0.95  # issue 40's goal for eBPF, issue 32's for the others
+        verdict = "met" if min(goal_tcp, goal_udp) >= floor else "NOT met"
+        print(f"  {name}: 500 pods >= {floor} x none: TCP {goal_tcp:.3f}, UDP-64 {goal_udp:.3f} -> {verdict}")
+    ebpf = next((n for n in bench.engines if n.startswith("ebpf")), None)
+    nft = next((n for n in bench.engines if n.startswith("nft")), None)
+    if ebpf and nft and added[(nft, 500)] > 0:
+        share = added[(ebpf, 500)] / added[(nft, 500)]
+        print(f"  ebpf adds {share:.2f} of the time nft adds per 64-byte packet (500 pods; goal <= 0.4) -> "
+              f"{'met' if share <= 0.4 else 'NOT met'}")
     print(f"  load average after the run: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
@@ -200,6 +236,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batches", type=int, default=4,
+                        help="short batches per configuration and round; the best one counts")
     parser.add_argument("--layout", nargs="+", default=["auto"], choices=["auto", "ebpf", "nft", "iptables"])
     parser.add_argument("--backend", nargs="+", default=["nft"], choices=["nft", "legacy"],
                         help="iptables backends to run the iptables layout on")
@@ -210,9 +248,9 @@ def main() -> int:
         return 2
     print(f"netacct forwarding bench: {os.cpu_count()} CPUs, {os.uname().release}, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    for layout in args.layout:
-        for mode in args.backend if layout == "iptables" else args.backend[:1]:
-            run(layout, mode, args.seconds, args.rounds)
+    layouts = [(layout, mode) for layout in args.layout
+               for mode in (args.backend if layout == "iptables" else args.backend[:1])]
+    run(layouts, args.seconds, args.rounds, args.batches)
     return 0
 
 

@@ -10,7 +10,7 @@ counter, two interval-set lookups and prefix compares (how the layout tells clus
 The eBPF shapes (issue 40) sit beside them: the tcx hook with an empty program, one per-CPU hash lookup, and the
 eBPF layout's own programs (`EbpfShapes`).
 
-    python bench/nft_shapes.py [--seconds 2] [--rounds 4]      (root; nft and ip netns)
+    python bench/nft_shapes.py [--seconds 2] [--rounds 4] [--batches 4]      (root; nft and ip netns)
 """
 
 from __future__ import annotations
@@ -66,11 +66,13 @@ SHAPES: dict[str, str | None] = {
 
 class EbpfShapes:
     """The eBPF shapes: one tcx program on the forward path's ingress (the pod's veth on the node), alone in the
-    namespace like the nft shapes. "tcx hook, empty program" is the hook's own cost; "tcx + per-CPU hash lookup" one
-    lookup of the source address in a 500-pod map (what counting a pod side costs); "ebpf layout programs" the
-    layout's own ingress and egress programs on every interface."""
+    namespace like the nft shapes. "tcx hook, empty program" is the hook's own cost; "tcx every hook, empty
+    programs" the cost of the layout's hooks (ingress and egress on every interface) without their work; "tcx +
+    per-CPU hash lookup" one lookup of the source address in a 500-pod map (what counting a pod side costs);
+    "ebpf layout, N pods" the layout's own ingress and egress programs on every interface, N pods in its map."""
 
-    NAMES = ("tcx hook, empty program", "tcx + per-CPU hash lookup", "ebpf layout programs")
+    NAMES = ("tcx hook, empty program", "tcx every hook, empty programs", "tcx + per-CPU hash lookup",
+             "ebpf layout, 0 pods", "ebpf layout, 500 pods")
 
     def __init__(self, topo: netns.Topology) -> None:
         self.topo = topo
@@ -79,14 +81,15 @@ class EbpfShapes:
         self.maps = {"node": bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, 16, program.NODE_SLOTS, name="shape_node"),
                      "pods": bpf.map_create(bpf.MAP_PERCPU_HASH, 20, 16, 4096, name="shape_pods",
                                             flags=bpf.F_NO_PREALLOC)}
-        for i in range(500):
-            address = ipaddress.ip_address(POD4).packed if i == 0 else bytes([10, 245, i // 250, i % 250 + 1])
+        self.addresses = [ipaddress.ip_address(POD4).packed] + [bytes([10, 245, i // 250, i % 250 + 1])
+                                                               for i in range(1, 500)]
+        for address in self.addresses:
             bpf.map_update(self.maps["pods"], program.pod_key(address, "tx-inet"), bytes(16 * self.cpus))
         self.bpffs = tempfile.mkdtemp(prefix="gna-shapes-bpffs-")
         bpf.mount_bpffs(self.bpffs)
         self.layout = Objects(self.bpffs, netns=topo.node)
 
-    def _program(self, lookup: bool) -> int:
+    def _program(self, lookup: bool, attach: int = bpf.TCX_INGRESS) -> int:
         a = asm.Asm()
         if lookup:  # key: the IPv4 source address (packet offset 26) and role tx-inet, as the layout builds it
             a.mov(asm.R6, asm.R1)
@@ -110,7 +113,7 @@ class EbpfShapes:
         a.label("out")
         a.movi(asm.R0, -1)
         a.exit()
-        return bpf.prog_load(bpf.PROG_SCHED_CLS, a.assemble(self.maps), "gna_shape", bpf.TCX_INGRESS)
+        return bpf.prog_load(bpf.PROG_SCHED_CLS, a.assemble(self.maps), "gna_shape", attach)
 
     def apply(self, name: str) -> None:
         """Take every shape off, then put `name` on (a name not of these shapes: nothing)."""
@@ -118,9 +121,19 @@ class EbpfShapes:
             os.close(fd)  # unpinned links detach with their last fd
         self.links.clear()
         self.layout.remove()
-        if name == "ebpf layout programs":
+        if name.startswith("ebpf layout"):
             self.layout.open_maps(create=True)
+            count = 500 if name.endswith("500 pods") else 0
+            self.layout.set_pods({(address, role): None for address in self.addresses[:count]
+                                  for role in program.ROLES})
             self.layout.sync_hooks((4, 6), NetacctConfig().internal_networks())
+        elif name == "tcx every hook, empty programs":  # the layout's hooks: ingress and egress, every interface
+            for attach in (bpf.TCX_INGRESS, bpf.TCX_EGRESS):
+                prog = self._program(lookup=False, attach=attach)
+                for iface in bpf_tc.interfaces(self.topo.node):
+                    with netns.entered(self.topo.node):
+                        self.links.append(bpf.link_create(prog, iface.index, attach))
+                os.close(prog)
         elif name in self.NAMES:
             prog = self._program(lookup=name != "tcx hook, empty program")
             ifindex = next(i.index for i in bpf_tc.interfaces(self.topo.node) if i.name == "v-node-pod")
@@ -142,12 +155,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--batches", type=int, default=4,
+                        help="short batches per shape and round; the best one counts")
     args = parser.parse_args()
     topo = netns.build()
-    bench = Bench(topo, "nft", "nft", args.seconds)
+    bench = Bench(topo, [("nft", "nft")], args.seconds, args.batches)
     ebpf = EbpfShapes(topo)
     rates: dict[str, list[float]] = {name: [] for name in [*SHAPES, *EbpfShapes.NAMES]}
-    print(f"nft shapes: 2 s x {args.rounds} rounds, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"nft shapes: best of {args.batches} batches in {args.seconds:g} s x {args.rounds} rounds, "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     try:
         order = random.Random(11)
         for _ in range(args.rounds):
@@ -157,16 +173,16 @@ def main() -> int:
                 payload = SHAPES.get(name)
                 if payload:
                     netns.sh("nft", "-f", "-", ns=topo.node, stdin=payload)
-                rates[name].append(bench.udp_kpps())
+                rates[name].append(bench.best(bench.udp_kpps))
     finally:
         ebpf.close()
         bench.close()
         netns.destroy(topo)
     base = statistics.median(rates["none"])
-    print(f"  {'shape':<28}{'UDP-64 kpps':>12} {'/none':>6} {'+ns/pkt':>8}   rounds")
+    print(f"  {'shape':<32}{'UDP-64 kpps':>12} {'/none':>6} {'+ns/pkt':>8}   rounds")
     for name, values in rates.items():
         median = statistics.median(values)
-        print(f"  {name:<28}{median:>12.1f} {median / base:>6.2f} {1e6 / median - 1e6 / base:>8.0f}   "
+        print(f"  {name:<32}{median:>12.1f} {median / base:>6.2f} {1e6 / median - 1e6 / base:>8.0f}   "
               f"{' '.join(f'{v:.0f}' for v in values)}")
     print(f"  load average after the run: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0

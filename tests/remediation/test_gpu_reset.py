@@ -268,10 +268,10 @@ async def test_a_reset_outcome_whose_write_fails_is_recorded_on_the_next_pass(ha
     await _pod_gone(harness, rig, "trainer-2")
     await harness.until(lambda: host.runs() != [], "the reset command started")
     harness.api.fail("PATCH", f"/nodes/{NODE}$", 500)  # the next write of the node: the outcome's
-    fault = harness.api.faults[-1]
     (host.dir / "hold").unlink()
-    await harness.until(lambda: fault.times == 0, "the outcome's write refused")
-    await harness.advance(2)  # past the retry's back-off
+    await harness.until(lambda: harness.api_count("patch", "500") == 1, "the outcome's write refused")
+    await harness.settle()  # the retry's back-off is scheduled on the clock ...
+    await harness.advance(2)  # ... and passes
     if exit_code:
         await harness.until(lambda: harness.actions("gpu_reset", "failed") == 1, "the failure recorded")
         assert json.loads(harness.api.annotations[RECORD])["gpus"][uuid]["state"] == "failed"

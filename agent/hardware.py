@@ -6,9 +6,11 @@ a sysfs tree into a scratch directory and pairs it with the simulated NVML and l
 otherwise the host's sysfs, the real NVML and netlink are used. Either way the same readers build the
 `Topology`, so a simulated run exercises the code that runs on a node.
 
-Choosing between real and simulated hardware is composition: this module sits beside `agent.wiring` (the
-composition root), above the ports in `agent.host`, the model in `agent.topology`, the simulator in
-`agent.simulate` and the preflight probes in `agent.health.probes`, so no port imports what is built on it.
+`open_hardware` is where the real or the simulated sources are chosen, once; `agent.node.open_node` calls it and
+resolves what else follows from the mode (defaults, node paths) from `Hardware.simulated`. Choosing is
+composition: this module sits beside `agent.wiring` (the composition root), above the ports in `agent.host`, the
+model in `agent.topology`, the simulator in `agent.simulate` and the preflight probes in `agent.health.probes`,
+so no port imports what is built on it.
 """
 
 from __future__ import annotations

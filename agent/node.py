@@ -1,11 +1,13 @@
 """One node, opened once: what every command that looks at the node (`run`, `doctor`, `config --pools`,
 `topology`) works from.
 
-`open_node` is the only place that tells a simulated node from a real one and resolves what depends on that:
-the settings whose default follows the mode (`serve_gpus`), the hardware with NVML's facts (MIG devices
-included), and the node paths: the host's kubelet directories, or a stand-in kubelet's in the scratch directory
-on a simulated node that has no kubelet. Every command gets the same answers, so `config --pools` lists what
-`run` registers and `doctor` looks where `run` writes.
+`open_node` opens the hardware (`agent.hardware.open_hardware` builds the real or the simulated sources from
+`--simulate`: that choice is made there once) and resolves everything else on the node that follows from the
+mode, read from `Hardware.simulated`: the settings whose default follows it (`serve_gpus`) and the node paths
+(the host's kubelet directories, or a stand-in kubelet's in the scratch directory on a simulated node that has
+no kubelet; the state directory; no host kernel log). Every command gets the same answers, so `config --pools`
+lists what `run` registers and `doctor` looks where `run` writes. Beyond the node, only the API client
+(`agent.kube.access`: in memory without credentials) and `run`'s scratch directory (`agent.app`) read the flag.
 
 It sits beside `agent.hardware` and `agent.wiring` (the composition root takes a `Node`), above the consumers
 whose pools it can compute.

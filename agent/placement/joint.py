@@ -12,6 +12,11 @@ last Allocate (`AdmissionContext`), the container whose other resource may still
 believed taken. Both calls return the level of each container whose pairing became known (`AllocationLevel`),
 which the servicer counts in `gpu_node_agent_allocations_total`. In memory, O(devices) per call, no I/O, no
 await; the servers know this module through two protocols (`ServedPool`, `ServedResource`).
+Why `_open` (the last Allocate's container, unpaired) spans calls: the kubelet calls Allocate once per resource,
+so a pair is known only at its second Allocate and a lone container only at the next call. It is history, as the
+admission record is: the pair a preference call decides travels in `Decision.pairs_with`, and `_open` alone
+decides only for an Allocate with no holding decision. Not a metric only: it groups a pair's devices in one
+container, so one of them offered again frees its partners in `other_free`, which the next preference reads.
 
 The container's devices of the other kind: the kubelet's fact when `Partner.held` is known (the other kind's
 devices mapped to the topology: a replica `<id>::<n>` is its GPU, a MIG UUID its MIG device; an unknown ID is
@@ -162,11 +167,13 @@ class JointAllocator:
         offer = frozenset(request.available)  # every must_include is in it (`check_request` refuses it otherwise)
         self._offered(resource, request.served, offer, must_include)
         levels = self._preference_started(kind, context)
+        opened = self._open  # still unpaired after `_preference_started`: this container may complete its pair
         self._calls += 1
         decision = Decision(resource=resource, offered=offer, partner=partner,
                             completes=completes, stamp=self._calls, at=self._clock(),
                             pix_possible=self._pix_offered(pool.topology, kind, context, checked.offered,
-                                                           checked.size))
+                                                           checked.size),
+                            pairs_with=None if opened is None else (opened.resource, opened.first))
         if kind is DeviceKind.GPU and any("::" in device_id for device_id in checked.offered):
             rank = self._nic_rank(pool.topology, context)
             return checked.answered(preferred_replicas(request.served, checked.offered, must_include, checked.size,
@@ -193,7 +200,7 @@ class JointAllocator:
         levels: list[AllocationLevel] = []
         possible = decision is not None and decision.pix_possible
         partner = decision.partner if decision is not None else None
-        container = self._open
+        container = self._pairing(decision)
         paired = container is not None and container.kind != kind and not self._stale(container)
         if partner:  # a fact: this container holds `partner`
             label = self._pair_level(pool.topology, kind, ids, partner)
@@ -225,6 +232,16 @@ class JointAllocator:
         if possible:
             levels += [(r, PIX_MISSED) for r, label in levels if label not in (Level.PIX.name.lower(), NO_PAIR)]
         return levels
+
+    def _pairing(self, decision: Decision | None) -> _Container | None:
+        """The unpaired container this Allocate may complete: the one its preference call named (a value), or
+        with no decision that holds, the last Allocate's (`_open`: the guess an Allocate without a preference
+        gets); None when the decision names none."""
+        container = self._open
+        if decision is None or container is None:
+            return container
+        # a holding decision is the very last call's, so `_open` is still the container it named, if any
+        return container if decision.pairs_with == (container.resource, container.first) else None
 
     def _holding(self, decision: Decision | None, resource: str, ids: frozenset[str]) -> Decision | None:
         """`decision` when it is this Allocate's: its resource's, the last call before this one, within the

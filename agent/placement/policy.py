@@ -132,7 +132,9 @@ class Decision:
 
     `partner`: the other kind's devices this container holds, as the topology names them (None: not known);
     `completes`: the preference took the admission context's record of the other kind (the guess: this is that
-    container's second resource); `pix_possible`: the offer held a device at PIX to the container's other kind.
+    container's second resource); `pix_possible`: the offer held a device at PIX to the container's other kind;
+    `pairs_with`: the first resource and devices of the container whose pair this Allocate completes, for the
+    level it counts (the last Allocate's, still unpaired at the preference call), None when it completes none.
     """
 
     resource: str
@@ -142,6 +144,7 @@ class Decision:
     pix_possible: bool
     stamp: int  # the allocator's call count after this preference: only the very next call may take it
     at: float
+    pairs_with: tuple[str, frozenset[str]] | None = None
 
 
 @dataclass(frozen=True)

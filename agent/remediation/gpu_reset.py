@@ -142,6 +142,7 @@ class GpuResets:
         self._drained = drained
         self._task: asyncio.Task[ResetOutcome] | None = None
         self._task_uuid = ""
+        self._outcome: ResetOutcome | None = None  # the finished task's, until it is on the node
         self._waiting_since: float | None = None
         self._said: set[tuple[str, str]] = set()
 
@@ -297,26 +298,29 @@ class GpuResets:
             await self._events.emit("GpuResetWaiting", f"{uuid}: the reset waits: {why}")
 
     async def _collect(self) -> None:
+        """Record a finished reset's outcome. The task is dropped only once its outcome is on the node: a write the
+        API server fails (ApiError: the caller retries) leaves both here for the next pass. Dropped before, the
+        record said "running" for the rest of the boot: never verified, never escalated."""
         task = self._task
         if task is None or not task.done():
             return
-        uuid, self._task = self._task_uuid, None
-        try:
-            outcome = task.result()
-        except Exception as exc:  # a bug in the reset path must not leave the GPU recorded as running
-            log.exception("GPU reset of %s failed unexpectedly", uuid)
-            outcome = ResetOutcome(False, f"{type(exc).__name__}: {exc}")
+        uuid = self._task_uuid
+        if self._outcome is None:
+            try:
+                self._outcome = task.result()
+            except Exception as exc:  # a bug in the reset path must not leave the GPU recorded as running
+                log.exception("GPU reset of %s failed unexpectedly", uuid)
+                self._outcome = ResetOutcome(False, f"{type(exc).__name__}: {exc}")
+            if self._outcome.ok:  # before the record: health drops the findings a reset ends, and says so next;
+                self._listener.gpu_reset_done(uuid)  # once, though the record's write may be retried
+        outcome = self._outcome
         if not outcome.ok:
             await self._failed(uuid, outcome.detail)
-            self._task_uuid = ""
-            return
-        # before the record: health drops the findings a reset ends, and says so next
-        self._listener.gpu_reset_done(uuid)
-        if await self._write(self.record().with_gpu(uuid, OK, self._clock.now(), outcome.detail)):
+        elif await self._write(self.record().with_gpu(uuid, OK, self._clock.now(), outcome.detail)):
             self._counter.count("gpu_reset", "ok")
             await self._events.emit("GpuReset", f"{uuid} was reset ({outcome.detail}); its checks must pass within "
                                     f"{self.config.gpu_reset_verify_seconds:.0f} s")
-        self._task_uuid = ""
+        self._task, self._task_uuid, self._outcome = None, "", None
 
     async def _failed(self, uuid: str, detail: str) -> None:
         if not await self._write(self.record().with_gpu(uuid, FAILED, self._clock.now(), detail)):

@@ -6,6 +6,8 @@ assertions now hold for the estimate the allocator actually hands the policy (`o
 
 from __future__ import annotations
 
+import dataclasses
+
 from agent.placement.joint import JointAllocator
 from agent.placement.policy import ContainerRequest, DeviceKind, Partner, Reason
 from tests.placement.admission_sim import Pool
@@ -50,3 +52,21 @@ def test_invalid_request_leaves_the_allocator_untouched() -> None:
     bad = allocator.prefer(VFS, ContainerRequest(served=VFS.ids, available=("v0", "nope"), size=1))
     assert bad.reason is Reason.INVALID_REQUEST and bad.devices == ()
     assert allocator.admission.begin_preference(NIC) == {"g0"}  # the GPU's record is still there
+
+
+def test_the_pair_an_allocate_counts_is_the_one_its_preference_decided() -> None:
+    """Issue 38 item 3: the container a NIC Allocate completes travels in its preference's decision
+    (`Decision.pairs_with`); the allocator's record of the last Allocate is only where that container lives."""
+    allocator = JointAllocator(lambda: [Server(GPUS), Server(VFS)])
+    gpu = allocator.prefer(GPUS, ContainerRequest(served=GPUS.ids, available=GPUS.ids, size=1))
+    assert gpu.decision is not None and gpu.decision.pairs_with is None  # nothing allocated before it
+    assert allocator.allocated(GPUS, ["g0"], gpu.decision) == []  # its NIC may still come
+    nic = allocator.prefer(VFS, ContainerRequest(served=VFS.ids, available=VFS.ids, size=1))
+    assert nic.decision is not None and nic.decision.pairs_with == ("test/gpu", frozenset({"g0"}))
+    decided_alone = dataclasses.replace(nic.decision, pairs_with=None)  # as if the preference paired nothing
+    assert allocator.allocated(VFS, ["v0"], decided_alone) == [("test/gpu", "none")]  # not counted as a pair
+    again = JointAllocator(lambda: [Server(GPUS), Server(VFS)])
+    again.allocated(GPUS, ["g0"])
+    nic = again.prefer(VFS, ContainerRequest(served=VFS.ids, available=VFS.ids, size=1))
+    assert nic.decision is not None
+    assert again.allocated(VFS, ["v0"], nic.decision) == [("test/gpu", "none"), ("test/vf", "none")]  # a pair

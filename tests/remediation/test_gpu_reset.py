@@ -21,7 +21,7 @@ from agent.host.nvml import SimulatedNvml
 from agent.remediation.gpu_reset import ESCALATION_REASON
 from agent.signals import GpuRecoveryAction, Severity
 from agent.simulate import profiles
-from tests.remediation.conftest import Harness, make_config
+from tests.remediation.conftest import NODE, Harness, make_config
 from tests.remediation.rig import Rig
 from tests.remediation.test_drain import P, evictions
 
@@ -57,6 +57,7 @@ class Host:
         self.boot.write_text(BOOT_A + "\n")
         self.clears = True  # False: the fault outlives the reset (health keeps asking)
         self.unhealthy_while_resetting: list[set[str]] = []  # device health as an advised reset starts
+        self.resets_told: list[str] = []  # the GPUs remediation told health it reset, in order
 
     def config(self, **overrides: object) -> RemediationConfig:
         base: dict[str, object] = {"gpu_reset_command": self.command, "gpu_reset_timeout_seconds": 10.0}
@@ -82,6 +83,7 @@ class HealthOf:
         self.host, self.harness = host, harness
 
     def gpu_reset_done(self, uuid: str) -> None:
+        self.host.resets_told.append(uuid)
         if self.host.clears:
             self.host.rig.assessor.on_gpu_reset(uuid, "reset by remediation")
         self.host.nvml.reset_gpu(uuid)
@@ -250,6 +252,36 @@ async def test_a_new_boot_forgets_a_failed_reset_and_may_try_again(harness: Harn
     await harness.until(lambda: len(host.runs()) == 2, "the reset tried in the new boot")
     await harness.until(lambda: RECORD not in harness.api.annotations, "the reset verified")
     assert harness.actions("gpu_reset", "ok") == 1
+
+
+@pytest.mark.parametrize("exit_code", [0, 3])
+async def test_a_reset_outcome_whose_write_fails_is_recorded_on_the_next_pass(harness: Harness, rig: Rig,
+                                                                             host: Host, exit_code: int) -> None:
+    """The API server fails the write of the reset's outcome (under load: a request past the client's timeout).
+    The outcome is written on the next pass, and health hears of the reset once; it was dropped with its task and
+    the record said "running" for the rest of the boot: never verified, never escalated."""
+    (host.dir / "hold").write_text("")
+    if exit_code:
+        (host.dir / "exit-code").write_text(str(exit_code))
+    await host.start(harness, host.config())
+    _, uuid = await _fault(harness, rig)
+    await _pod_gone(harness, rig, "trainer-2")
+    await harness.until(lambda: host.runs() != [], "the reset command started")
+    harness.api.fail("PATCH", f"/nodes/{NODE}$", 500)  # the next write of the node: the outcome's
+    (host.dir / "hold").unlink()
+    await harness.until(lambda: harness.api_count("patch", "500") == 1, "the outcome's write refused")
+    await harness.settle()  # the retry's back-off is scheduled on the clock ...
+    await harness.advance(2)  # ... and passes
+    if exit_code:
+        await harness.until(lambda: harness.actions("gpu_reset", "failed") == 1, "the failure recorded")
+        assert json.loads(harness.api.annotations[RECORD])["gpus"][uuid]["state"] == "failed"
+        await harness.until(lambda: harness.api.node["spec"].get("unschedulable") is True, "the escalation")
+        assert host.resets_told == []
+    else:
+        await harness.until(lambda: RECORD not in harness.api.annotations, "the reset verified")
+        assert harness.actions("gpu_reset", "ok") == 1 and harness.actions("gpu_reset", "verified") == 1
+        assert host.resets_told == [uuid]
+    assert host.runs() == [["--gpu-reset", "-i", uuid]]
 
 
 async def test_no_reset_without_a_command_on_a_latched_node_or_in_dry_run(harness: Harness,

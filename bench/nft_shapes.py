@@ -68,11 +68,12 @@ class EbpfShapes:
     """The eBPF shapes: one tcx program on the forward path's ingress (the pod's veth on the node), alone in the
     namespace like the nft shapes. "tcx hook, empty program" is the hook's own cost; "tcx every hook, empty
     programs" the cost of the layout's hooks (ingress and egress on every interface) without their work; "tcx +
-    per-CPU hash lookup" one lookup of the source address in a 500-pod map (what counting a pod side costs);
+    per-CPU hash lookup" one lookup of the source address in a 500-pod map (what counting a pod side costs), "tcx +
+    index + per-CPU array" the same count through an address index and a per-CPU array (lookups the verifier inlines);
     "ebpf layout, N pods" the layout's own ingress and egress programs on every interface, N pods in its map."""
 
     NAMES = ("tcx hook, empty program", "tcx every hook, empty programs", "tcx + per-CPU hash lookup",
-             "ebpf layout, 0 pods", "ebpf layout, 500 pods")
+             "tcx + index + per-CPU array", "ebpf layout, 0 pods", "ebpf layout, 500 pods")
 
     def __init__(self, topo: netns.Topology) -> None:
         self.topo = topo
@@ -85,28 +86,60 @@ class EbpfShapes:
                                                                for i in range(1, 500)]
         for address in self.addresses:
             bpf.map_update(self.maps["pods"], program.pod_key(address, "tx-inet"), bytes(16 * self.cpus))
+        # an address index (slot + 1 by the address's low 16 bits) and per-CPU counters by slot and role: two
+        # lookups the verifier inlines, where a hash lookup is a helper call
+        self.maps["index"] = bpf.map_create(bpf.MAP_ARRAY, 4, 4, 1 << 16, name="shape_index")
+        self.maps["slots"] = bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, 16, 4 * 512, name="shape_slots")
+        for slot, address in enumerate(self.addresses):
+            bpf.map_update(self.maps["index"], int.from_bytes(address[2:], "big").to_bytes(4, "little"),
+                           (slot + 1).to_bytes(4, "little"))
         self.bpffs = tempfile.mkdtemp(prefix="gna-shapes-bpffs-")
         bpf.mount_bpffs(self.bpffs)
         self.layout = Objects(self.bpffs, netns=topo.node)
 
-    def _program(self, lookup: bool, attach: int = bpf.TCX_INGRESS) -> int:
+    @staticmethod
+    def _source_address(a: asm.Asm) -> None:
+        """R6 = ctx, R7 = packet data, out when shorter than Ethernet + IPv4 headers."""
+        a.mov(asm.R6, asm.R1)
+        a.ldx(4, asm.R7, asm.R6, program.SKB_DATA)
+        a.ldx(4, asm.R3, asm.R6, program.SKB_DATA_END)
+        a.mov(asm.R2, asm.R7)
+        a.alui(asm.ADD, asm.R2, 34)
+        a.jmp(asm.JGT, asm.R2, asm.R3, "out")
+
+    @staticmethod
+    def _lookup(a: asm.Asm, name: str, key_at: int) -> None:
+        """R0 = the `name` map's value for the key at FP+key_at; out when missing."""
+        a.ld_map(asm.R1, name)
+        a.mov(asm.R2, asm.FP)
+        a.alui(asm.ADD, asm.R2, key_at)
+        a.call(asm.MAP_LOOKUP_ELEM)
+        a.jmpi(asm.JEQ, asm.R0, 0, "out")
+
+    def _program(self, lookup: bool, attach: int = bpf.TCX_INGRESS, indexed: bool = False) -> int:
         a = asm.Asm()
-        if lookup:  # key: the IPv4 source address (packet offset 26) and role tx-inet, as the layout builds it
-            a.mov(asm.R6, asm.R1)
-            a.ldx(4, asm.R7, asm.R6, program.SKB_DATA)
-            a.ldx(4, asm.R3, asm.R6, program.SKB_DATA_END)
-            a.mov(asm.R2, asm.R7)
-            a.alui(asm.ADD, asm.R2, 34)
-            a.jmp(asm.JGT, asm.R2, asm.R3, "out")
+        if indexed:  # the source address's low 16 bits (packet offsets 28, 29) index the slot; role tx-inet = 0
+            self._source_address(a)
+            a.ldx(1, asm.R1, asm.R7, 28)
+            a.alui(asm.LSH, asm.R1, 8)
+            a.ldx(1, asm.R2, asm.R7, 29)
+            a.alu(asm.OR, asm.R1, asm.R2)
+            a.stx(4, asm.FP, -4, asm.R1)
+            self._lookup(a, "index", -4)
+            a.ldx(4, asm.R1, asm.R0, 0)
+            a.jmpi(asm.JEQ, asm.R1, 0, "out")
+            a.alui(asm.ADD, asm.R1, -1)
+            a.alui(asm.LSH, asm.R1, 2)
+            a.stx(4, asm.FP, -8, asm.R1)
+            self._lookup(a, "slots", -8)
+        elif lookup:  # key: the IPv4 source address (packet offset 26) and role tx-inet, as the layout builds it
+            self._source_address(a)
             a.ldx(4, asm.R1, asm.R7, 26)
             a.stx(4, asm.FP, -24, asm.R1)
             for off in (-20, -16, -12, -8):
                 a.st(4, asm.FP, off, 0)
-            a.ld_map(asm.R1, "pods")
-            a.mov(asm.R2, asm.FP)
-            a.alui(asm.ADD, asm.R2, -24)
-            a.call(asm.MAP_LOOKUP_ELEM)
-            a.jmpi(asm.JEQ, asm.R0, 0, "out")
+            self._lookup(a, "pods", -24)
+        if indexed or lookup:
             a.ldx(8, asm.R1, asm.R0, 0)
             a.alui(asm.ADD, asm.R1, 1)
             a.stx(8, asm.R0, 0, asm.R1)
@@ -135,7 +168,7 @@ class EbpfShapes:
                         self.links.append(bpf.link_create(prog, iface.index, attach))
                 os.close(prog)
         elif name in self.NAMES:
-            prog = self._program(lookup=name != "tcx hook, empty program")
+            prog = self._program(lookup=name != "tcx hook, empty program", indexed="index" in name)
             ifindex = next(i.index for i in bpf_tc.interfaces(self.topo.node) if i.name == "v-node-pod")
             with netns.entered(self.topo.node):
                 self.links.append(bpf.link_create(prog, ifindex, bpf.TCX_INGRESS))

@@ -139,11 +139,17 @@ def test_mode_switches_base_changes_and_a_reopen_keep_totals_exact(objects: Obje
     objects.open_maps(create=False)
 
 
-def test_a_recreated_hash_entry_gets_a_fresh_slot(objects: Objects) -> None:
-    """A hash entry created holding a total (a repair, a carry) is the whole count so far: the slot starts at
-    zero with it, so the sum never counts the slot's old packets twice."""
+def test_a_recreated_hash_entry_holds_the_total_less_its_slot(objects: Objects) -> None:
+    """A hash entry created holding a total (a repair, a carry) read with the slot's counts in it: the sum never
+    counts the slot's packets twice, and the address's other roles keep theirs."""
     s = _set(objects, ["10.245.3.2"])
     _send(objects, s, "10.245.3.2", 3)
+    ctx = bytearray(SK_BUFF_SIZE)
+    struct.pack_into("<I", ctx, program.SKB_INGRESS_IFINDEX, 7)
+    from_cluster = _packet(ipaddress.ip_address(str(next(iter(NETS))[5])), ipaddress.ip_address("10.245.3.2"))
+    assert bpf.prog_test_run(objects.load(s, clsact=False), from_cluster, ctx=bytes(ctx))[0] == program.RETURN_NEXT
+    rx_clus = (ipaddress.ip_address("10.245.3.2").packed, "rx-clus")
+    assert objects.read((4, 6)).pods[rx_clus][0] == 1
     key = program.pod_key(ipaddress.ip_address("10.245.3.2").packed, "rx-inet")
     assert bpf.map_delete(objects.maps["pods"], key)  # someone deletes it; the repair restores the last read
     objects.set_pods({(ipaddress.ip_address("10.245.3.2").packed, role): (3, 3 * 64) if role == "rx-inet" else None
@@ -151,6 +157,7 @@ def test_a_recreated_hash_entry_gets_a_fresh_slot(objects: Objects) -> None:
     assert _rx(objects, "10.245.3.2") == 3
     _send(objects, objects.specs((4, 6), NETS)[(program.EGRESS, 14)], "10.245.3.2", 2)
     assert _rx(objects, "10.245.3.2") == 5
+    assert objects.read((4, 6)).pods[rx_clus][0] == 1
 
 
 def test_every_index_map_is_pinned_and_removed(objects: Objects) -> None:

@@ -159,15 +159,19 @@ class Objects:
         fd = self.maps["pods"]
         have = set(self.pod_keys())
         want = {program.pod_key(address, role): value for (address, role), value in wanted.items()}
-        added: set[bytes] = set()
+        added = 0
         for key, value in want.items():
-            if key not in have and bpf.map_update(fd, key, _value(value or (0, 0), self._cpus), bpf.NOEXIST):
-                added.add(key)
+            if key in have:
+                continue
+            if value and self._slots is not None:  # a total read before: what the slot holds is counted there
+                address, role = _parse(key)
+                value = self._slots.less(address, program.ROLES.index(role), value)
+            added += bpf.map_update(fd, key, _value(value or (0, 0), self._cpus), bpf.NOEXIST)
         self._pods = {address for address, _ in wanted}
         if self._slots is not None:  # after the hash adds, before the deletes (slots.py: the order)
-            self._slots.set_addresses(self._pods, fresh={_parse(key)[0] for key in added})
+            self._slots.set_addresses(self._pods)
         removed = sum(bpf.map_delete(fd, key) for key in have - set(want))
-        return len(added), removed
+        return added, removed
 
     def pod_keys(self) -> list[bytes]:
         """The raw keys of the pods map."""

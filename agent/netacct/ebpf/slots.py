@@ -16,8 +16,8 @@ Maps (pinned beside `node` and `pods`):
 A family is in index mode when all its pod addresses lie in one /16 (IPv4) or /112 (IPv6) (`index_base`) and
 there are at most MAX_SLOT_ADDRESSES of them; otherwise its programs look pods up in the hash as before. Every
 pod keeps its hash entries either way: a program counts into one of the two, the reader sums both per (address,
-role), so a switch of modes moves nothing and loses nothing. A slot is never older than its address's hash
-entry (a re-created entry, as a repair or a carry makes, gets a fresh slot), so the sum never counts twice.
+role), so a switch of modes moves nothing and loses nothing. A hash entry re-created holding a total (a repair
+of someone's delete, a carry) holds that total less what the slot holds (`less`), so the sum never counts twice.
 
 The generation tags index values: a program built for generation g counts only values tagged g, so when the base
 changes (new generation) programs still attached for the old base cannot count one address into another's slot.
@@ -139,14 +139,25 @@ class Slots:
                 out[family] = table.generation
         return out
 
-    def set_addresses(self, addresses: Iterable[bytes], fresh: Iterable[bytes] = ()) -> None:
-        """Slots for `addresses` where their family fits index mode; removed addresses' slots cleared, and those in
-        `fresh` (a hash entry just created: its counts start there) given new ones. Before the hash deletes."""
-        addresses, fresh = set(addresses), set(fresh)
+    def less(self, address: bytes, role_number: int, counts: Counts) -> Counts:
+        """`counts` (a total read before, slot included) less what the address's slot holds now for the role: the
+        value a re-created hash entry takes so that hash + slot is the total again."""
+        table = self.tables[4 if len(address) == 4 else 6]
+        if address not in table.slots:
+            return counts
+        key = slot_index(table.family, table.slots[address], role_number).to_bytes(4, "little")
+        raw = bpf.map_lookup(self.maps["slots"], key, VALUE_SIZE * self.cpus) or b""
+        (packets, octets), = sum_counts(raw, self.cpus) or [(0, 0)]
+        return max(counts[0] - packets, 0), max(counts[1] - octets, 0)
+
+    def set_addresses(self, addresses: Iterable[bytes]) -> None:
+        """Slots for `addresses` where their family fits index mode, removed addresses' slots cleared: after the
+        hash adds, before the hash deletes."""
+        addresses = set(addresses)
         for family, table in self.tables.items():
             table.cooling.clear()
             mine = {a for a in addresses if len(a) == (4 if family == 4 else 16)}
-            for address in [a for a in table.slots if a not in mine or a in fresh]:
+            for address in [a for a in table.slots if a not in mine]:
                 self._clear(table, address)
             base = index_base(mine, family)
             if base is None:

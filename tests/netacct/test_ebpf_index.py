@@ -88,10 +88,11 @@ def test_an_indexed_pod_counts_in_its_slot_and_no_call_is_left(objects: Objects)
     assert _slot_packets(objects) == 9  # the slots counted, not the hash (its entries stay at zero)
     hashed = bpf.map_dump(objects.maps["pods"], program.POD_KEY_SIZE, 16 * bpf.possible_cpus(), 64)[1]
     assert sum(p for p, _ in slots.sum_counts(hashed, bpf.possible_cpus())) == 0
-    if shutil.which("bpftool") is None:
+    bpftool = shutil.which("bpftool")
+    if bpftool is None:
         pytest.skip("bpftool is not installed")
     prog_id = bpf.prog_info(objects.load(s, clsact=False)).id
-    xlated = subprocess.run(["bpftool", "prog", "dump", "xlated", "id", str(prog_id)], capture_output=True,
+    xlated = subprocess.run([bpftool, "prog", "dump", "xlated", "id", str(prog_id)], capture_output=True,
                             text=True, timeout=10, check=True).stdout
     assert "call" not in xlated  # every map lookup of the egress program inlined: node, index, slots
 

@@ -160,13 +160,14 @@ class Objects:
         have = set(self.pod_keys())
         want = {program.pod_key(address, role): value for (address, role), value in wanted.items()}
         added = 0
-        for key, value in want.items():
+        for key, total in want.items():
             if key in have:
                 continue
-            if value and self._slots is not None:  # a total read before: what the slot holds is counted there
+            value = total or (0, 0)
+            if total and self._slots is not None:  # a total read before: what the slot holds is counted there
                 address, role = _parse(key)
-                value = self._slots.less(address, program.ROLES.index(role), value)
-            added += bpf.map_update(fd, key, _value(value or (0, 0), self._cpus), bpf.NOEXIST)
+                value = self._slots.less(address, program.ROLES.index(role), total)
+            added += bpf.map_update(fd, key, _value(value, self._cpus), bpf.NOEXIST)
         self._pods = {address for address, _ in wanted}
         if self._slots is not None:  # after the hash adds, before the deletes (slots.py: the order)
             self._slots.set_addresses(self._pods)

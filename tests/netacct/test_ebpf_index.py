@@ -73,8 +73,9 @@ def _rx(objects: Objects, address: str) -> int:
 
 
 def _slot_packets(objects: Objects) -> int:
-    _, values = bpf.map_dump(objects.maps["slots"], 4, 16 * bpf.possible_cpus(), slots.SLOT_ENTRIES)
-    return sum(p for p, _ in slots.sum_counts(values, bpf.possible_cpus()))
+    _, values = bpf.map_dump(objects.maps["slots"], 4, slots.SLOT_VALUE_SIZE * bpf.possible_cpus(), slots.SLOT_ENTRIES)
+    columns = slots.sum_columns(values, bpf.possible_cpus(), 8)
+    return sum(sum(columns[2 * role]) for role in range(4))
 
 
 def test_an_indexed_pod_counts_in_its_slot_and_no_call_is_left(objects: Objects) -> None:

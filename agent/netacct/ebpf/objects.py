@@ -45,7 +45,7 @@ SHAPES = {"node": (bpf.MAP_PERCPU_ARRAY, 4, program.VALUE_SIZE, program.NODE_SLO
           "pods": (bpf.MAP_PERCPU_HASH, program.POD_KEY_SIZE, program.VALUE_SIZE, MAX_POD_ENTRIES, bpf.F_NO_PREALLOC),
           "index4": (bpf.MAP_ARRAY, 4, 4, slots.INDEX_SIZE, 0),
           "index6": (bpf.MAP_ARRAY, 4, 4, slots.INDEX_SIZE, 0),
-          "slots": (bpf.MAP_PERCPU_ARRAY, 4, program.VALUE_SIZE, slots.SLOT_ENTRIES, 0)}
+          "slots": (bpf.MAP_PERCPU_ARRAY, 4, slots.SLOT_VALUE_SIZE, slots.SLOT_ENTRIES, 0)}
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -190,7 +190,7 @@ class Objects:
         pods = dict(zip(entries, self._sums(values), strict=True))
         for (address, role), (packets, octets) in (self._slots.read() if self._slots else {}).items():
             key = (address, program.ROLES[role])
-            if key in pods and (packets or octets):  # a deleted hash entry is the repair's: no slot without it
+            if key in pods:  # a deleted hash entry is the repair's: no slot without it
                 pods[key] = (pods[key][0] + packets, pods[key][1] + octets)
         return Read(program.node_counts(nodes, families), pods)
 

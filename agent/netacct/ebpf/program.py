@@ -148,14 +148,14 @@ def _classify(a: Asm, at: int, nets: Iterable[Network], bit: int) -> None:
 
 
 
-def _add_to_value(a: Asm) -> None:
-    """*R0 += (1 packet, R9 bytes): this CPU's slot, so no atomic is needed (tc runs without preemption)."""
-    a.ldx(8, R1, R0, 0)
+def _add_to_value(a: Asm, at: int = 0) -> None:
+    """*(R0 + at) += (1 packet, R9 bytes): this CPU's slot, so no atomic is needed (tc runs without preemption)."""
+    a.ldx(8, R1, R0, at)
     a.alui(asm.ADD, R1, 1)
-    a.stx(8, R0, 0, R1)
-    a.ldx(8, R1, R0, 8)
+    a.stx(8, R0, at, R1)
+    a.ldx(8, R1, R0, at + 8)
     a.alu(asm.ADD, R1, R9)
-    a.stx(8, R0, 8, R1)
+    a.stx(8, R0, at + 8, R1)
 
 
 def _count_node(a: Asm, family: int, key: str) -> None:
@@ -185,17 +185,18 @@ def _count_pod(a: Asm, s: Spec, family: int, address_at: int, role: str, *, node
             a.label(maybe)
     generation = dict(s.index).get(family)
     if generation is not None:
-        _indexed(a, family, address_at, role, generation=generation, skip=skip)
+        _indexed(a, family, address_at, generation=generation, skip=skip)
+        _add_to_value(a, VALUE_SIZE * ROLES.index(role))  # a slot's value holds the four roles
     else:
         _hashed(a, family, address_at, role, skip)
-    _add_to_value(a)
+        _add_to_value(a)
     if node_key is not None:
         _count_node(a, family, node_key)
     a.label(skip)
 
 
-def _indexed(a: Asm, family: int, address_at: int, role: str, *, generation: int, skip: str) -> None:
-    """R0 = the address's slot value for `role` through two inlined array lookups (slots.py), or go to `skip`.
+def _indexed(a: Asm, family: int, address_at: int, *, generation: int, skip: str) -> None:
+    """R0 = the address's slot value through two inlined array lookups (slots.py), or go to `skip`.
     Inside the pods' prefix (compared before) and a /16 or /112, the last two bytes name the address."""
     a.ldx(2, R1, R7, address_at + 4 * WORDS[family] - 2)
     a.stx(4, FP, SLOT_AT, R1)
@@ -207,8 +208,9 @@ def _indexed(a: Asm, family: int, address_at: int, role: str, *, generation: int
     a.ldx(4, R1, R0, 0)
     a.alu32i(asm.ADD, R1, -(tag(generation) + 1) & 0xFFFFFFFF)  # 0 (no pod) and other generations wrap high
     a.jmp32i(asm.JGE, R1, MAX_SLOT_ADDRESSES, skip)
-    a.alu32i(asm.LSH, R1, 3)  # slot_index: (slot * 2 + family bit) * 4 + role
-    a.alu32i(asm.ADD, R1, slot_index(family, 0, ROLES.index(role)))
+    a.alu32i(asm.LSH, R1, 1)  # slot_index: slot * 2 + family bit
+    if slot_index(family, 0):
+        a.alu32i(asm.ADD, R1, slot_index(family, 0))
     a.stx(4, FP, SLOT_AT, R1)
     a.ld_map(R1, "slots")
     a.mov(R2, FP)

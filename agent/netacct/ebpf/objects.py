@@ -186,13 +186,12 @@ class Objects:
         nodes = dict(zip((k for (k,) in struct.iter_unpack("<I", keys)), self._sums(values), strict=True))
         keys, values = self._dump(self.maps["pods"], program.POD_KEY_SIZE, size, self._room)
         self._room = max(self._room, len(keys) // program.POD_KEY_SIZE + 1)  # one call next time
-        entries = (_parse(keys[i:i + program.POD_KEY_SIZE]) for i in range(0, len(keys), program.POD_KEY_SIZE))
-        pods = dict(zip(entries, self._sums(values), strict=True))
-        for (address, role), (packets, octets) in (self._slots.read() if self._slots else {}).items():
-            key = (address, program.ROLES[role])
-            if key in pods:  # a deleted hash entry is the repair's: no slot without it
-                pods[key] = (pods[key][0] + packets, pods[key][1] + octets)
-        return Read(program.node_counts(nodes, families), pods)
+        entries = [_parse(keys[i:i + program.POD_KEY_SIZE]) for i in range(0, len(keys), program.POD_KEY_SIZE)]
+        packets, octets = slots.sum_columns(values, self._cpus, 2)
+        if self._slots is not None:  # an entry someone deleted has no slot added: the repair re-creates it
+            packets, octets = self._slots.add_to(keys, entries, packets, octets)
+        counts = zip(packets, octets, strict=True)
+        return Read(program.node_counts(nodes, families), dict(zip(entries, counts, strict=True)))
 
     def _sums(self, values: bytes) -> list[Counts]:
         """(packets, bytes) of each per-CPU value in a dump, summed over the CPU slots."""

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import array
 import ipaddress
-import itertools
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from agent.host import bpf
+from agent.netacct import ipsets
 
 Counts = tuple[int, int]
 INDEX_ENTRIES = 1 << 16  # one per value of an address's last two bytes
@@ -50,6 +50,7 @@ VALUE_SIZE = 16  # u64 packets, u64 bytes
 SLOT_VALUE_SIZE = ROLE_COUNT * VALUE_SIZE
 SLOT_ENTRIES = 2 * MAX_SLOT_ADDRESSES
 INDEX_PREFIX = {4: 16, 6: 112}
+ROLES_AT = {role: i for i, role in enumerate(ipsets.COUNTED)}  # program.ROLES order
 GENERATIONS = 1 << 16
 
 
@@ -108,7 +109,8 @@ class Slots:
     maps: dict[str, int]
     cpus: int
     tables: dict[int, Table] = field(default_factory=lambda: {4: Table(4), 6: Table(6)})
-    _positions: list[bytes | None] | None = None  # read's cache of the address owning each slots index
+    _positions: list[bytes | None] | None = None  # the address owning each slots index (cached)
+    _gather: tuple[list[bytes | None], bytes, Callable[[array.array[int]], Iterable[int]]] | None = None
 
     def load(self) -> None:
         """The slot tables back from the index maps (an agent restart): the record, then every entry tagged with
@@ -199,22 +201,33 @@ class Slots:
             bpf.map_update(fd, (RECORD + 1 + i).to_bytes(4, "little"), packed[4 * i:4 * i + 4])
         bpf.map_update(fd, RECORD.to_bytes(4, "little"), (table.generation + 1).to_bytes(4, "little"))
 
-    def read(self) -> dict[tuple[bytes, int], Counts]:
-        """(address, role number) -> the slot's counts summed over CPUs, for every slot in use that counted
-        anything (one batch call over the leading entries: slots are allocated lowest first; the zero ones are
-        skipped in C, so an idle pod costs no Python step)."""
+    def add_to(self, keys: bytes, entries: Sequence[tuple[bytes, str]], packets: array.array[int],
+               octets: array.array[int]) -> tuple[array.array[int], array.array[int]]:
+        """The `pods` dump's summed columns (`keys` its raw keys, `entries` them decoded, in order) plus each
+        entry's slot counts: one batch call over the leading `slots` entries (allocated lowest first), then C-level
+        gathers and adds through an index list kept while the dump's keys and the tables stay the same (a per-entry
+        Python loop over 8,000 counters costs more than the rest of the read)."""
         owners = self._owners()
-        if not owners:
-            return {}
+        if not owners or not entries:
+            return packets, octets
         _, values = bpf.map_dump(self.maps["slots"], 4, SLOT_VALUE_SIZE * self.cpus, len(owners), once=True)
         columns = sum_columns(values, self.cpus, 2 * ROLE_COUNT)
-        out: dict[tuple[bytes, int], Counts] = {}
+        slot_packets, slot_octets = array.array("Q"), array.array("Q")
         for role in range(ROLE_COUNT):
-            packets, octets = columns[2 * role], columns[2 * role + 1]
-            for i in itertools.compress(range(len(packets)), packets):
-                if (owner := owners[i]) is not None:
-                    out[(owner, role)] = (packets[i], octets[i])
-        return out
+            slot_packets.extend(columns[2 * role])
+            slot_octets.extend(columns[2 * role + 1])
+        slot_packets.append(0)  # what an entry without a slot gathers
+        slot_octets.append(0)
+        if self._gather is None or self._gather[0] is not owners or self._gather[1] != keys:
+            where = {address: i for i, address in enumerate(owners) if address is not None}
+            zero, width = ROLE_COUNT * len(owners), len(owners)
+            indexes = [zero if (i := where.get(address)) is None else ROLES_AT[role] * width + i
+                       for address, role in entries]
+            pick = operator.itemgetter(*indexes)
+            self._gather = (owners, keys, pick if len(indexes) > 1 else lambda column: (pick(column),))
+        gather = self._gather[2]
+        return (array.array("Q", map(operator.add, packets, gather(slot_packets))),
+                array.array("Q", map(operator.add, octets, gather(slot_octets))))
 
     def _owners(self) -> list[bytes | None]:
         """Per `slots` index up to the last one in use, its address (None: free); cached until the tables

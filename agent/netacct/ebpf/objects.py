@@ -81,6 +81,7 @@ class Objects:
     _pods: set[bytes] | None = None  # the addresses set_pods last wrote (None: not yet, programs look up any)
     _room: int = 1024  # pods map entries per batch call
     _slots: slots.Slots | None = None  # the index mode's slot tables, once the maps are open
+    _entries: tuple[bytes, list[PodEntry]] = (b"", [])  # the pods dump's raw keys last read, decoded
 
     # -- paths and presence -------------------------------------------------------------------------------------
 
@@ -186,7 +187,10 @@ class Objects:
         nodes = dict(zip((k for (k,) in struct.iter_unpack("<I", keys)), self._sums(values), strict=True))
         keys, values = self._dump(self.maps["pods"], program.POD_KEY_SIZE, size, self._room)
         self._room = max(self._room, len(keys) // program.POD_KEY_SIZE + 1)  # one call next time
-        entries = [_parse(keys[i:i + program.POD_KEY_SIZE]) for i in range(0, len(keys), program.POD_KEY_SIZE)]
+        if self._entries[0] != keys:  # the same keys in the same order as the last read: decoded already
+            size = program.POD_KEY_SIZE
+            self._entries = (keys, [_parse(keys[i:i + size]) for i in range(0, len(keys), size)])
+        entries = self._entries[1]
         packets, octets = slots.sum_columns(values, self._cpus, 2)
         if self._slots is not None:  # an entry someone deleted has no slot added: the repair re-creates it
             packets, octets = self._slots.add_to(keys, entries, packets, octets)

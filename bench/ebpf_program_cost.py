@@ -1,7 +1,9 @@
 """What the eBPF layout's programs cost per packet, measured by the kernel itself (BPF_PROG_TEST_RUN, repeat N).
 
 The programs as the layout builds them (default internal CIDRs, the node's addresses and the prefix the pods
-share compared inline, a pods map holding `--pods` pods x 2 families x 4 roles) run on one 64-byte packet of each
+share compared inline, a pods map holding `--pods` pods x 2 families x 4 roles, and each pod a slot), in both pod
+modes (hash: a pod's counters found by a hash lookup; index: through the inlined index and slot arrays, slots.py),
+run on one 64-byte packet of each
 kind the node sees. A forwarded packet runs the ingress program where it arrives (source side) and the egress
 program where it leaves (destination side, `ingress_ifindex` set as the kernel sets it): both are timed and
 summed. Host input to a UDP socket (one socket lookup) and an empty program (return -1: the harness's own share)
@@ -27,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent.config.netacct import NetacctConfig
 from agent.host import bpf
-from agent.netacct.ebpf import asm, program
+from agent.netacct.ebpf import asm, program, slots
+from agent.netacct.ebpf.objects import SHAPES
 
 NODE_ADDRESSES = ["10.244.0.1", "203.0.113.1", "fd00:244::1", "2001:db8:1::1"]
 
@@ -65,20 +68,25 @@ def main() -> int:
         print("needs root (bpf(2))", file=sys.stderr)
         return 2
     cpus = bpf.possible_cpus()
-    maps = {"node": bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, 16, program.NODE_SLOTS, name="bench_node"),
-            "pods": bpf.map_create(bpf.MAP_PERCPU_HASH, 20, 16, 1 << 16, name="bench_pods",
-                                   flags=bpf.F_NO_PREALLOC)}
+    maps = {name: bpf.map_create(kind, key, value, entries, name=f"bench_{name}", flags=flags)
+            for name, (kind, key, value, entries, flags) in SHAPES.items()}  # the layout's maps
     addresses = [ipaddress.ip_address(pod_address(i, family)) for i in range(args.pods) for family in (4, 6)]
+    table = slots.Slots(maps, cpus)
+    table.set_addresses(a.packed for a in addresses)
     for i in range(args.pods):
         for family in (4, 6):
             for role in program.ROLES:
                 key = program.pod_key(ipaddress.ip_address(pod_address(i, family)).packed, role)
                 bpf.map_update(maps["pods"], key, bytes(16 * cpus))
     local = [ipaddress.ip_address(a) for a in NODE_ADDRESSES]
+    modes = {"hash": None, "index": table.modes(a.packed for a in addresses)}
     progs = {}
-    for direction, attach in ((program.INGRESS, bpf.TCX_INGRESS), (program.EGRESS, bpf.TCX_EGRESS)):
-        spec = program.spec(direction, 14, (4, 6), NetacctConfig().internal_networks(), local, pods=addresses)
-        progs[direction] = bpf.prog_load(bpf.PROG_SCHED_CLS, program.build(spec).assemble(maps), spec.name, attach)
+    for mode, index in modes.items():
+        for direction, attach in ((program.INGRESS, bpf.TCX_INGRESS), (program.EGRESS, bpf.TCX_EGRESS)):
+            spec = program.spec(direction, 14, (4, 6), NetacctConfig().internal_networks(), local, pods=addresses,
+                                index=index)
+            progs[(mode, direction)] = bpf.prog_load(bpf.PROG_SCHED_CLS, program.build(spec).assemble(maps),
+                                                     spec.name, attach)
     empty = asm.Asm()
     empty.movi(asm.R0, -1)
     empty.exit()
@@ -87,8 +95,11 @@ def main() -> int:
     listener.bind(("0.0.0.0", 0))  # noqa: S104 -- the lookup must find it for a node address; it never reads
     port = listener.getsockname()[1]
     pod4, other4, pod6 = pod_address(0, 4), pod_address(1, 4), pod_address(0, 6)
-    ing, eg, fwd = progs[program.INGRESS], progs[program.EGRESS], forwarded_ctx()
-    cases: dict[str, list[tuple[int, bytes, bytes | None]]] = {
+    fwd = forwarded_ctx()
+    results: dict[str, dict[str, list[int]]] = {}
+    for mode in modes:
+        ing, eg = progs[(mode, program.INGRESS)], progs[(mode, program.EGRESS)]
+        cases: dict[str, list[tuple[int, bytes, bytes | None]]] = {
         "empty program (harness)": [(baseline, packet("203.0.113.9", pod4), None)],
         "v4 internet -> pod": [(ing, packet("203.0.113.9", pod4), None), (eg, packet("203.0.113.9", pod4), fwd)],
         "v4 pod -> internet": [(ing, packet(pod4, "203.0.113.9"), None), (eg, packet(pod4, "203.0.113.9"), fwd)],
@@ -97,16 +108,18 @@ def main() -> int:
                                (eg, packet("2001:db8:1::9", pod6), fwd)],
         "v4 host input (UDP socket)": [(ing, packet("203.0.113.9", "203.0.113.1", port), None)],
         "v4 host output": [(eg, packet("203.0.113.1", "203.0.113.9"), None)],
-    }
-    results: dict[str, list[int]] = {name: [] for name in cases}
-    for _ in range(args.rounds):
-        for name, runs in cases.items():
-            results[name].append(sum(bpf.prog_test_run(fd, data, args.repeat, ctx)[1] for fd, data, ctx in runs))
+        }
+        results[mode] = {name: [] for name in cases}
+        for _ in range(args.rounds):
+            for name, runs in cases.items():
+                results[mode][name].append(sum(bpf.prog_test_run(fd, data, args.repeat, ctx)[1]
+                                               for fd, data, ctx in runs))
     print(f"eBPF program cost: {args.pods} pods, {len(spec.internal)} internal CIDRs, "
           f"{args.repeat} runs x {args.rounds} rounds, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"  {'packet (ingress + egress)':<28}{'ns':>6}   rounds")
-    for name, values in results.items():
-        print(f"  {name:<28}{statistics.median(values):>6}   {values}")
+    print(f"  {'packet (ingress + egress)':<28}{'hash ns':>8}{'index ns':>9}   rounds (hash | index)")
+    for name in results["hash"]:
+        hashed, indexed = results["hash"][name], results["index"][name]
+        print(f"  {name:<28}{statistics.median(hashed):>8}{statistics.median(indexed):>9}   {hashed} | {indexed}")
     listener.close()
     for fd in (*progs.values(), baseline, *maps.values()):
         os.close(fd)

@@ -51,10 +51,17 @@ NAIVE_CONFIGS = [("naive", 100), ("naive", 500)]  # iptables layout only: it reu
 NAIVE = "GNA-BENCH-NAIVE"
 
 
+SPREAD = {"spread": False}  # --spread-pods
+
+
 def pods(count: int) -> list[Pod]:
-    """The sending pod plus `count - 1` others."""
-    others = [make_pod("bench", f"pod-{i}", [f"10.245.{i // 250}.{i % 250 + 1}", f"fd00:245::{i + 1:x}"])
-              for i in range(max(0, count - 1))]
+    """The sending pod plus `count - 1` others, from the sender's pod CIDR as a node's pods are (the eBPF layout
+    counts them through its index: one /16 and /112); with --spread-pods from another /16 (its hash mode)."""
+    def address(i: int) -> list[str]:
+        if SPREAD["spread"]:
+            return [f"10.245.{i // 250}.{i % 250 + 1}", f"fd00:245::{i + 1:x}"]
+        return [f"10.244.{2 + i // 250}.{i % 250 + 1}", f"fd00:244:1::{i + 3:x}"]
+    others = [make_pod("bench", f"pod-{i}", address(i)) for i in range(max(0, count - 1))]
     return [make_pod("bench", "sender", [POD4, POD6]), *others] if count else []
 
 
@@ -241,13 +248,17 @@ def main() -> int:
     parser.add_argument("--layout", nargs="+", default=["auto"], choices=["auto", "ebpf", "nft", "iptables"])
     parser.add_argument("--backend", nargs="+", default=["nft"], choices=["nft", "legacy"],
                         help="iptables backends to run the iptables layout on")
+    parser.add_argument("--spread-pods", action="store_true",
+                        help="the other pods in another /16 than the sender (the eBPF layout's hash mode)")
     args = parser.parse_args()
+    SPREAD["spread"] = args.spread_pods
     reason = netns.missing_prerequisite()
     if reason:
         print(reason)
         return 2
     print(f"netacct forwarding bench: {os.cpu_count()} CPUs, {os.uname().release}, load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, "
+          f"pods {'spread over two /16s' if args.spread_pods else 'in the sender pod CIDR'}")
     layouts = [(layout, mode) for layout in args.layout
                for mode in (args.backend if layout == "iptables" else args.backend[:1])]
     run(layouts, args.seconds, args.rounds, args.batches)

@@ -70,10 +70,12 @@ class EbpfShapes:
     programs" the cost of the layout's hooks (ingress and egress on every interface) without their work; "tcx +
     per-CPU hash lookup" one lookup of the source address in a 500-pod map (what counting a pod side costs), "tcx +
     index + per-CPU array" the same count through an address index and a per-CPU array (lookups the verifier inlines);
-    "ebpf layout, N pods" the layout's own ingress and egress programs on every interface, N pods in its map."""
+    "ebpf layout, N pods" the layout's own ingress and egress programs on every interface, N pods in its map (from
+    the node's pod CIDR: the index mode; "spread": over two /16s, the hash mode)."""
 
     NAMES = ("tcx hook, empty program", "tcx every hook, empty programs", "tcx + per-CPU hash lookup",
-             "tcx + index + per-CPU array", "ebpf layout, 0 pods", "ebpf layout, 500 pods")
+             "tcx + index + per-CPU array", "ebpf layout, 0 pods", "ebpf layout, 500 pods",
+             "ebpf layout, 500 pods spread")
 
     def __init__(self, topo: netns.Topology) -> None:
         self.topo = topo
@@ -82,8 +84,10 @@ class EbpfShapes:
         self.maps = {"node": bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, 16, program.NODE_SLOTS, name="shape_node"),
                      "pods": bpf.map_create(bpf.MAP_PERCPU_HASH, 20, 16, 4096, name="shape_pods",
                                             flags=bpf.F_NO_PREALLOC)}
-        self.addresses = [ipaddress.ip_address(POD4).packed] + [bytes([10, 245, i // 250, i % 250 + 1])
-                                                               for i in range(1, 500)]
+        self.addresses = [ipaddress.ip_address(POD4).packed] + [bytes([10, 244, 2 + i // 250, i % 250 + 1])
+                                                               for i in range(1, 500)]  # the node's pod CIDR
+        self.spread = [ipaddress.ip_address(POD4).packed] + [bytes([10, 245, i // 250, i % 250 + 1])
+                                                            for i in range(1, 500)]  # two /16s: hash mode
         for address in self.addresses:
             bpf.map_update(self.maps["pods"], program.pod_key(address, "tx-inet"), bytes(16 * self.cpus))
         # an address index (slot + 1 by the address's low 16 bits) and per-CPU counters by slot and role: two
@@ -156,9 +160,9 @@ class EbpfShapes:
         self.layout.remove()
         if name.startswith("ebpf layout"):
             self.layout.open_maps(create=True)
-            count = 500 if name.endswith("500 pods") else 0
-            self.layout.set_pods({(address, role): None for address in self.addresses[:count]
-                                  for role in program.ROLES})
+            count = 0 if name == "ebpf layout, 0 pods" else 500
+            addresses = self.spread if name.endswith("spread") else self.addresses
+            self.layout.set_pods({(address, role): None for address in addresses[:count] for role in program.ROLES})
             self.layout.sync_hooks((4, 6), NetacctConfig().internal_networks())
         elif name == "tcx every hook, empty programs":  # the layout's hooks: ingress and egress, every interface
             for attach in (bpf.TCX_INGRESS, bpf.TCX_EGRESS):

@@ -163,10 +163,11 @@ def map_keys(fd: int, key_size: int) -> list[bytes]:
         prev = ctypes.create_string_buffer(nxt.raw, key_size)
 
 
-def map_dump(fd: int, key_size: int, value_size: int, room: int) -> tuple[bytes, bytes]:
+def map_dump(fd: int, key_size: int, value_size: int, room: int, *, once: bool = False) -> tuple[bytes, bytes]:
     """Every key and value, concatenated (keys, values), with as few syscalls as `room` entries per call allow
     (MAP_LOOKUP_BATCH, kernel 5.6). `value_size` is the whole value as user space sees it (all CPUs' slots for a
-    per-CPU map). Whole buffers, so a caller decodes thousands of entries with one struct.iter_unpack."""
+    per-CPU map). Whole buffers, so a caller decodes thousands of entries with one struct.iter_unpack. `once`: only
+    the first `room` entries (an array's leading indexes), one call."""
     room = max(room, 1)
     keys, values = ctypes.create_string_buffer(key_size * room), ctypes.create_string_buffer(value_size * room)
     token_in, token_out = ctypes.create_string_buffer(max(key_size, 8)), ctypes.create_string_buffer(max(key_size, 8))
@@ -186,7 +187,7 @@ def map_dump(fd: int, key_size: int, value_size: int, room: int) -> tuple[bytes,
         count = struct.unpack_from("<I", attr, 32)[0]
         out_keys.append(keys.raw[:count * key_size])
         out_values.append(values.raw[:count * value_size])
-        if done:
+        if done or once:
             return b"".join(out_keys), b"".join(out_values)
         ctypes.memmove(token_in, token_out, len(token_out))
         first = False

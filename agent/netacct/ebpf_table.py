@@ -1,7 +1,8 @@
 """The eBPF layout (`layout.Layout`): the agent's own tc programs count into pinned per-CPU maps.
 
 Why: every netfilter design pays a set lookup per forwarded packet in the forwarding path; a tcx program with the
-internal CIDRs compared inline and one hash lookup per pod address costs a fraction of that (README, Performance).
+internal CIDRs compared inline and one pod lookup per forwarded packet (two inlined array lookups where the pods'
+addresses fit one /16 or /112, else a hash lookup) costs a fraction of that (README, Performance).
 The objects are built and loaded at run time by the agent (agent.netacct.ebpf: assembler, program builder,
 objects), through the bpf(2) port agent.host.bpf; nothing is compiled or installed on the node.
 
@@ -15,6 +16,7 @@ preloaded, `carried` once everything is) say how far an interrupted migration go
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -26,7 +28,7 @@ from agent.netacct import ipsets
 from agent.netacct.carry import OldRaw
 from agent.netacct.counters import CounterBook, Counts, Source
 from agent.netacct.ebpf import program
-from agent.netacct.ebpf.objects import Objects, PodEntry, Read
+from agent.netacct.ebpf.objects import SHAPES, Objects, PodEntry, Read
 from agent.netacct.layout import Desired, Members, NotReady, sync_members
 from agent.netacct.repair import Repairs, missing_elements
 
@@ -72,22 +74,24 @@ class EbpfLayout:
     # -- choosing -----------------------------------------------------------------------------------------------
 
     def probe(self) -> str | None:
-        """For `auto`: bpffs at the pin directory, both programs loaded and attached for real (the attachment is
-        removed at once: an unpinned tcx link detaches when its fd closes). None, or why not (a refused program
-        with the verifier's last lines)."""
+        """For `auto`: bpffs at the pin directory, the programs (hash and index modes) loaded and one attached for
+        real (the attachment is removed at once: an unpinned tcx link detaches when its fd closes). None, or why
+        not (a refused program with the verifier's last lines)."""
         if (why := self.host.bpf_usable()) is not None:
             return why
         probe = Objects(self.objects.bpffs_dir, netns=self.host.netns, tcx=self.objects.tcx)
         try:
             bpf.mount_bpffs(self.objects.bpffs_dir)
-            probe.maps = {"node": bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, program.VALUE_SIZE, program.NODE_SLOTS,
-                                                 name="gna_probe"),
-                          "pods": bpf.map_create(bpf.MAP_PERCPU_HASH, program.POD_KEY_SIZE, program.VALUE_SIZE, 8,
-                                                 name="gna_probe", flags=bpf.F_NO_PREALLOC)}
+            for name, (kind, key_size, value_size, entries, flags) in SHAPES.items():  # the layout's shapes
+                probe.maps[name] = bpf.map_create(kind, key_size, value_size, 8 if name == "pods" else entries,
+                                                  name="gna_probe", flags=flags)
             specs = probe.specs(self.families, self.networks)
             ifaces = bpf_tc.interfaces(self.host.netns)
             for spec in specs.values():
                 probe.load(spec, clsact=False)
+            pods = [ipaddress.ip_address("10.0.0.1"), ipaddress.ip_address("fd00::1")]  # the index mode's program
+            probe.load(program.spec(program.EGRESS, 14, self.families, self.networks, pods=pods,
+                                    index={family: 0 for family in self.families}), clsact=False)
             if ifaces:
                 self.objects.tcx = probe.attach_test(ifaces[0], specs[(program.INGRESS, ifaces[0].l2_len)])
         except bpf.VerifierError as exc:

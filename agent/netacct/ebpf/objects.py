@@ -1,8 +1,10 @@
-"""The eBPF layout's kernel objects: two pinned maps, one program per hook kind, one link (or cls_bpf filter) per
+"""The eBPF layout's kernel objects: five pinned maps, one program per hook kind, one link (or cls_bpf filter) per
 interface and direction, all under one bpffs directory.
 
     <bpffs_dir>/node                 per-CPU array, the node series (program.NODE_KEYS x family)
     <bpffs_dir>/pods                 per-CPU hash, (pod address, role) -> counts
+    <bpffs_dir>/index4, index6       arrays, an address's last two bytes -> slot (index mode, slots.py)
+    <bpffs_dir>/slots                per-CPU array, (slot, family, role) -> counts (index mode)
     <bpffs_dir>/link_<ifindex>_in    tcx ingress link of an interface (egress: _eg)
 
 Pins keep maps and links alive while the agent is down, so the programs go on counting and the next start reads
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 
 from agent.host import bpf, bpf_tc
 from agent.host.netns import entered
-from agent.netacct.ebpf import program
+from agent.netacct.ebpf import program, slots
 from agent.netacct.ebpf.program import EGRESS, INGRESS
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,12 @@ ATTACH = {INGRESS: bpf.TCX_INGRESS, EGRESS: bpf.TCX_EGRESS}
 SHORT = {INGRESS: "in", EGRESS: "eg"}
 MAX_POD_ENTRIES = 1 << 16  # 8 per pod (2 families x 4 roles): 8,192 pods; entries allocated on insert
 TCX_ABSENT = (errno.EINVAL, errno.EOPNOTSUPP, 524)  # 524: ENOTSUPP, the kernel-internal "not supported"
+# name -> (type, key size, value size, entries, flags)
+SHAPES = {"node": (bpf.MAP_PERCPU_ARRAY, 4, program.VALUE_SIZE, program.NODE_SLOTS, 0),
+          "pods": (bpf.MAP_PERCPU_HASH, program.POD_KEY_SIZE, program.VALUE_SIZE, MAX_POD_ENTRIES, bpf.F_NO_PREALLOC),
+          "index4": (bpf.MAP_ARRAY, 4, 4, slots.INDEX_SIZE, 0),
+          "index6": (bpf.MAP_ARRAY, 4, 4, slots.INDEX_SIZE, 0),
+          "slots": (bpf.MAP_PERCPU_ARRAY, 4, slots.SLOT_VALUE_SIZE, slots.SLOT_ENTRIES, 0)}
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -72,6 +80,8 @@ class Objects:
     _cpus: int = field(default_factory=bpf.possible_cpus)
     _pods: set[bytes] | None = None  # the addresses set_pods last wrote (None: not yet, programs look up any)
     _room: int = 1024  # pods map entries per batch call
+    _slots: slots.Slots | None = None  # the index mode's slot tables, once the maps are open
+    _entries: tuple[bytes, list[PodEntry]] = (b"", [])  # the pods dump's raw keys last read, decoded
 
     # -- paths and presence -------------------------------------------------------------------------------------
 
@@ -85,7 +95,7 @@ class Objects:
             names = os.listdir(self.bpffs_dir)
         except (FileNotFoundError, NotADirectoryError, PermissionError):
             return []
-        return sorted(n for n in names if n in ("node", "pods") or n.startswith("link_"))
+        return sorted(n for n in names if n in SHAPES or n.startswith("link_"))
 
     def _link_path(self, index: int, direction: str) -> str:
         """The pin of our tcx link on an interface (by index) and direction."""
@@ -108,30 +118,33 @@ class Objects:
 
     def open_maps(self, create: bool) -> bool:
         """Open the pinned maps; with `create`, mount bpffs if needed and create and pin what is missing. Whether
-        both maps were there already."""
+        the maps holding counts (`node`, `pods`) were there already (the index maps of an older agent's pins are
+        simply created)."""
         if create:
             bpf.mount_bpffs(self.bpffs_dir)
         found = True
-        shapes = {"node": (bpf.MAP_PERCPU_ARRAY, 4, program.NODE_SLOTS, 0),
-                  "pods": (bpf.MAP_PERCPU_HASH, program.POD_KEY_SIZE, MAX_POD_ENTRIES, bpf.F_NO_PREALLOC)}
-        for name, (kind, key_size, entries, flags) in shapes.items():
+        for name, (kind, key_size, value_size, entries, flags) in SHAPES.items():
             if name in self.maps:
                 continue
             try:
                 fd = bpf.obj_get(self.path(name))
                 info = bpf.map_info(fd)
-                if (info.map_type, info.key_size, info.value_size) != (kind, key_size, program.VALUE_SIZE):
+                if (info.map_type, info.key_size, info.value_size, info.max_entries) != \
+                        (kind, key_size, value_size, entries):
                     os.close(fd)
                     raise bpf.BpfError(errno.EINVAL, f"pinned map {self.path(name)} has another shape")
                 self.maps[name] = fd
                 continue
             except FileNotFoundError:
-                found = False
+                found = found and name not in ("node", "pods")
                 if not create:
                     continue
-            fd = bpf.map_create(kind, key_size, program.VALUE_SIZE, entries, name=f"gna_{name}", flags=flags)
+            fd = bpf.map_create(kind, key_size, value_size, entries, name=f"gna_{name}", flags=flags)
             bpf.obj_pin(fd, self.path(name))
             self.maps[name] = fd
+        if self._slots is None and all(name in self.maps for name in SHAPES):
+            self._slots = slots.Slots(self.maps, self._cpus)
+            self._slots.load()
         return found
 
     def preload_node(self, carried: Mapping[int, Mapping[str, Counts]]) -> None:
@@ -148,11 +161,18 @@ class Objects:
         have = set(self.pod_keys())
         want = {program.pod_key(address, role): value for (address, role), value in wanted.items()}
         added = 0
-        for key, value in want.items():
-            if key not in have:
-                added += bpf.map_update(fd, key, _value(value or (0, 0), self._cpus), bpf.NOEXIST)
-        removed = sum(bpf.map_delete(fd, key) for key in have - set(want))
+        for key, total in want.items():
+            if key in have:
+                continue
+            value = total or (0, 0)
+            if total and self._slots is not None:  # a total read before: what the slot holds is counted there
+                address, role = _parse(key)
+                value = self._slots.less(address, program.ROLES.index(role), total)
+            added += bpf.map_update(fd, key, _value(value, self._cpus), bpf.NOEXIST)
         self._pods = {address for address, _ in wanted}
+        if self._slots is not None:  # after the hash adds, before the deletes (slots.py: the order)
+            self._slots.set_addresses(self._pods)
+        removed = sum(bpf.map_delete(fd, key) for key in have - set(want))
         return added, removed
 
     def pod_keys(self) -> list[bytes]:
@@ -160,19 +180,26 @@ class Objects:
         return bpf.map_keys(self.maps["pods"], program.POD_KEY_SIZE)
 
     def read(self, families: Iterable[int]) -> Read:
-        """Both maps, summed over CPUs, with one batch lookup each (decoded a whole buffer at a time: at 1,000 pods
-        the pods map is 8,000 entries)."""
+        """The maps, summed over CPUs, with one batch lookup each (decoded a whole buffer at a time: at 1,000 pods
+        the pods map is 8,000 entries); a pod's slot counts are added to its hash entry's (slots.py)."""
         size = program.VALUE_SIZE * self._cpus
         keys, values = self._dump(self.maps["node"], 4, size, program.NODE_SLOTS)
-        slots = dict(zip((k for (k,) in struct.iter_unpack("<I", keys)), self._sums(values), strict=True))
+        nodes = dict(zip((k for (k,) in struct.iter_unpack("<I", keys)), self._sums(values), strict=True))
         keys, values = self._dump(self.maps["pods"], program.POD_KEY_SIZE, size, self._room)
         self._room = max(self._room, len(keys) // program.POD_KEY_SIZE + 1)  # one call next time
-        entries = (_parse(keys[i:i + program.POD_KEY_SIZE]) for i in range(0, len(keys), program.POD_KEY_SIZE))
-        return Read(program.node_counts(slots, families), dict(zip(entries, self._sums(values), strict=True)))
+        if self._entries[0] != keys:  # the same keys in the same order as the last read: decoded already
+            size = program.POD_KEY_SIZE
+            self._entries = (keys, [_parse(keys[i:i + size]) for i in range(0, len(keys), size)])
+        entries = self._entries[1]
+        packets, octets = slots.sum_columns(values, self._cpus, 2)
+        if self._slots is not None:  # an entry someone deleted has no slot added: the repair re-creates it
+            packets, octets = self._slots.add_to(keys, entries, packets, octets)
+        counts = zip(packets, octets, strict=True)
+        return Read(program.node_counts(nodes, families), dict(zip(entries, counts, strict=True)))
 
     def _sums(self, values: bytes) -> list[Counts]:
         """(packets, bytes) of each per-CPU value in a dump, summed over the CPU slots."""
-        return [(sum(v[0::2]), sum(v[1::2])) for v in struct.iter_unpack(f"<{2 * self._cpus}Q", values)]
+        return slots.sum_counts(values, self._cpus)
 
     @staticmethod
     def _dump(fd: int, key_size: int, value_size: int, room: int) -> tuple[bytes, bytes]:
@@ -194,7 +221,9 @@ class Objects:
         fams, nets = tuple(families), list(internal)
         local = bpf_tc.addresses(self.netns)
         pods = None if self._pods is None else [ipaddress.ip_address(a) for a in self._pods]
-        return {(d, l2): program.spec(d, l2, fams, nets, local, pods=pods) for d in (INGRESS, EGRESS) for l2 in (0, 14)}
+        index = self._slots.modes(self._pods) if self._slots is not None and self._pods is not None else None
+        return {(d, l2): program.spec(d, l2, fams, nets, local, pods=pods, index=index)
+                for d in (INGRESS, EGRESS) for l2 in (0, 14)}
 
     def load(self, spec: program.Spec, clsact: bool) -> int:
         """The fd of the program for `spec`, loaded once per process (VerifierError: the kernel refused it)."""
@@ -371,5 +400,6 @@ class Objects:
         for fd in [*self.maps.values(), *self._progs.values(), *(fd for fd, _ in self._links.values())]:
             os.close(fd)
         self.maps.clear()
+        self._slots = None
         self._progs.clear()
         self._links.clear()

@@ -1,12 +1,17 @@
 """The counting programs and their maps, built from the internal CIDRs and the node's addresses.
 
-Maps (shared by every program, pinned by the layout):
+Maps (shared by every program, pinned by the layout; keys in agent.netacct.ebpf.keys and .slots):
 
 - `node`: a per-CPU array of 16 (packets, bytes) slots, one per family x node series (`NODE_KEYS`, the iptables
   layout's rule keys), so the node totals cost an inlined index, not a hash walk;
 - `pods`: a per-CPU hash keyed by a pod address (16 bytes, IPv4 in the first 4, the rest zero) and a u32 naming
   the counted role and family (`pod_key`); entries are added by the agent (BPF_NOEXIST keeps an existing count),
-  never by the program, so a packet of an address nobody owns costs a failed lookup and no entry.
+  never by the program, so a packet of an address nobody owns costs a failed lookup and no entry;
+- `index4` / `index6` and `slots`: arrays the verifier inlines (slots.py). When every pod address of a family
+  lies in one /16 (IPv4) or /112 (IPv6), at most 1,024 of them (the index mode, `Spec.index`), a pod is counted
+  by its address's last two bytes -> slot -> a per-CPU array entry: two index computations instead of a hash
+  lookup, which on a kernel with retpolines and safe-RET costs a helper call and a jhash (~75 ns per packet).
+  Otherwise the family's pods are counted in the hash (the hash mode). The reader sums both per (pod, role).
 
 Programs (BPF_PROG_TYPE_SCHED_CLS, one per hook direction and link-layer header length, on every interface but lo):
 
@@ -24,11 +29,12 @@ Programs (BPF_PROG_TYPE_SCHED_CLS, one per hook direction and link-layer header 
 So a forwarded packet is counted once on each side, in the same series as the nft layout's forward chains. A pod
 entry is looked up only for an address inside the prefix all pod entries share (`pod_prefixes`, the node's pod
 CIDR in practice, compared inline): the internet side of a forwarded packet, or a pod on another node, costs a
-compare instead of a hash lookup, so pod <-> internet traffic does one lookup per packet. The
+compare instead of a lookup, so pod <-> internet traffic does one pod lookup per packet (in index mode: two
+inlined array lookups, no call; an address inside the prefix that is no pod finds index value 0). The
 internal CIDRs and the node's addresses are compared inline (a second hash lookup per forwarded packet costs
 about as much as the hook itself: reference ebpf-accounting §8); a change of them builds new programs, which the
 layout swaps into the same links (no gap, no double count: the counts live in the maps); so does a change of the
-pods' prefix, made in the sync that adds the entries.
+pods' prefix or of a family's mode, made in the sync that adds the entries.
 
 Bytes are IP-level, as netfilter counts them: `__sk_buff.len` covers the link-layer header at tc, so the
 program subtracts its length (14 on Ethernet, 0 on L3 devices). Every program returns -1 (TCX_NEXT /
@@ -43,26 +49,51 @@ packets with options or fragments and IPv6 packets with extension headers for a 
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
 
-from agent.netacct import ipsets
 from agent.netacct.ebpf import asm
 from agent.netacct.ebpf.asm import FP, R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, Asm
+from agent.netacct.ebpf.keys import (
+    NODE_KEYS,
+    NODE_SLOTS,
+    POD_KEY_SIZE,
+    ROLES,
+    VALUE_SIZE,
+    node_counts,
+    node_slot,
+    parse_pod_key,
+    pod_key,
+    role_code,
+    slot_key,
+)
+from agent.netacct.ebpf.slots import MAX_SLOT_ADDRESSES, index_map, slot_index, tag
+from agent.netacct.ebpf.specs import EGRESS, INGRESS, MAX_POD_PREFIX, Address, Network, Spec, pod_prefixes, spec
 
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+__all__ = [
+    "EGRESS",
+    "INGRESS",
+    "MAX_POD_PREFIX",
+    "NODE_KEYS",
+    "NODE_SLOTS",
+    "POD_KEY_SIZE",
+    "ROLES",
+    "VALUE_SIZE",
+    "Address",
+    "Network",
+    "Spec",
+    "build",
+    "node_counts",
+    "node_slot",
+    "parse_pod_key",
+    "pod_key",
+    "pod_prefixes",
+    "role_code",
+    "slot_key",
+    "spec",
+]
 
-INGRESS, EGRESS = "ingress", "egress"
-NODE_KEYS = tuple(f"traffic={cls}-{way} scope={scope}" for cls in ("cluster", "internet") for way in ("in", "out")
-                  for scope in ("host", "pod"))
-NODE_SLOTS = 2 * len(NODE_KEYS)
-VALUE_SIZE = 16  # u64 packets, u64 bytes
-POD_KEY_SIZE = 20  # 16-byte address + u32 role
-ROLES = ipsets.COUNTED  # rx-inet, tx-inet, rx-clus, tx-clus
-MAX_POD_PREFIX = {4: 24, 6: 112}  # the pods' shared prefix is widened to this at least (fewer program swaps)
+
 RETURN_NEXT = -1  # TCX_NEXT and TC_ACT_UNSPEC: let the next program on the hook decide
 
 # struct __sk_buff offsets (uapi linux/bpf.h)
@@ -75,85 +106,6 @@ SRC_INTERNAL, DST_INTERNAL = 1, 2  # bits of R8
 KEY_AT, SLOT_AT, TUPLE_AT = -24, -4, -64  # stack offsets of the pod key, the node slot index, a socket tuple
 PROTO_AT = {4: 9, 6: 6}  # IPv4 protocol, IPv6 next header
 SK_LOOKUP_TCP, SK_LOOKUP_UDP, SK_RELEASE = 84, 85, 86  # helpers (enum bpf_func_id)
-
-
-def node_slot(family: int, key: str) -> int:
-    """The `node` array index of a family's node series."""
-    return (0 if family == 4 else len(NODE_KEYS)) + NODE_KEYS.index(key)
-
-
-def slot_key(slot: int) -> tuple[int, str]:
-    """(family, node series key) of an array index."""
-    return (4 if slot < len(NODE_KEYS) else 6), NODE_KEYS[slot % len(NODE_KEYS)]
-
-
-def role_code(role: str, family: int) -> int:
-    """The u32 after a pod key's address."""
-    return ROLES.index(role) | (4 if family == 6 else 0)
-
-
-def pod_key(address: bytes, role: str) -> bytes:
-    """The `pods` map key of a packed address (4 or 16 bytes) and a counted role."""
-    family = 4 if len(address) == 4 else 6
-    return address.ljust(16, b"\0") + role_code(role, family).to_bytes(4, "little")
-
-
-def parse_pod_key(key: bytes) -> tuple[bytes, str]:
-    """(packed address, role) back from a `pods` key."""
-    code = int.from_bytes(key[16:20], "little")
-    family = 6 if code & 4 else 4
-    return (key[:4] if family == 4 else key[:16]), ROLES[code & 3]
-
-
-@dataclass(frozen=True)
-class Spec:
-    """What one program counts: its hook direction, link-layer header length, and the addresses it compares."""
-
-    direction: str
-    l2_len: int
-    families: tuple[int, ...]
-    internal: tuple[Network, ...]
-    local: tuple[Address, ...] = ()  # the node's addresses (ingress only)
-    pods: tuple[Network, ...] | None = None  # per family, the prefix every pod address shares (None: unknown)
-
-    @property
-    def name(self) -> str:
-        """The program's name (15 characters at most): direction, and a digest of everything it compares."""
-        text = f"{self.direction}|{self.l2_len}|{self.families}|{sorted(map(str, self.internal))}|" \
-               f"{sorted(map(str, self.local))}|{None if self.pods is None else sorted(map(str, self.pods))}"
-        return f"gna_{'in' if self.direction == INGRESS else 'eg'}_{hashlib.sha256(text.encode()).hexdigest()[:8]}"
-
-
-def spec(direction: str, l2_len: int, families: Iterable[int], internal: Iterable[Network],
-         local: Iterable[Address] = (), *, pods: Iterable[Address] | None = None) -> Spec:
-    """A Spec with its CIDRs collapsed and addresses sorted, so equal inputs give one program name. `pods`: every
-    address the pods map holds (None: unknown, every address is looked up)."""
-    fams = tuple(sorted(set(families)))
-    nets = [n for n in internal if n.version in fams]
-    v4 = [n for n in nets if isinstance(n, ipaddress.IPv4Network)]
-    v6 = [n for n in nets if isinstance(n, ipaddress.IPv6Network)]
-    collapsed: list[Network] = [*ipaddress.collapse_addresses(v4), *ipaddress.collapse_addresses(v6)]
-    addrs = sorted({a for a in local if a.version in fams and not (a.version == 6 and a.is_link_local)},
-                   key=lambda a: (a.version, int(a)))
-    return Spec(direction, l2_len, fams, tuple(collapsed), tuple(addrs) if direction == INGRESS else (),
-                None if pods is None else pod_prefixes(pods, fams))
-
-
-def pod_prefixes(pods: Iterable[Address], families: Iterable[int]) -> tuple[Network, ...]:
-    """Per family, the longest prefix all the pods' addresses share (none for a family without pods). A pod's
-    addresses come from the node's pod CIDR, so this is about that CIDR: an address outside it is not looked up,
-    which takes the hash lookup of a forwarded packet's internet (or remote pod) side off the path (§8)."""
-    out: list[Network] = []
-    for family in sorted(set(families)):
-        values = [int(a) for a in pods if a.version == family]
-        if not values:
-            continue
-        kind = ipaddress.IPv4Network if family == 4 else ipaddress.IPv6Network
-        bits = kind(0).max_prefixlen
-        prefix = bits - (min(values) ^ max(values)).bit_length()  # what min and max share, everything between does
-        prefix = min(prefix, MAX_POD_PREFIX[family])  # so the first pods do not each swap programs
-        out.append(kind((min(values) >> (bits - prefix) << (bits - prefix), prefix)))  # not ip_network: ::/0 is v6
-    return tuple(out)
 
 
 def _words(packed: bytes) -> list[int]:
@@ -196,14 +148,14 @@ def _classify(a: Asm, at: int, nets: Iterable[Network], bit: int) -> None:
 
 
 
-def _add_to_value(a: Asm) -> None:
-    """*R0 += (1 packet, R9 bytes): this CPU's slot, so no atomic is needed (tc runs without preemption)."""
-    a.ldx(8, R1, R0, 0)
+def _add_to_value(a: Asm, at: int = 0) -> None:
+    """*(R0 + at) += (1 packet, R9 bytes): this CPU's slot, so no atomic is needed (tc runs without preemption)."""
+    a.ldx(8, R1, R0, at)
     a.alui(asm.ADD, R1, 1)
-    a.stx(8, R0, 0, R1)
-    a.ldx(8, R1, R0, 8)
+    a.stx(8, R0, at, R1)
+    a.ldx(8, R1, R0, at + 8)
     a.alu(asm.ADD, R1, R9)
-    a.stx(8, R0, 8, R1)
+    a.stx(8, R0, at + 8, R1)
 
 
 def _count_node(a: Asm, family: int, key: str) -> None:
@@ -231,6 +183,44 @@ def _count_pod(a: Asm, s: Spec, family: int, address_at: int, role: str, *, node
             _match(a, address_at, prefix.network_address.packed, prefix.prefixlen, maybe)
             a.ja(skip)
             a.label(maybe)
+    generation = dict(s.index).get(family)
+    if generation is not None:
+        _indexed(a, family, address_at, generation=generation, skip=skip)
+        _add_to_value(a, VALUE_SIZE * ROLES.index(role))  # a slot's value holds the four roles
+    else:
+        _hashed(a, family, address_at, role, skip)
+        _add_to_value(a)
+    if node_key is not None:
+        _count_node(a, family, node_key)
+    a.label(skip)
+
+
+def _indexed(a: Asm, family: int, address_at: int, *, generation: int, skip: str) -> None:
+    """R0 = the address's slot value through two inlined array lookups (slots.py), or go to `skip`.
+    Inside the pods' prefix (compared before) and a /16 or /112, the last two bytes name the address."""
+    a.ldx(2, R1, R7, address_at + 4 * WORDS[family] - 2)
+    a.stx(4, FP, SLOT_AT, R1)
+    a.ld_map(R1, index_map(family))
+    a.mov(R2, FP)
+    a.alui(asm.ADD, R2, SLOT_AT)
+    a.call(asm.MAP_LOOKUP_ELEM)  # inlined by the verifier: an ARRAY
+    a.jmpi(asm.JEQ, R0, 0, skip)
+    a.ldx(4, R1, R0, 0)
+    a.alu32i(asm.ADD, R1, -(tag(generation) + 1) & 0xFFFFFFFF)  # 0 (no pod) and other generations wrap high
+    a.jmp32i(asm.JGE, R1, MAX_SLOT_ADDRESSES, skip)
+    a.alu32i(asm.LSH, R1, 1)  # slot_index: slot * 2 + family bit
+    if slot_index(family, 0):
+        a.alu32i(asm.ADD, R1, slot_index(family, 0))
+    a.stx(4, FP, SLOT_AT, R1)
+    a.ld_map(R1, "slots")
+    a.mov(R2, FP)
+    a.alui(asm.ADD, R2, SLOT_AT)
+    a.call(asm.MAP_LOOKUP_ELEM)  # inlined by the verifier: a PERCPU_ARRAY (kernel 6.10 or later)
+    a.jmpi(asm.JEQ, R0, 0, skip)
+
+
+def _hashed(a: Asm, family: int, address_at: int, role: str, skip: str) -> None:
+    """R0 = the address's `pods` hash value for `role` (a helper call), or go to `skip`."""
     for i in range(4):
         if i < WORDS[family]:
             a.ldx(4, R1, R7, address_at + 4 * i)
@@ -243,10 +233,6 @@ def _count_pod(a: Asm, s: Spec, family: int, address_at: int, role: str, *, node
     a.alui(asm.ADD, R2, KEY_AT)
     a.call(asm.MAP_LOOKUP_ELEM)
     a.jmpi(asm.JEQ, R0, 0, skip)
-    _add_to_value(a)
-    if node_key is not None:
-        _count_node(a, family, node_key)
-    a.label(skip)
 
 
 def _family(a: Asm, s: Spec, family: int) -> None:
@@ -405,13 +391,3 @@ def build(s: Spec) -> Asm:
     a.movi(R0, RETURN_NEXT)
     a.exit()
     return a
-
-
-def node_counts(slots: Mapping[int, tuple[int, int]], families: Iterable[int]) -> dict[int, dict[str, tuple[int, int]]]:
-    """Per family, the node series of the summed `node` array slots."""
-    out: dict[int, dict[str, tuple[int, int]]] = {family: {} for family in families}
-    for slot, value in slots.items():
-        family, key = slot_key(slot)
-        if family in out:
-            out[family][key] = value
-    return out

@@ -269,6 +269,10 @@ class EbpfLayout:
             out.setdefault(family, set()).add((address, len(address) * 8))
         return out
 
+    def close(self) -> None:
+        """Close the maps, programs and links this process holds (pins and attachments stay)."""
+        self.objects.close()
+
     def remove(self) -> list[str]:
         """Detach and unpin everything of this layout; what was removed."""
         if self.host.bpf_usable() is not None:

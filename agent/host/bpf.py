@@ -163,17 +163,21 @@ def map_keys(fd: int, key_size: int) -> list[bytes]:
         prev = ctypes.create_string_buffer(nxt.raw, key_size)
 
 
-def map_dump(fd: int, key_size: int, value_size: int, room: int, *, once: bool = False) -> tuple[bytes, bytes]:
+def map_dump(fd: int, key_size: int, value_size: int, room: int, *, once: bool = False,
+             start: int = 0) -> tuple[bytes, bytes]:
     """Every key and value, concatenated (keys, values), with as few syscalls as `room` entries per call allow
     (MAP_LOOKUP_BATCH, kernel 5.6). `value_size` is the whole value as user space sees it (all CPUs' slots for a
     per-CPU map). Whole buffers, so a caller decodes thousands of entries with one struct.iter_unpack. `once`: only
-    the first `room` entries (an array's leading indexes), one call."""
+    the first `room` entries (an array's leading indexes), one call. `start`: an array's first index to read (the
+    kernel takes the batch token as the key before it)."""
     room = max(room, 1)
     keys, values = ctypes.create_string_buffer(key_size * room), ctypes.create_string_buffer(value_size * room)
     token_in, token_out = ctypes.create_string_buffer(max(key_size, 8)), ctypes.create_string_buffer(max(key_size, 8))
     out_keys: list[bytes] = []
     out_values: list[bytes] = []
-    first = True
+    first = start <= 0
+    if not first:
+        ctypes.memmove(token_in, (start - 1).to_bytes(key_size, "little"), key_size)
     while True:
         attr = _attr(("Q", 0, 0 if first else _addr(token_in)), ("Q", 8, _addr(token_out)), ("Q", 16, _addr(keys)),
                      ("Q", 24, _addr(values)), ("I", 32, room), ("I", 36, fd))

@@ -144,8 +144,8 @@ class EbpfLayout:
         return ()
 
     def drifted(self, synced: Mapping[int, set[ipsets.Member]]) -> bool:
-        """Whether a map's pin is gone, a link of ours was detached or unpinned, or the pod entries differ from what
-        a sync for `synced` wrote (someone else changed them)."""
+        """Whether a map's pin is gone, a link of ours was detached or unpinned, or the pod entries or index entries
+        differ from what a sync for `synced` wrote (someone else changed them)."""
         if not self.objects.maps and not self.objects.open_maps(create=False):
             return True
         if self.objects.unpinned_maps():
@@ -153,7 +153,7 @@ class EbpfLayout:
         with entered(self.host.netns):
             if self.objects.broken_links():
                 return True
-        return set(self.objects.pod_keys()) != _keys(synced)
+        return set(self.objects.pod_keys()) != _keys(synced) or self.objects.index_drifted()
 
     def final_read(self) -> OldRaw:
         """The maps into the book a last time; the raw values read."""
@@ -219,6 +219,8 @@ class EbpfLayout:
             self.objects.drop_links(broken)
             self.repairs.note("ebpf_link", [f"ifindex {i} {d}" for i, d in broken])
         existed = self.objects.open_maps(create=True)
+        if repairing:  # before set_pods: the tables still say what the last sync wrote
+            self.repairs.note("ebpf_index", self.objects.repair_index())
         if existed:
             self._read()  # what was counted so far goes to the owners it had (a moved address changes owner next)
         _, vanished = self.book.take_vanished()
@@ -266,6 +268,10 @@ class EbpfLayout:
             family = 4 if len(address) == 4 else 6
             out.setdefault(family, set()).add((address, len(address) * 8))
         return out
+
+    def close(self) -> None:
+        """Close the maps, programs and links this process holds (pins and attachments stay)."""
+        self.objects.close()
 
     def remove(self) -> list[str]:
         """Detach and unpin everything of this layout; what was removed."""

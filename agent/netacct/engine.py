@@ -127,8 +127,11 @@ class Netacct:
             return readiness(self.config.layout, self._layouts)
 
     def close(self) -> None:
-        """Release the netlink socket (rules and sets stay)."""
-        self.host.close()
+        """Release the netlink socket and the eBPF layout's fds (rules, sets and pinned objects stay, as on process
+        exit; a later call opens them again)."""
+        with self._lock:
+            self.ebpf.close()
+            self.host.close()
 
     # -- reading ------------------------------------------------------------------------------------------------
 

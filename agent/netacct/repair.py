@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 # The `what` label values, each always exported (zero until it happens).
 KINDS = ("nft_table", "nft_chain", "nft_element", "iptables_chain", "iptables_rule", "iptables_jump", "ipset",
-         "ipset_element", "ebpf_map", "ebpf_link", "ebpf_element")
+         "ipset_element", "ebpf_map", "ebpf_link", "ebpf_element", "ebpf_index")
 
 
 class Repairs:

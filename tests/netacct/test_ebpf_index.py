@@ -171,3 +171,37 @@ def test_every_index_map_is_pinned_and_removed(objects: Objects) -> None:
         pytest.skip("bpftool is not installed")
     assert [i for i in ids if netns.sh("bpftool", "map", "show", "id", str(i), check=False)] == []
     objects.open_maps(create=True)
+
+
+def _bpftool_update(objects: Objects, name: str, key: int, value: int) -> None:
+    """Someone else's write to an index map (bpftool on the pin)."""
+    bpftool = shutil.which("bpftool")
+    if bpftool is None:
+        pytest.skip("bpftool is not installed")
+    hexes = [f"{b:02x}" for b in key.to_bytes(4, "little")] + ["value"] + [
+        f"{b:02x}" for b in value.to_bytes(4, "little")]
+    subprocess.run([bpftool, "map", "update", "pinned", objects.path(name), "key", "hex", *hexes[:4], "value", "hex",
+                    *hexes[5:]], capture_output=True, timeout=10, check=True)
+
+
+def test_stray_and_record_writes_are_found_within_a_sweep_and_repaired(objects: Objects) -> None:
+    s = _set(objects, ["10.245.3.2", "10.245.9.200", "fd00:245::7"])
+    _send(objects, s, "10.245.3.2", 3)
+    assert not any(objects.index_drifted() for _ in range(slots.SWEEP_STEPS))  # nothing to find untouched
+    pod = slots.index_key(ipaddress.ip_address("10.245.3.2").packed)
+    stray = slots.index_key(ipaddress.ip_address("10.245.7.7").packed)  # no pod: counted into 10.245.3.2's slot
+    value = int.from_bytes(bpf.map_lookup(objects.maps["index4"], pod.to_bytes(4, "little"), 4) or b"", "little")
+    _bpftool_update(objects, "index4", stray, value)
+    _send(objects, s, "10.245.7.7", 5)
+    assert _rx(objects, "10.245.3.2") == 8  # what the stray does until it is cleared
+    found = [objects.index_drifted() for _ in range(slots.SWEEP_STEPS)]
+    assert any(found)  # within one sweep of the map
+    _bpftool_update(objects, "index6", slots.RECORD, 77)  # the record a restart recovers the table from
+    assert sorted(objects.repair_index()) == ["index4 10.245.7.7 (no pod)", "index6 record"]
+    assert not any(objects.index_drifted() for _ in range(slots.SWEEP_STEPS))
+    _send(objects, s, "10.245.7.7", 5)
+    _send(objects, s, "10.245.3.2", 1)
+    assert _rx(objects, "10.245.3.2") == 9  # the stray no longer counts, the slot kept its counts
+    objects.close()
+    objects.open_maps(create=False)  # a restart recovers the same tables from the repaired record
+    assert dict(objects.specs((4, 6), NETS)[(program.EGRESS, 14)].index or {}) == dict(s.index or {})

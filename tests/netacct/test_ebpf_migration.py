@@ -117,3 +117,32 @@ def test_a_migration_killed_before_removing_nft_leaves_no_marker(topology: netns
     assert not {"carrying", "carried"} & set(os.listdir(bpffs))  # or a later migration would finish unread
     restarted.sync(pods())
     assert series(registry) == carried  # the maps hold the old layout's totals
+
+
+def _bpf_fds() -> int:
+    """The bpf objects (maps, programs, links) this process holds an fd of."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{name}").startswith("anon_inode:bpf-")
+        except OSError:
+            continue  # the listing's own fd, closed by now
+    return count
+
+
+def test_close_releases_the_layouts_fds_and_the_pins_keep_counting(topology: netns.Topology,
+                                                                   make_engine: EngineFactory, bpffs: str) -> None:
+    before = _bpf_fds()
+    engine, registry = make_engine(layout="ebpf")
+    engine.sync(pods())
+    sent = send_all(topology)
+    assert series(registry) == complete(sent)
+    assert _bpf_fds() > before
+    pins = sorted(os.listdir(bpffs))
+    engine.close()
+    assert _bpf_fds() == before  # maps, programs and links all closed
+    assert sorted(os.listdir(bpffs)) == pins  # pinned objects stay, as on process exit
+    sent.update(send_all(topology))  # still attached: counted while no fd is held
+    again, registry = make_engine(layout="ebpf")
+    again.sync(pods())
+    assert series(registry) == complete(sent)

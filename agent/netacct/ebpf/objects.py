@@ -326,6 +326,14 @@ class Objects:
 
     # -- someone else's changes ----------------------------------------------------------------------------------
 
+    def index_drifted(self) -> bool:
+        """Whether someone else changed an index map entry (slots.Slots.index_drift)."""
+        return self._slots is not None and bool(self._slots.index_drift())
+
+    def repair_index(self) -> list[str]:
+        """Write back the index entries someone else changed: what was repaired (no count moves)."""
+        return [] if self._slots is None else self._slots.repair_index()
+
     def unpinned_maps(self) -> list[str]:
         """Maps this process holds whose pins someone removed (the programs still count into them)."""
         return [name for name in self.maps if not os.path.exists(self.path(name))]

@@ -27,6 +27,13 @@ Order, so that no packet is counted into the wrong slot: a removed pod's index e
 entry and before its slot is reused (not in the same sync: a packet in flight may still add to it); a slot is
 zeroed on every CPU before its index entry is written. Entries of a family that left index mode stay, frozen:
 they still name the slots whose counts the reader adds.
+
+Someone else's writes (bpftool) to an index map would silently stop a pod's counting (a zeroed entry) or count it,
+or an address that is no pod, into another slot: `index_drift` compares the map with what this process wrote, in
+the engine's periodic check, and `repair_index` writes it back (the slots are untouched: no count is lost). The
+check reads every entry written (one lookup each, the record in one batch call) and a 1/SWEEP_STEPS part of the
+map, another part each time (a stray entry is found within SWEEP_STEPS checks): a batch read of a whole map
+(65,541 entries) costs about 15 ms, a part about 1 ms (README, Hostile input).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ SLOT_ENTRIES = 2 * MAX_SLOT_ADDRESSES
 INDEX_PREFIX = {4: 16, 6: 112}
 ROLES_AT = {role: i for i, role in enumerate(ipsets.COUNTED)}  # program.ROLES order
 GENERATIONS = 1 << 16
+SWEEP_STEPS = 16  # parts of an index map, one read per drift check beside the entries written
 
 
 def index_map(family: int) -> str:
@@ -111,6 +119,8 @@ class Slots:
     tables: dict[int, Table] = field(default_factory=lambda: {4: Table(4), 6: Table(6)})
     _positions: list[bytes | None] | None = None  # the address owning each slots index (cached)
     _gather: tuple[list[bytes | None], bytes, Callable[[array.array[int]], Iterable[int]]] | None = None
+    _sweep: int = 0  # drift checks so far: the part of the maps the next one reads
+    _strays: dict[int, set[int]] = field(default_factory=dict)  # family -> stray keys seen, until repaired
 
     def load(self) -> None:
         """The slot tables back from the index maps (an agent restart): the record, then every entry tagged with
@@ -200,6 +210,58 @@ class Slots:
         for i in range(4):
             bpf.map_update(fd, (RECORD + 1 + i).to_bytes(4, "little"), packed[4 * i:4 * i + 4])
         bpf.map_update(fd, RECORD.to_bytes(4, "little"), (table.generation + 1).to_bytes(4, "little"))
+
+    @staticmethod
+    def expected(table: Table) -> dict[int, int]:
+        """key -> value of every non-zero index entry this process wrote (pods' entries, the record)."""
+        out = {index_key(a): tag(table.generation) | (slot + 1) for a, slot in table.slots.items()}
+        if table.base is not None:
+            packed = table.base.network_address.packed.ljust(16, b"\0")
+            out[RECORD] = table.generation + 1
+            out.update({RECORD + 1 + i: int.from_bytes(packed[4 * i:4 * i + 4], "little") for i in range(4)})
+        return out
+
+    def index_drift(self) -> dict[int, dict[int, int]]:
+        """family -> {key: value found} of the index entries that differ from what this process wrote: every entry
+        written, the record, strays seen before, and the next 1/SWEEP_STEPS part of the map (module docstring)."""
+        width = INDEX_ENTRIES // SWEEP_STEPS
+        start = self._sweep % SWEEP_STEPS * width
+        self._sweep += 1
+        out: dict[int, dict[int, int]] = {}
+        for family, table in self.tables.items():
+            fd, want = self.maps[index_map(family)], self.expected(table)
+            found: dict[int, int] = {}
+            for key in [k for k in want if k < RECORD] + sorted(self._strays.get(family, ())):
+                value = bpf.map_lookup(fd, key.to_bytes(4, "little"), 4)
+                found[key] = int.from_bytes(value or bytes(4), "little")
+            _, record = bpf.map_dump(fd, 4, 4, INDEX_SIZE - RECORD, once=True, start=RECORD)
+            found.update(zip(range(RECORD, INDEX_SIZE), array.array("I", record), strict=True))
+            if table.base is not None:  # only a family with a base ever counts through its index
+                _, raw = bpf.map_dump(fd, 4, 4, width, once=True, start=start)
+                part = array.array("I", bytes(4 * width))
+                for key in (k for k in want if start <= k < start + width):
+                    part[key - start] = want[key]
+                if raw != part.tobytes():  # compared in C: the loop below runs only on a difference
+                    found.update((start + i, v) for i, v in enumerate(array.array("I", raw)) if v != part[i])
+            drift = {key: value for key, value in found.items() if value != want.get(key, 0)}
+            self._strays.setdefault(family, set()).update(k for k in drift if k < RECORD and k not in want)
+            if drift:
+                out[family] = drift
+        return out
+
+    def repair_index(self) -> list[str]:
+        """Write back every index entry someone else changed (as index_drift finds them): what was repaired."""
+        repaired = []
+        for family, drift in self.index_drift().items():
+            table, fd = self.tables[family], self.maps[index_map(family)]
+            want = self.expected(table)
+            for key in sorted(drift):
+                bpf.map_update(fd, key.to_bytes(4, "little"), want.get(key, 0).to_bytes(4, "little"))
+                what = "record" if key >= RECORD else f"entry {key}" if table.base is None else str(
+                    ipaddress.ip_address(table.address(key))) + ("" if key in want else " (no pod)")
+                repaired.append(f"{index_map(family)} {what}")
+        self._strays.clear()
+        return repaired
 
     def add_to(self, keys: bytes, entries: Sequence[tuple[bytes, str]], packets: array.array[int],
                octets: array.array[int]) -> tuple[array.array[int], array.array[int]]:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -85,12 +87,18 @@ def test_a_device_plugin_directory_over_the_unix_socket_limit(tmp_path: Path):
 
 
 def test_a_served_resource_socket_over_the_limit_is_refused_at_start_not_crash_looped(tmp_path: Path):
-    # kubelet.sock fits, a resource's socket (gna-sriov_rdma-<hash>.sock) does not: refused before anything runs
-    directory = tmp_path / ("d" * (90 - len(str(tmp_path)) - 1))
-    directory.mkdir()
-    assert len(f"{directory}/kubelet.sock") <= 107
-    code, lines = run_agent(tmp_path, "--simulate", "dgx-h100", "--kmsg", "", "--device-plugin-dir", str(directory),
-                            "--metrics-address", "127.0.0.1:0")
+    # kubelet.sock fits, a resource's socket (gna-sriov_rdma-<hash>.sock) does not: refused before anything runs.
+    # The 90-character directory is built on a short base of its own: pytest's tmp_path grows with its session
+    # counter (pytest-9 -> pytest-124) and alone may leave no room for it.
+    base = Path(tempfile.mkdtemp(prefix="gna-", dir="/tmp"))
+    try:
+        directory = base / ("d" * (90 - len(str(base)) - 1))
+        directory.mkdir()
+        assert len(str(directory)) == 90 and len(f"{directory}/kubelet.sock") <= 107
+        code, lines = run_agent(tmp_path, "--simulate", "dgx-h100", "--kmsg", "", "--device-plugin-dir",
+                                str(directory), "--metrics-address", "127.0.0.1:0")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
     assert code == 2
     error = the_error(lines)
     assert "gna-" in error and "the limit is 107" in error

@@ -176,8 +176,12 @@ class Objects:
         return added, removed
 
     def pod_keys(self) -> list[bytes]:
-        """The raw keys of the pods map."""
-        return bpf.map_keys(self.maps["pods"], program.POD_KEY_SIZE)
+        """The raw keys of the pods map, from one batch lookup (the drift check runs every second: 8,000 keys at
+        1,000 pods took 32 ms one GET_NEXT_KEY syscall each, 2 ms in a batch)."""
+        size = program.POD_KEY_SIZE
+        keys, _ = self._dump(self.maps["pods"], size, program.VALUE_SIZE * self._cpus, self._room)
+        self._room = max(self._room, len(keys) // size + 1)
+        return [keys[i:i + size] for i in range(0, len(keys), size)]
 
     def read(self, families: Iterable[int]) -> Read:
         """The maps, summed over CPUs, with one batch lookup each (decoded a whole buffer at a time: at 1,000 pods
